@@ -19,10 +19,12 @@ from typing import Any, Literal, TypeVar, get_args, get_origin
 
 import yaml
 
+from elastic_pretrain.errors import UserError
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A bad configuration value; ``str(err)`` is one line naming the key and the fix."""
 
 

@@ -1,0 +1,58 @@
+"""``elastic-pretrain`` command line. The only place that parses argv.
+
+Each concern registers its own sub-commands in ``elastic_pretrain/<concern>/commands.py`` through
+``add_commands(subparsers)``; a command's handler receives the parsed namespace and returns an exit
+code. Errors a user can fix (:class:`~elastic_pretrain.errors.UserError`) print as one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from elastic_pretrain.errors import UserError
+
+COMMAND_MODULES = (
+    "elastic_pretrain.train.commands",
+    "elastic_pretrain.data.commands",
+    "elastic_pretrain.checkpoint.commands",
+    "elastic_pretrain.tracking.commands",
+    "elastic_pretrain.launch.commands",
+    "elastic_pretrain.eval.commands",
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line + exit 2, like every other user error
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="elastic-pretrain", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name != name:  # a missing dependency inside the module is a real error
+                raise
+            continue
+        module.add_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args) or 0)
+    except UserError as err:
+        print(f"elastic-pretrain {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"elastic-pretrain {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Model configuration: the reference shape, flattening, and what is shared across loop passes."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from elastic_pretrain.config import ConfigError, field
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelConfig:
+    """A looped flattened-MoE language model.
+
+    The core is given as a *reference shape* (``core_layers`` × ``num_experts`` × ``loops``);
+    ``flatten=f`` builds ``core_layers/f`` layers with ``f·num_experts`` experts run ``f·loops``
+    times (Foil §3): expert parameters and active expert FLOPs per token are unchanged, because the
+    expert width and top-k stay the same while layers shrink and passes grow by the same factor.
+    """
+
+    vocab_size: int = field(257, doc="Tokenizer vocabulary (byte-level: 256 bytes + EOS). Padded for TP.")
+    hidden_size: int = field(64, doc="Residual stream width.")
+    num_heads: int = field(4, doc="Attention heads (must divide hidden_size and be divisible by TP).")
+    ffn_hidden_size: int = field(256, doc="FFN width of dense prelude/coda layers.")
+    prelude_layers: int = field(0, doc="Layers run once before the loop.")
+    core_layers: int = field(2, doc="Core layers of the reference shape (before flattening).")
+    coda_layers: int = field(0, doc="Layers run once after the loop (applied at every exit).")
+    loops: int = field(2, doc="Passes through the core of the reference shape; L_max = loops * flatten.")
+    num_experts: int = field(4, doc="Experts per core layer of the reference shape.")
+    moe_top_k: int = field(2, doc="Experts per token (unchanged by flattening).")
+    moe_ffn_hidden_size: int = field(64, doc="Width of one expert (unchanged by flattening).")
+    flatten: int = field(1, doc="Flattening factor f: core_layers/f layers, f*num_experts experts, f*loops passes.")
+    attention: Literal["untied", "tied"] = field(
+        "untied", doc="'untied': each pass has its own attention (Foil); 'tied': one attention for all passes."
+    )
+    edge_mlp: Literal["dense", "moe"] = field("dense", doc="MLP type of prelude and coda layers.")
+    normalization: Literal["RMSNorm", "LayerNorm"] = field("RMSNorm", doc="Norm type everywhere.")
+    rope_base: int = field(10000, doc="Rotary position embedding base.")
+    init_std: float = field(0.02, doc="Std of the normal init of weights.")
+    tie_embeddings: bool = field(False, doc="Share input embedding and output projection.")
+    moe_aux_loss_coeff: float = field(1e-2, doc="Load-balancing auxiliary loss coefficient (0 disables).")
+    moe_z_loss_coeff: float = field(1e-3, doc="Router z-loss coefficient (0 disables).")
+    moe_load_balancing: Literal["aux_loss", "seq_aux_loss", "none"] = field(
+        "aux_loss", doc="megatron-core load balancing type."
+    )
+    moe_dispatcher: Literal["alltoall", "allgather"] = field(
+        "alltoall", doc="Token dispatcher; alltoall is what mixed-depth EP safety is designed around."
+    )
+    route_replay: bool = field(False, doc="Passes >= 1 reuse pass-0 expert choices (ELR); gates stay live.")
+    dtype: Literal["fp32", "bf16"] = field("fp32", doc="Parameter / compute dtype.")
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "hidden_size", "num_heads", "ffn_hidden_size", "core_layers", "loops",
+                    "num_experts", "moe_top_k", "moe_ffn_hidden_size", "flatten")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("prelude_layers", "coda_layers"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(f"num_heads: {self.num_heads} does not divide hidden_size {self.hidden_size}")
+        if self.core_layers % self.flatten:
+            raise ConfigError(
+                f"flatten: {self.flatten} does not divide core_layers {self.core_layers}: "
+                "use a flatten factor that divides the reference core depth"
+            )
+        if self.moe_top_k > self.num_experts:
+            raise ConfigError(f"moe_top_k: {self.moe_top_k} exceeds num_experts {self.num_experts}")
+
+    # The built (flattened) shape ------------------------------------------------------------------
+    @property
+    def core_layers_built(self) -> int:
+        return self.core_layers // self.flatten
+
+    @property
+    def experts_built(self) -> int:
+        return self.num_experts * self.flatten
+
+    @property
+    def max_loops(self) -> int:
+        """L_max: the deepest loop count the model runs (``loops * flatten``)."""
+        return self.loops * self.flatten
+
+    @property
+    def num_unique_layers(self) -> int:
+        return self.prelude_layers + self.core_layers_built + self.coda_layers
+
+    def check_loops(self, loops: int) -> None:
+        if not 1 <= loops <= self.max_loops:
+            raise ConfigError(
+                f"loops={loops} is outside [1, {self.max_loops}] (L_max = model.loops * model.flatten = "
+                f"{self.loops} * {self.flatten}): pick a loop count in that range"
+            )

@@ -1,0 +1,112 @@
+"""megatron-core wiring: TransformerConfig from our configs, layer-spec choice (TE vs local), DDP.
+
+Transformer Engine's spec (and FP8) is chosen only when TE imports *and* CUDA is present; otherwise
+the local spec, with one log line saying so.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from elastic_pretrain.model.config import ModelConfig
+from elastic_pretrain.model.looped import LayerSpecs, LoopedMoEModel
+from elastic_pretrain.parallel.mesh import ParallelConfig
+
+log = logging.getLogger(__name__)
+
+VOCAB_DIVISIBLE_BY = 64
+
+
+def te_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def padded_vocab_size(vocab: int, tp: int) -> int:
+    multiple = VOCAB_DIVISIBLE_BY * tp
+    return int(math.ceil(vocab / multiple) * multiple)
+
+
+def transformer_config(
+    model: ModelConfig, parallel: ParallelConfig, *, fp8: Literal["off", "hybrid", "e4m3"] = "off"
+) -> TransformerConfig:
+    """The megatron ``TransformerConfig`` for our model on this layout (CPU-safe settings when no CUDA)."""
+    on_gpu = torch.cuda.is_available()
+    dtype = torch.bfloat16 if model.dtype == "bf16" else torch.float32
+    kwargs: dict[str, Any] = {}
+    if fp8 != "off":
+        if not te_available():
+            log.warning("fp8=%s needs Transformer Engine and CUDA; training in %s instead", fp8, model.dtype)
+        else:
+            kwargs.update(fp8=fp8, fp8_recipe="delayed")
+    return TransformerConfig(
+        num_layers=model.num_unique_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_heads,
+        ffn_hidden_size=model.ffn_hidden_size,
+        kv_channels=model.hidden_size // model.num_heads,
+        normalization=model.normalization,
+        gated_linear_unit=True,  # SwiGLU experts and dense MLPs
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_std,
+        params_dtype=dtype,
+        bf16=model.dtype == "bf16",
+        pipeline_dtype=dtype,
+        tensor_model_parallel_size=parallel.tensor,
+        pipeline_model_parallel_size=parallel.pipeline,
+        expert_model_parallel_size=parallel.expert,
+        expert_tensor_parallel_size=1,
+        sequence_parallel=parallel.use_sequence_parallel(),
+        num_moe_experts=model.experts_built,
+        moe_router_topk=model.moe_top_k,
+        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
+        moe_z_loss_coeff=model.moe_z_loss_coeff or None,
+        moe_router_load_balancing_type=model.moe_load_balancing,
+        moe_token_dispatcher_type=model.moe_dispatcher,
+        moe_grouped_gemm=False,  # grouped GEMM is unavailable on CPU; SequentialMLP experts
+        moe_enable_routing_replay=model.route_replay,
+        # CPU: no fused kernels; megatron's defaults assume CUDA/TE/Apex kernels.
+        use_cpu_initialization=not on_gpu,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        cross_entropy_loss_fusion=False,
+        **kwargs,
+    )
+
+
+def layer_specs(model: ModelConfig) -> LayerSpecs:
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if te_available():
+        log.info("Transformer Engine + CUDA found: using the TE layer spec")
+        dense = specs.get_gpt_layer_with_transformer_engine_spec(num_experts=None)
+        moe = specs.get_gpt_layer_with_transformer_engine_spec(num_experts=model.experts_built, moe_grouped_gemm=False)
+    else:
+        log.info("no Transformer Engine/CUDA: using megatron-core's local layer spec (torch modules)")
+        dense = specs.get_gpt_layer_local_spec(num_experts=None, normalization=model.normalization)
+        moe = specs.get_gpt_layer_local_spec(num_experts=model.experts_built, normalization=model.normalization)
+    return LayerSpecs(dense=dense, moe=moe)
+
+
+def build_model(model: ModelConfig, parallel: ParallelConfig, **kwargs: Any) -> LoopedMoEModel:
+    """Build the looped model for the current process's place in the (already initialised) mesh."""
+    tconfig = transformer_config(model, parallel, **kwargs)
+    net = LoopedMoEModel(model, tconfig, layer_specs(model), padded_vocab=padded_vocab_size(model.vocab_size,
+                                                                                              parallel.tensor))
+    if torch.cuda.is_available():
+        net.cuda(torch.cuda.current_device())
+    return net

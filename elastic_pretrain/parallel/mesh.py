@@ -1,0 +1,193 @@
+"""Process groups (TP, EP, PP, DP) through megatron-core, seeding, and explicit teardown.
+
+The only module (with ``cpu_compat``) that touches ``megatron.core.parallel_state``; the model
+receives a ``TransformerConfig`` and never asks for process groups itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import random
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from elastic_pretrain.config import ConfigError, field
+from elastic_pretrain.parallel import cpu_compat
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(kw_only=True)
+class ParallelConfig:
+    """Parallel layout of one job. Data parallelism is what is left of the world size."""
+
+    tensor: int = field(1, doc="Tensor-parallel size (attention heads and FFN columns split across ranks).")
+    expert: int = field(1, doc="Expert-parallel size (experts split across ranks; tokens move by all-to-all).")
+    pipeline: int = field(1, doc="Pipeline-parallel stages (the loop maps onto virtual stages; see docs).")
+    sequence_parallel: Literal["auto", "on", "off"] = field(
+        "auto", doc="Sequence parallelism; 'auto' turns it on when tensor > 1 (megatron requires it for MoE + TP)."
+    )
+    backend: Literal["auto", "gloo", "nccl"] = field(
+        "auto", doc="torch.distributed backend; 'auto' = nccl with CUDA, gloo without."
+    )
+    timeout_minutes: int = field(10, doc="Collective timeout; a hang fails after this long instead of forever.")
+
+    def __post_init__(self) -> None:
+        for name in ("tensor", "expert", "pipeline"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.pipeline > 1:
+            raise ConfigError("pipeline: pipeline parallelism of the loop is not available yet; set pipeline: 1")
+
+    def model_parallel_size(self) -> int:
+        return self.tensor * self.pipeline
+
+    def data_parallel_size(self, world_size: int) -> int:
+        mp = self.model_parallel_size()
+        if world_size % mp:
+            raise ConfigError(
+                f"parallel: world size {world_size} is not divisible by tensor*pipeline = {mp}: "
+                "change --nproc-per-node or parallel.tensor/pipeline"
+            )
+        dp = world_size // mp
+        if (self.tensor * dp) % (self.expert) or dp * self.tensor < self.expert:
+            raise ConfigError(
+                f"parallel.expert={self.expert} does not divide tensor*data = {self.tensor * dp} "
+                f"(world size {world_size}): pick an expert size that divides it"
+            )
+        return dp
+
+    def use_sequence_parallel(self) -> bool:
+        return self.sequence_parallel == "on" or (self.sequence_parallel == "auto" and self.tensor > 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    """Where this process sits. ``replica`` identifies the model replica (all TP/PP ranks share it)."""
+
+    rank: int
+    world_size: int
+    tp_rank: int
+    tp_size: int
+    ep_rank: int
+    ep_size: int
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    device: torch.device
+
+    @property
+    def replica(self) -> int:
+        return self.dp_rank
+
+    @property
+    def is_logging_rank(self) -> bool:
+        return self.rank == 0
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def init_mesh(cfg: ParallelConfig, *, seed: int) -> Mesh:
+    """Initialise torch.distributed (from torchrun's env, or a 1-process group) and megatron's groups."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError("parallel.backend: nccl needs CUDA; use gloo (or auto) on CPU machines")
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+        if backend == "nccl":
+            torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(minutes=cfg.timeout_minutes),
+        )
+    world = dist.get_world_size()
+    dp = cfg.data_parallel_size(world)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tensor,
+        pipeline_model_parallel_size=cfg.pipeline,
+        expert_model_parallel_size=cfg.expert,
+        # expert-TP would all_gather uneven sizes, which gloo rejects (notes/megatron-cpu.md)
+        expert_tensor_parallel_size=1,
+        create_gloo_process_groups=True,
+        distributed_timeout_minutes=cfg.timeout_minutes,
+    )
+    applied = cpu_compat.apply_cpu_patches()
+    if applied and dist.get_rank() == 0:
+        log.info("CUDA absent: applied megatron-core CPU patches %s", ", ".join(applied))
+    seed_everything(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return Mesh(
+        rank=dist.get_rank(),
+        world_size=world,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=cfg.tensor,
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_size=cfg.expert,
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp_size=cfg.pipeline,
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=dp,
+        device=torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu"),
+    )
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if any rank passed True (used for stop/save decisions at step boundaries)."""
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def teardown() -> None:
+    """Barrier, destroy megatron's groups, destroy the default group.
+
+    With torch 2.13 + gloo a finished process otherwise aborts now and then ("terminate called
+    without an active exception"); the explicit order below removed it (notes/megatron-cpu.md).
+    """
+    from megatron.core import parallel_state
+
+    if dist.is_initialized():
+        dist.barrier()
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def describe(mesh: Mesh) -> dict[str, Any]:
+    return {
+        "world_size": mesh.world_size,
+        "tp": mesh.tp_size,
+        "ep": mesh.ep_size,
+        "pp": mesh.pp_size,
+        "dp": mesh.dp_size,
+        "device": str(mesh.device),
+    }

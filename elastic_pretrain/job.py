@@ -1,0 +1,111 @@
+"""A run = a YAML file in ``jobs/`` that names presets (``parallel: cpu-ep2``, ``data: stdlib-code``)
+plus dotted CLI overrides (``model.loops=4``). :func:`load_job` resolves all of it into a typed
+:class:`JobConfig`; the resolved config is what gets saved beside checkpoints and logged."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from elastic_pretrain.config import (
+    ConfigError,
+    apply_overrides,
+    build,
+    field,
+    load_yaml,
+    parse_override,
+    to_dict,
+)
+from elastic_pretrain.data.config import DataConfig
+from elastic_pretrain.model.config import ModelConfig
+from elastic_pretrain.parallel.mesh import ParallelConfig
+from elastic_pretrain.train.config import TrainConfig
+from elastic_pretrain.train.schedule import ScheduleConfig
+
+# Sections that may name a preset file: section -> folder at the repository root.
+PRESET_DIRS = {"parallel": "parallel", "data": "data"}
+
+
+@dataclasses.dataclass(kw_only=True)
+class JobConfig:
+    """Everything one training run needs."""
+
+    name: str = field(doc="Run name (run directory, MLflow run name).")
+    run_dir: str | None = field(None, doc="Where checkpoints, logs and the resolved config go; default runs/<name>.")
+    model: ModelConfig = field(factory=ModelConfig, doc="The looped MoE model.")
+    parallel: ParallelConfig = field(factory=ParallelConfig, doc="Parallel layout (or a preset name in parallel/).")
+    data: DataConfig = field(doc="Data streams (or a preset name in data/).")
+    train: TrainConfig = field(doc="Optimisation and cadence.")
+    schedule: ScheduleConfig = field(factory=ScheduleConfig, doc="Depth during training.")
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name:
+            raise ConfigError(f"name: {self.name!r} must be a non-empty name without '/'")
+        self.schedule.validate_for(self.model.max_loops)
+
+    def check_vocab(self, tokenizer_vocab: int) -> None:
+        if tokenizer_vocab > self.model.vocab_size:
+            raise ConfigError(
+                f"model.vocab_size={self.model.vocab_size} is smaller than the tokenizer's vocabulary "
+                f"{tokenizer_vocab}: set model.vocab_size={tokenizer_vocab}"
+            )
+
+    @property
+    def run_path(self) -> Path:
+        return Path(self.run_dir) if self.run_dir else Path("runs") / self.name
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.global_batch_size * self.data.seq_len
+
+
+def repo_root_for(job_path: Path) -> Path:
+    """Presets are looked up beside the job's folder (``jobs/../parallel``), then in the cwd."""
+    return job_path.resolve().parent.parent
+
+
+def _resolve_preset(section: str, value: Any, roots: list[Path]) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return value
+    if not isinstance(value, str):
+        raise ConfigError(f"{section}: expected a preset name or a mapping, got {value!r}")
+    folder = PRESET_DIRS[section]
+    for root in roots:
+        path = root / folder / f"{value}.yaml"
+        if path.is_file():
+            return load_yaml(path)
+    known = sorted({p.stem for root in roots for p in (root / folder).glob("*.yaml")})
+    raise ConfigError(f"{section}: no preset '{value}' in {folder}/ (known: {', '.join(known) or 'none'})")
+
+
+def load_job(path: Path | str, overrides: list[str] | None = None) -> JobConfig:
+    """Job YAML + presets + ``key.path=value`` overrides → validated :class:`JobConfig`."""
+    path = Path(path)
+    raw = load_yaml(path)
+    overrides = list(overrides or [])
+    parsed = [(parse_override(o), o) for o in overrides]
+    # Top-level overrides first (they may swap a preset: parallel=cpu-tp2), then presets, then the rest.
+    raw = apply_overrides(raw, [o for (keys, _), o in parsed if len(keys) == 1])
+    raw.setdefault("name", path.stem)
+    roots = [repo_root_for(path), Path.cwd()]
+    for section in PRESET_DIRS:
+        if section in raw:
+            raw[section] = _resolve_preset(section, raw[section], roots)
+    raw = apply_overrides(raw, [o for (keys, _), o in parsed if len(keys) > 1])
+    return build(JobConfig, raw)
+
+
+def dump_job(job: JobConfig) -> str:
+    return yaml.safe_dump(to_dict(job), sort_keys=False)
+
+
+def write_resolved(job: JobConfig, run_dir: Path) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out = run_dir / "config.yaml"
+    tmp = out.with_suffix(".yaml.tmp")
+    tmp.write_text(dump_job(job))
+    tmp.replace(out)
+    return out

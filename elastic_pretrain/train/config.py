@@ -1,0 +1,53 @@
+"""Optimisation and loop-cadence settings of a run."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from elastic_pretrain.config import ConfigError, field
+
+
+@dataclasses.dataclass(kw_only=True)
+class TrainConfig:
+    """How long, how large a batch, how fast: AdamW via megatron-core, warmup + decay."""
+
+    steps: int = field(doc="Optimizer steps of the whole run.")
+    micro_batch_size: int = field(4, doc="Sequences per micro-batch per data-parallel rank.")
+    global_batch_size: int = field(
+        8, doc="Sequences per optimizer step over all ranks; micro-batches = global / (micro * data-parallel)."
+    )
+    lr: float = field(3e-3, doc="Peak learning rate.")
+    min_lr: float = field(3e-4, doc="Learning rate at the end of the decay.")
+    warmup_steps: int = field(20, doc="Linear warmup steps from 0 to lr.")
+    decay: Literal["cosine", "linear", "constant", "WSD"] = field("cosine", doc="LR decay after warmup.")
+    weight_decay: float = field(0.1, doc="AdamW decoupled weight decay.")
+    adam_beta1: float = field(0.9, doc="AdamW beta1.")
+    adam_beta2: float = field(0.95, doc="AdamW beta2.")
+    clip_grad: float = field(1.0, doc="Global gradient-norm clip (0 disables).")
+    seed: int = field(1234, doc="Seed of initialisation, data order and depth sampling.")
+    log_interval: int = field(10, doc="Steps between progress lines / metric logs.")
+    eval_interval: int = field(100, doc="Steps between validation runs (0: only at the end).")
+    eval_sequences: int = field(64, doc="Held-out sequences evaluated at every loop count.")
+    distributed_optimizer: bool = field(True, doc="Shard optimizer state over data-parallel ranks (ZeRO-1).")
+    threads_per_rank: int = field(1, doc="torch intra-op threads per process (CPU runs).")
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "micro_batch_size", "global_batch_size", "log_interval", "threads_per_rank"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
+            raise ConfigError(f"lr/min_lr: need 0 <= min_lr <= lr and lr > 0, got lr={self.lr} min_lr={self.min_lr}")
+        if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
+            raise ConfigError(f"warmup_steps: {self.warmup_steps} must be in [0, steps={self.steps})")
+        if self.eval_interval < 0:
+            raise ConfigError("eval_interval: must be >= 0 (0 evaluates only at the end)")
+
+    def micro_batches(self, dp_size: int) -> int:
+        per_step = self.micro_batch_size * dp_size
+        if self.global_batch_size % per_step:
+            raise ConfigError(
+                f"train.global_batch_size={self.global_batch_size} is not divisible by micro_batch_size*data_parallel"
+                f" = {self.micro_batch_size}*{dp_size}: make it a multiple of {per_step}"
+            )
+        return self.global_batch_size // per_step

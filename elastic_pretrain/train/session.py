@@ -1,0 +1,98 @@
+"""Everything a run holds, built once: DDP model, optimizer, LR schedule, data, depth controller."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from elastic_pretrain.data.loader import TokenBatches, load_validation
+from elastic_pretrain.data.tokenizer import load_tokenizer
+from elastic_pretrain.job import JobConfig
+from elastic_pretrain.model.looped import LoopedMoEModel
+from elastic_pretrain.parallel.megatron import build_model
+from elastic_pretrain.parallel.mesh import Mesh
+from elastic_pretrain.train.schedule import ScheduleController
+from elastic_pretrain.train.step import TrainStep
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Session:
+    job: JobConfig
+    net: LoopedMoEModel  # the bare model (for parameter counts, conditioning heads)
+    model: DistributedDataParallel
+    optimizer: Any
+    scheduler: OptimizerParamScheduler
+    batches: TokenBatches
+    val_tokens: torch.Tensor
+    controller: ScheduleController
+    step: TrainStep
+
+    def on_switch_to_mixed(self, step: int) -> None:
+        log.info("step %d: switching to mixed depth (%s)", step, self.job.schedule.sampler)
+
+    def describe(self) -> str:
+        n_params = sum(p.numel() for p in self.net.parameters())
+        cfg = self.job.model
+        return (
+            f"model: {n_params / 1e6:.2f}M parameters on this rank | prelude {cfg.prelude_layers} + core "
+            f"{cfg.core_layers_built} x {cfg.max_loops} passes + coda {cfg.coda_layers} | "
+            f"{cfg.experts_built} experts top-{cfg.moe_top_k} (flatten {cfg.flatten}) | "
+            f"sampler {self.job.schedule.sampler}, switch at {self.job.schedule.switch_at:.2f} of tokens"
+        )
+
+
+def build_optimizer(job: JobConfig, model: DistributedDataParallel) -> tuple[Any, OptimizerParamScheduler]:
+    t = job.train
+    bf16 = job.model.dtype == "bf16"
+    opt_cfg = OptimizerConfig(
+        optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2, adam_eps=1e-8, clip_grad=t.clip_grad, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=t.distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_cfg, [model])
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.warmup_steps,
+        lr_decay_steps=t.steps, lr_decay_style=t.decay, start_wd=t.weight_decay, end_wd=t.weight_decay,
+        wd_incr_steps=t.steps, wd_incr_style="constant",
+        wsd_decay_steps=max(1, t.steps // 5) if t.decay == "WSD" else None,
+        lr_wsd_decay_style="linear" if t.decay == "WSD" else None,
+    )
+    return optimizer, scheduler
+
+
+def wrap_ddp(job: JobConfig, net: LoopedMoEModel) -> DistributedDataParallel:
+    ddp_cfg = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=job.train.distributed_optimizer,
+    )
+    model = DistributedDataParallel(config=net.config, ddp_config=ddp_cfg, module=net)
+    net.config.finalize_model_grads_func = finalize_model_grads
+    net.config.no_sync_func = model.no_sync
+    return model
+
+
+def build_session(job: JobConfig, mesh: Mesh) -> Session:
+    tokenizer = load_tokenizer(job.data.tokenizer)
+    job.check_vocab(tokenizer.vocab_size)
+    net = build_model(job.model, job.parallel)
+    model = wrap_ddp(job, net)
+    optimizer, scheduler = build_optimizer(job, model)
+    net.config.grad_scale_func = optimizer.scale_loss if job.model.dtype == "bf16" else None
+    n_micro = job.train.micro_batches(mesh.dp_size)
+    batches = TokenBatches(job.data, micro_batch_size=job.train.micro_batch_size, num_micro_batches=n_micro,
+                           dp_rank=mesh.dp_rank, dp_size=mesh.dp_size, seed=job.train.seed)
+    val_all = load_validation(job.data, num_sequences=job.train.eval_sequences)
+    rows = (val_all.shape[0] // mesh.dp_size) * mesh.dp_size  # equal share per replica (EP all-to-alls pair up)
+    val_tokens = val_all[:rows][mesh.dp_rank :: mesh.dp_size].contiguous()
+    controller = ScheduleController(job.schedule, max_loops=job.model.max_loops,
+                                    total_tokens=job.train.steps * job.tokens_per_step, seed=job.train.seed)
+    step = TrainStep(model, optimizer, scheduler, seq_len=job.data.seq_len,
+                     micro_batch_size=job.train.micro_batch_size, max_loops=job.model.max_loops)
+    return Session(job, net, model, optimizer, scheduler, batches, val_tokens, controller, step)

@@ -1,0 +1,143 @@
+"""The numerics of one optimizer step (and of evaluation): megatron-core schedule, optimizer, LR.
+
+Losses are per-token means over the micro-batches of one step; every supervised exit of a
+micro-batch (the full-depth anchor, and the truncated depth under telescopic training) adds its own
+per-token mean. Per-loop-count sums and counts are returned separately for logging.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+from elastic_pretrain.train.schedule import DepthPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatch:
+    tokens_BT1: torch.Tensor  # [B, T+1]: inputs = [:, :-1], labels = [:, 1:]
+    plan: DepthPlan
+
+
+@dataclasses.dataclass
+class StepResult:
+    loss: float  # objective (per-token mean, summed over supervised exits), mean over DP
+    loss_by_loops: dict[int, float]  # per-token CE at each supervised exit, over DP
+    grad_norm: float
+    lr: float
+    skipped: bool
+    aux: dict[str, float]
+
+
+def _dp_group() -> Any:
+    return parallel_state.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False)
+
+
+def _loss_func(plan: DepthPlan, losses_BT: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Objective = Σ over supervised exits of the per-token mean CE (all tokens count; packed data)."""
+    n = next(iter(losses_BT.values())).numel()
+    objective = sum(losses_BT[e].sum() for e in plan.exits)
+    report = {e: (losses_BT[e].detach().sum(), n) for e in plan.exits}
+    # megatron divides the returned loss by num_tokens and by the number of micro-batches.
+    return objective, torch.tensor(n, dtype=torch.int), {"by_exit": report, "exits": len(plan.exits)}
+
+
+def _forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module) -> tuple[Any, Any]:
+    mb = next(data_iterator)
+    inputs, labels = mb.tokens_BT1[:, :-1].contiguous(), mb.tokens_BT1[:, 1:].contiguous()
+    losses = model(inputs, labels=labels, loops=mb.plan.loops, exits=mb.plan.exits)
+    return losses, partial(_loss_func, mb.plan)
+
+
+def _reduce_by_loops(reports: list[dict], max_loops: int) -> tuple[float, dict[int, float]]:
+    """Sum per-exit CE over micro-batches and DP ranks → per-token means."""
+    sums: dict[int, float] = defaultdict(float)
+    counts: dict[int, float] = defaultdict(float)
+    objective = 0.0
+    for rep in reports:
+        for e, (s, n) in rep["by_exit"].items():
+            sums[e] += float(s)
+            counts[e] += float(n)
+            objective += float(s) / n
+    keys = list(range(1, max_loops + 1))  # the same key space on every DP rank: one all-reduce
+    packed = torch.tensor([objective / max(len(reports), 1)] + [sums[k] for k in keys] + [counts[k] for k in keys],
+                          dtype=torch.float64)
+    group = _dp_group()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(packed, group=group)
+        packed[0] /= dist.get_world_size(group)
+    n = len(keys)
+    by_loops = {k: float(packed[1 + i] / packed[1 + n + i]) for i, k in enumerate(keys) if packed[1 + n + i] > 0}
+    return float(packed[0]), by_loops
+
+
+def _moe_aux(num_micro: int) -> dict[str, float]:
+    tracker = get_moe_layer_wise_logging_tracker()
+    out = {}
+    for name, entry in tracker.items():
+        values = entry["values"]
+        layers = int((values != 0).sum()) or 1
+        out[f"moe/{name}"] = float(values.sum()) / layers / num_micro
+    clear_aux_losses_tracker()
+    return out
+
+
+class TrainStep:
+    """Owns the numerics: forward/backward over micro-batches, optimizer step, LR schedule."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, *, seq_len: int,
+                 micro_batch_size: int, max_loops: int) -> None:
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.max_loops = max_loops
+        self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
+        self.forward_backward = get_forward_backward_func()
+
+    def __call__(self, micro_batches: list[MicroBatch]) -> StepResult:
+        self.model.train()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        reports = self.forward_backward(
+            forward_step_func=_forward_step, data_iterator=iter(micro_batches), model=[self.model],
+            num_microbatches=len(micro_batches), seq_length=self.seq_len, micro_batch_size=self.micro_batch_size,
+            forward_only=False,
+        )
+        ok, grad_norm, _ = self.optimizer.step()
+        self.scheduler.step(increment=1)
+        loss, by_loops = _reduce_by_loops(reports, self.max_loops)
+        return StepResult(loss=loss, loss_by_loops=by_loops, grad_norm=float(grad_norm or 0.0),
+                          lr=float(self.optimizer.param_groups[0]["lr"]), skipped=not ok,
+                          aux=_moe_aux(len(micro_batches)))
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, tokens_NT1: torch.Tensor, *, loops: list[int], batch_size: int) -> dict[int, float]:
+    """Per-token validation CE at every loop count, over this rank's rows, summed over DP ranks.
+
+    Every rank of an expert-parallel group runs the same number of batches and passes (its MoE
+    all-to-alls must pair up), so the DP split of the rows is even and padded by repetition.
+    """
+    model.eval()
+    max_loops = max(loops)
+    sums = torch.zeros(len(loops), dtype=torch.float64)
+    count = torch.zeros(1, dtype=torch.float64)
+    for start in range(0, tokens_NT1.shape[0], batch_size):
+        batch = tokens_NT1[start : start + batch_size]
+        losses = model(batch[:, :-1].contiguous(), labels=batch[:, 1:].contiguous(), loops=max_loops, exits=loops)
+        for i, ell in enumerate(loops):
+            sums[i] += losses[ell].double().sum()
+        count += batch[:, 1:].numel()
+    clear_aux_losses_tracker()
+    group = _dp_group()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(count, group=group)
+    return {ell: float(sums[i] / count) for i, ell in enumerate(loops)}

@@ -1,0 +1,157 @@
+"""The Trainer owns the loop; :class:`~elastic_pretrain.train.step.TrainStep` owns the numerics.
+
+Logging, evaluation and the run summary are callbacks that never touch the numerics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from elastic_pretrain.job import JobConfig, write_resolved
+from elastic_pretrain.parallel.mesh import Mesh, describe, init_mesh, teardown
+from elastic_pretrain.train.schedule import ScheduleController
+from elastic_pretrain.train.session import Session, build_session
+from elastic_pretrain.train.step import MicroBatch, StepResult, evaluate
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class TrainState:
+    """Counters of the loop; resumable."""
+
+    step: int = 0
+    tokens: int = 0
+    elapsed_s: float = 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        self.step, self.tokens, self.elapsed_s = int(d["step"]), int(d["tokens"]), float(d["elapsed_s"])
+
+
+class Callback(Protocol):
+    def on_step(self, state: TrainState, result: StepResult, step_s: float) -> None: ...
+    def on_eval(self, state: TrainState, val: dict[int, float]) -> None: ...
+    def on_end(self, state: TrainState, val: dict[int, float]) -> None: ...
+
+
+class Trainer:
+    def __init__(self, job: JobConfig, mesh: Mesh, session: Session, callbacks: list[Callback]) -> None:
+        self.job, self.mesh, self.s, self.callbacks = job, mesh, session, callbacks
+        self.state = TrainState()
+
+    def fit(self) -> dict[int, float]:
+        job, s, state = self.job, self.s, self.state
+        while state.step < job.train.steps:
+            if s.controller.update(step=state.step, tokens_seen=state.tokens):
+                s.on_switch_to_mixed(state.step)
+            t0 = time.perf_counter()
+            tokens = s.batches.next_step()
+            plans = [s.controller.plan(step=state.step, micro=i, replica=self.mesh.replica)
+                     for i in range(len(tokens))]
+            result = s.step([MicroBatch(t, p) for t, p in zip(tokens, plans)])
+            step_s = time.perf_counter() - t0
+            state.step += 1
+            state.tokens += job.tokens_per_step
+            state.elapsed_s += step_s
+            for cb in self.callbacks:
+                cb.on_step(state, result, step_s)
+            interval = job.train.eval_interval
+            if interval and state.step % interval == 0 and state.step < job.train.steps:
+                val = self.validate()
+                for cb in self.callbacks:
+                    cb.on_eval(state, val)
+        val = self.validate()
+        for cb in self.callbacks:
+            cb.on_end(state, val)
+        return val
+
+    def validate(self) -> dict[int, float]:
+        loops = list(range(1, self.job.model.max_loops + 1))
+        return evaluate(self.s.model, self.s.val_tokens, loops=loops, batch_size=self.job.train.micro_batch_size)
+
+
+class ProgressPrinter:
+    """One progress line every ``log_interval`` steps, from the logging rank."""
+
+    def __init__(self, job: JobConfig, mesh: Mesh, controller: ScheduleController) -> None:
+        self.job, self.enabled, self.controller = job, mesh.is_logging_rank, controller
+        self._window: list[float] = []
+
+    def on_step(self, state: TrainState, result: StepResult, step_s: float) -> None:
+        self._window.append(step_s)
+        if not self.enabled or (state.step % self.job.train.log_interval and state.step != self.job.train.steps):
+            return
+        mean_s = sum(self._window) / len(self._window)
+        self._window.clear()
+        total = self.job.train.steps
+        eta = (total - state.step) * mean_s
+        per_loop = " ".join(f"ℓ{k}={v:.3f}" for k, v in sorted(result.loss_by_loops.items()))
+        print(
+            f"step {state.step:>5}/{total} [{100 * state.step / total:5.1f}%] loss {result.loss:.4f} ({per_loop})"
+            f" | lr {result.lr:.2e} | gnorm {result.grad_norm:.2f} | {self.job.tokens_per_step / mean_s:,.0f} tok/s"
+            f" | {self.controller.phase} | eta {eta:,.0f}s",
+            flush=True,
+        )
+
+    def on_eval(self, state: TrainState, val: dict[int, float]) -> None:
+        if self.enabled:
+            print(f"eval  {state.step:>5}: " + "  ".join(f"ℓ{k} {v:.4f}" for k, v in sorted(val.items())), flush=True)
+
+    def on_end(self, state: TrainState, val: dict[int, float]) -> None:
+        if not self.enabled:
+            return
+        print("\nvalidation loss per loop count (held-out tokens)")
+        print(f"  {'loops':>5}  {'loss':>8}  {'ppl':>9}")
+        for k, v in sorted(val.items()):
+            print(f"  {k:>5}  {v:8.4f}  {math.exp(min(v, 50)):9.2f}")
+        print(f"trained {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.1f}s", flush=True)
+
+
+class SummaryWriter:
+    """``summary.json`` in the run directory: final validation loss per ℓ and counters."""
+
+    def __init__(self, run_dir: Path, mesh: Mesh) -> None:
+        self.path, self.enabled, self.mesh = run_dir / "summary.json", mesh.is_logging_rank, mesh
+        self.history: list[dict[str, Any]] = []
+
+    def on_step(self, state: TrainState, result: StepResult, step_s: float) -> None:
+        self.history.append({"step": state.step, "loss": result.loss,
+                             "loss_by_loops": {str(k): v for k, v in result.loss_by_loops.items()}})
+
+    def on_eval(self, state: TrainState, val: dict[int, float]) -> None: ...
+
+    def on_end(self, state: TrainState, val: dict[int, float]) -> None:
+        if self.enabled:
+            summary = {"steps": state.step, "tokens": state.tokens, "elapsed_s": state.elapsed_s,
+                       "val_loss_by_loops": {str(k): v for k, v in val.items()}, "layout": describe(self.mesh),
+                       "history": self.history}
+            self.path.write_text(json.dumps(summary, indent=1))
+
+
+def train(job: JobConfig) -> dict[int, float]:
+    """Run a job in this process (one rank of a torchrun launch, or a single process)."""
+    torch.set_num_threads(job.train.threads_per_rank)
+    mesh = init_mesh(job.parallel, seed=job.train.seed)
+    try:
+        run_dir = job.run_path
+        if mesh.is_logging_rank:
+            write_resolved(job, run_dir)
+            print(f"run {job.name}: {describe(mesh)} -> {run_dir}", flush=True)
+        session = build_session(job, mesh)
+        if mesh.is_logging_rank:
+            print(session.describe(), flush=True)
+        callbacks: list[Callback] = [ProgressPrinter(job, mesh, session.controller), SummaryWriter(run_dir, mesh)]
+        return Trainer(job, mesh, session, callbacks).fit()
+    finally:
+        teardown()

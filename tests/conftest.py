@@ -1,0 +1,42 @@
+"""Shared fixtures. Single-process megatron tests share one initialised 1-rank mesh per session."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = Path(sys.executable).parent
+
+warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
+
+
+@pytest.fixture(scope="session")
+def mesh1():
+    """A 1-process megatron mesh (gloo), torn down at the end of the session."""
+    import torch
+
+    from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
+
+    torch.set_num_threads(1)
+    mesh = init_mesh(ParallelConfig(), seed=1234)
+    yield mesh
+    teardown()
+
+
+def torchrun(script: Path, *args: str, nproc: int = 2, timeout: int = 300, env: dict[str, str] | None = None,
+             cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+    """Run ``script`` under torchrun with ``nproc`` CPU ranks; raise with the output if it fails."""
+    cmd = [str(VENV_BIN / "torchrun"), "--nproc-per-node", str(nproc), "--master-port", "0",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", str(script), *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
+    proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun {script.name} {' '.join(args)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+    return proc

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 from megatron.core import tensor_parallel
+from megatron.core.enums import ModelType
 from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.models.common.language_module.language_module import LanguageModule
@@ -85,6 +86,7 @@ class LoopedMoEModel(LanguageModule):
         self.padded_vocab = padded_vocab
         self.share_embeddings_and_output_weights = cfg.tie_embeddings
         self.pre_process = self.post_process = True
+        self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
         self.embedding = LanguageModelEmbedding(
             config=config, vocab_size=padded_vocab, max_sequence_length=0, position_embedding_type="rope",
             scatter_to_sequence_parallel=True,

@@ -1,0 +1,59 @@
+"""``elastic-pretrain prepare-data <recipe> [key=value ...]``: build shards + manifest for a data recipe."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from elastic_pretrain.config import ConfigError, apply_overrides, build, load_yaml
+from elastic_pretrain.data.config import DataConfig
+
+_REPO = Path(__file__).resolve().parents[2]
+
+
+def resolve_recipe(name_or_path: str) -> Path:
+    """A YAML path as given, or a preset name looked up as ``data/<name>.yaml`` in the cwd, then the repo."""
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.is_file():
+        return path
+    for root in (Path.cwd(), _REPO):
+        candidate = root / "data" / f"{name_or_path}.yaml"
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.stem for p in (_REPO / "data").glob("*.yaml"))
+    raise ConfigError(f"no data recipe '{name_or_path}' (presets: {', '.join(known) or 'none'}); give a YAML path")
+
+
+def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> DataConfig:
+    """Recipe YAML (or preset name) + dotted overrides -> validated :class:`DataConfig`."""
+    raw = apply_overrides(load_yaml(resolve_recipe(name_or_path)), list(overrides or []))
+    return build(DataConfig, raw)
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    from elastic_pretrain.data.prepare import manifest_summary, prepare_data
+
+    cfg = load_recipe(args.recipe, args.overrides)
+    manifest = prepare_data(cfg, progress=not args.quiet)
+    assert cfg.prepare is not None
+    print(
+        f"{cfg.prepare.output}: {manifest.format} shards, tokenizer {manifest.tokenizer['kind']} "
+        f"({manifest.tokenizer['fingerprint'][:12]})",
+        file=sys.stdout,
+    )
+    print(manifest_summary(manifest), file=sys.stdout)
+    return 0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "prepare-data",
+        help="tokenise a corpus into MDS / WebDataset shards with a manifest",
+        description="Build the shards a data recipe describes (idempotent: a complete matching "
+        "manifest means there is nothing to do).",
+    )
+    p.add_argument("recipe", help="data recipe YAML or preset name in data/, e.g. stdlib-code")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. prepare.max_tokens=1e6")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(handler=_prepare)

@@ -1,0 +1,147 @@
+"""Training-side reader: per-step token batches for one data-parallel rank, exactly resumable.
+
+Contract (the trainer calls only this)::
+
+    batches = TokenBatches(cfg, micro_batch_size=b, num_micro_batches=m, dp_rank=r, dp_size=d, seed=s)
+    micro = batches.next_step()      # m tensors, int64 [b, seq_len+1], this rank's share of the step
+    state = batches.state_dict()     # JSON-serialisable; load_state_dict(state) resumes exactly
+    val = load_validation(cfg, num_sequences=n)   # [n, seq_len+1] int64, same on every rank
+
+Global batch ``G = b·m·d``. Step ``k`` consumes global positions ``[k·G, (k+1)·G)`` of the order in
+``order.py``; rank ``r`` takes the contiguous slice ``[k·G + r·G/d, k·G + (r+1)·G/d)`` and cuts it
+into ``m`` micro-batches of ``b`` rows. The state is the next global position, so a checkpoint
+taken at DP size 2 resumes bit-identically at DP size 1 or 4 as long as ``G`` is unchanged (with a
+different ``G`` the stream continues from the same position: no sample is repeated or skipped).
+Only the data-parallel rank matters: TP/PP/EP ranks of one replica pass the same ``dp_rank``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from elastic_pretrain.data.config import DataConfig
+from elastic_pretrain.data.manifest import Manifest, check_compatible, read_manifest
+from elastic_pretrain.data.order import MixtureOrder, StreamOrder, derive_key
+from elastic_pretrain.data.shards import SplitReader
+from elastic_pretrain.data.tokenizer import load_tokenizer
+from elastic_pretrain.errors import UserError
+
+__all__ = ["Manifest", "TokenBatches", "check_compatible", "load_validation", "read_manifest"]
+log = logging.getLogger(__name__)
+STATE_VERSION = 1
+
+
+class TokenBatches:
+    """This DP rank's micro-batches, step by step, from the weighted mixture of ``cfg.streams``."""
+
+    def __init__(
+        self, cfg: DataConfig, *, micro_batch_size: int, num_micro_batches: int, dp_rank: int, dp_size: int, seed: int
+    ) -> None:
+        if micro_batch_size < 1 or num_micro_batches < 1:
+            raise UserError("micro_batch_size and num_micro_batches must be >= 1; fix the train config")
+        if not 0 <= dp_rank < dp_size:
+            raise UserError(f"dp_rank {dp_rank} is outside [0, {dp_size}); pass the data-parallel rank")
+        self.cfg, self.seed = cfg, seed
+        self.micro_batch_size, self.num_micro_batches = micro_batch_size, num_micro_batches
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        tokenizer = load_tokenizer(cfg.tokenizer)
+        self.readers = [SplitReader(cfg, s, tokenizer) for s in cfg.streams]
+        key = derive_key("elastic-pretrain", cfg.shuffle_seed, seed)
+        streams = [
+            StreamOrder(
+                len(r),
+                derive_key(key, i),
+                shard_offsets=r.shard_offsets if cfg.format == "wds" else None,
+                window=cfg.wds_window,
+            )
+            for i, r in enumerate(self.readers)
+        ]
+        self.order = MixtureOrder(streams, [s.weight for s in cfg.streams], key)
+        self.position = 0  # the next global sample position
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.micro_batch_size * self.num_micro_batches * self.dp_size
+
+    @property
+    def local_batch_size(self) -> int:
+        return self.micro_batch_size * self.num_micro_batches
+
+    def samples(self, positions: np.ndarray) -> np.ndarray:
+        """Rows ``[len(positions), seq_len+1]`` for global positions (any rank may ask for any)."""
+        stream, index = self.order(positions)
+        out = np.empty((len(positions), self.cfg.seq_len + 1), dtype=np.int64)
+        for row, (s, i) in enumerate(zip(stream.tolist(), index.tolist())):
+            out[row] = self.readers[s].get(i)
+        return out
+
+    def next_step(self) -> list[torch.Tensor]:
+        """This rank's ``num_micro_batches`` tensors of the next optimizer step; advances the position."""
+        start = self.position + self.dp_rank * self.local_batch_size
+        rows = torch.from_numpy(self.samples(np.arange(start, start + self.local_batch_size, dtype=np.int64)))
+        self.position += self.global_batch_size
+        return list(rows.split(self.micro_batch_size))
+
+    def _fingerprint(self) -> dict[str, Any]:
+        """What the position means: changing any of it makes the saved position point elsewhere."""
+        return {
+            "shuffle_seed": self.cfg.shuffle_seed,
+            "seed": self.seed,
+            "format": self.cfg.format,
+            "streams": [[s.path, s.split, s.weight, len(r)] for s, r in zip(self.cfg.streams, self.readers)],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """The global position plus what it is relative to (JSON-serialisable; same on every DP rank).
+
+        The mixture/shuffle RNG state is a function of (seeds, epoch), and the epochs follow from the
+        position, so nothing else needs saving; ``epoch`` and ``step`` are recorded for humans.
+        """
+        return {
+            "version": STATE_VERSION,
+            "position": self.position,
+            "global_batch_size": self.global_batch_size,
+            "step": self.position // self.global_batch_size,
+            "epoch": self.position // self.order.epoch_len,
+            "order": self._fingerprint(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
+        """Continue from a saved position. ``strict`` refuses a state recorded for another data order."""
+        if state.get("version") != STATE_VERSION:
+            raise UserError(
+                f"data state version {state.get('version')} is not {STATE_VERSION}; it was saved by "
+                "another elastic-pretrain version"
+            )
+        if strict and state.get("order") != self._fingerprint():
+            raise UserError(
+                "data state was saved for a different data order (streams, weights, seeds or shard "
+                "contents changed); restore the recipe, or resume with a non-strict data state load "
+                "to continue from the same position in the new order"
+            )
+        if state["global_batch_size"] != self.global_batch_size:
+            log.warning(
+                "global batch size changed %d -> %d: continuing from sample position %d",
+                state["global_batch_size"],
+                self.global_batch_size,
+                state["position"],
+            )
+        self.position = int(state["position"])
+
+
+def load_validation(cfg: DataConfig, *, num_sequences: int) -> torch.Tensor:
+    """The first ``num_sequences`` held-out sequences in stored order: fixed, identical on every rank."""
+    if cfg.validation is None:
+        raise UserError("data.validation: not set; add validation: {path: <prepared dir>, split: val} to the recipe")
+    reader = SplitReader(cfg, cfg.validation, load_tokenizer(cfg.tokenizer))
+    if num_sequences > len(reader):
+        raise UserError(
+            f"{cfg.validation.path} [{cfg.validation.split}]: asks for {num_sequences} validation "
+            f"sequences, {len(reader)} exist; lower the eval size or raise prepare.val_fraction"
+        )
+    rows = np.stack([reader.get(i) for i in range(num_sequences)]).astype(np.int64)
+    return torch.from_numpy(rows)

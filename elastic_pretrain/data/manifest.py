@@ -1,0 +1,153 @@
+"""``manifest.json``: what a prepared dataset holds and how to check it before training on it.
+
+Layout written by ``prepare-data`` (the manifest is written last, atomically: it is the commit
+marker, so a directory without one is an unfinished preparation)::
+
+    <output>/manifest.json
+    <output>/train/index.json, shard.00000.mds, ...     (format mds; index.json is streaming's)
+    <output>/train/shard-000000.tar, ...                (format wds)
+    <output>/val/...                                    (held-out documents, same layout)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from elastic_pretrain.data.tokenizer import Tokenizer
+from elastic_pretrain.errors import UserError
+
+MANIFEST = "manifest.json"
+VERSION = 1
+
+
+@dataclasses.dataclass(kw_only=True)
+class ShardInfo:
+    """One shard file of a split."""
+
+    name: str
+    samples: int
+    bytes: int
+    sha256: str
+
+
+@dataclasses.dataclass(kw_only=True)
+class SplitInfo:
+    """One split (train / val): its shards in order and what they hold."""
+
+    sequences: int
+    tokens: int
+    documents: int
+    shards: list[ShardInfo]
+
+    def shard_offsets(self) -> list[int]:
+        """Global index of the first sample of each shard, plus the total at the end."""
+        out = [0]
+        for s in self.shards:
+            out.append(out[-1] + s.samples)
+        return out
+
+
+@dataclasses.dataclass(kw_only=True)
+class Manifest:
+    """A prepared dataset: format, sequence length, tokenizer identity, splits with shard checksums."""
+
+    format: str
+    seq_len: int
+    dtype: str
+    tokenizer: dict[str, Any]  # kind, fingerprint, vocab_size, eos_id
+    splits: dict[str, SplitInfo]
+    recipe: dict[str, Any]  # the prepare settings that produced it (idempotence check)
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)  # informational: skipped files, time
+    version: int = VERSION
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> Manifest:
+        splits = {
+            name: SplitInfo(**{**s, "shards": [ShardInfo(**sh) for sh in s["shards"]]})
+            for name, s in obj["splits"].items()
+        }
+        return cls(**{**obj, "splits": splits})
+
+    def split(self, name: str, where: str) -> SplitInfo:
+        if name not in self.splits:
+            raise UserError(
+                f"{where}: no split {name!r} (has {', '.join(sorted(self.splits))}); fix the stream's split"
+            )
+        return self.splits[name]
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Read ``<dir>/manifest.json`` (or the file itself); a one-line UserError when absent or malformed."""
+    p = Path(path)
+    if p.is_dir() or p.name != MANIFEST:
+        p = p / MANIFEST
+    if not p.is_file():
+        raise UserError(f"{p}: no manifest; run `elastic-pretrain prepare-data <recipe>` to build the shards")
+    try:
+        obj = json.loads(p.read_text())
+        manifest = Manifest.from_json(obj)
+    except (json.JSONDecodeError, TypeError, KeyError, UnicodeDecodeError) as err:
+        raise UserError(f"{p}: malformed manifest ({err}); delete the directory and run prepare-data again") from None
+    if manifest.version != VERSION:
+        raise UserError(f"{p}: manifest version {manifest.version}, expected {VERSION}; run prepare-data again")
+    return manifest
+
+
+def write_manifest(manifest: Manifest, directory: Path) -> Path:
+    """Write atomically (tmp + rename), so readers see either no manifest or a complete one."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".{MANIFEST}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, directory / MANIFEST)
+    return directory / MANIFEST
+
+
+def check_compatible(
+    manifest: Manifest, *, seq_len: int, tokenizer: Tokenizer, where: str = "stream", fmt: str | None = None
+) -> None:
+    """Refuse shards made for another sequence length, tokenizer or format (one line, naming the fix)."""
+    if manifest.seq_len != seq_len:
+        raise UserError(
+            f"{where}: shards hold seq_len {manifest.seq_len}, the job asks for {seq_len}; set "
+            f"data.seq_len={manifest.seq_len} or re-run prepare-data with seq_len={seq_len} "
+            "into a new output directory"
+        )
+    if manifest.tokenizer.get("fingerprint") != tokenizer.fingerprint:
+        raise UserError(
+            f"{where}: shards were tokenised by a different tokenizer ({manifest.tokenizer.get('kind')} "
+            f"{str(manifest.tokenizer.get('fingerprint'))[:12]}, this one is {tokenizer.fingerprint[:12]}); "
+            "use the manifest's tokenizer or re-run prepare-data with this one"
+        )
+    if fmt is not None and manifest.format != fmt:
+        raise UserError(
+            f"{where}: shards are {manifest.format}, the recipe says format: {fmt}; set "
+            f"format: {manifest.format} or prepare {fmt} shards"
+        )
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify_shard(path: Path, info: ShardInfo, mode: str) -> str | None:
+    """None when the file matches the manifest; otherwise what is wrong (for the error / skip warning)."""
+    if not path.is_file():
+        return "is missing"
+    size = path.stat().st_size
+    if size != info.bytes:
+        return f"has {size} bytes, the manifest says {info.bytes} (truncated or replaced)"
+    if mode == "sha256" and sha256_file(path) != info.sha256:
+        return "fails its sha256 checksum (corrupt or replaced)"
+    return None

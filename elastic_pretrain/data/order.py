@@ -1,0 +1,141 @@
+"""The global sample order: a pure function from a global position to (stream, sample index).
+
+Nothing here has hidden state. Position ``p`` of the (infinite) training order is resolved as:
+
+1. **Mixture.** A mixture epoch has ``M = sum(N_i)`` positions (``N_i`` = sequences of stream i);
+   stream i owns ``n_i ≈ M·w_i`` of them (largest-remainder rounding, at least 1). Each mixture epoch
+   ``e`` permutes its ``M`` slots with a seeded bijection; the slot decides the stream, and the slot's
+   rank among that stream's slots, plus ``e·n_i``, is the stream-local position ``s``.
+2. **Stream.** Stream epoch ``s // N_i`` is a seeded permutation of the stream's sequences
+   (MDS: of all of them; WDS: of its shards, then of the samples inside windows of ``wds_window``
+   consecutive shards of that permutation, so a reader holds one window of tar shards at a time).
+
+The "mixture RNG state" is therefore just ``(seed, epoch)``, derived from the position: a resumed
+loader, at any DP size, produces exactly the samples an uninterrupted one would.
+
+Permutations of large ranges use a keyed Feistel network with cycle-walking (O(1) memory, random
+access, vectorised in numpy) so a billion-sample corpus does not need a billion-entry index.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
+_ROUNDS = 6
+
+
+def derive_key(*parts: object) -> int:
+    """A 64-bit key from any labels (seed, stream, epoch, ...): stable across processes and runs."""
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little")
+
+
+def _mix(x: np.ndarray, key: np.uint64) -> np.ndarray:
+    # splitmix64 finaliser of (x ^ key): a strong 64-bit mixer, used as the Feistel round function
+    with np.errstate(over="ignore"):
+        z = (x ^ key) * np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def permute(index: np.ndarray, n: int, key: int) -> np.ndarray:
+    """``π(index)`` for a seeded bijection π of ``range(n)`` (vectorised; any ``index`` values in range)."""
+    if n <= 1:
+        return np.zeros_like(index, dtype=np.int64)
+    half = max(1, math.ceil(math.log2(n) / 2))
+    lo_mask = np.uint64((1 << half) - 1)
+    keys = [np.uint64(derive_key(key, r)) for r in range(_ROUNDS)]
+    x = index.astype(np.uint64)
+    todo = np.ones(x.shape, dtype=bool)
+    # cycle-walking: the Feistel domain is 4**half >= n; re-apply until the value falls inside range(n)
+    while todo.any():
+        v = x[todo]
+        left, right = v >> np.uint64(half), v & lo_mask
+        for k in keys:
+            left, right = right, left ^ (_mix(right, k) & lo_mask)
+        v = (left << np.uint64(half)) | right
+        x[todo] = v
+        todo[todo] = v >= np.uint64(n)
+    return x.astype(np.int64)
+
+
+def mixture_counts(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:
+    """Slots per stream in one mixture epoch of ``sum(sizes)`` slots (largest remainder, each >= 1)."""
+    total = sum(sizes)
+    w = np.asarray(weights, dtype=np.float64) / sum(weights)
+    exact = w * total
+    counts = np.maximum(np.floor(exact).astype(np.int64), 1)
+    for i in np.argsort(-(exact - np.floor(exact)), kind="stable")[: max(0, total - int(counts.sum()))]:
+        counts[i] += 1
+    return [int(c) for c in counts]
+
+
+class StreamOrder:
+    """Stream-local position -> sequence index for one stream (see module docstring, step 2)."""
+
+    def __init__(self, size: int, key: int, shard_offsets: Sequence[int] | None = None, window: int = 1) -> None:
+        self.size, self.key = size, key
+        self.offsets = None if shard_offsets is None else np.asarray(shard_offsets, dtype=np.int64)
+        self.window = window
+
+    def __call__(self, pos: np.ndarray) -> np.ndarray:
+        epoch, r = np.divmod(pos, self.size)
+        out = np.empty_like(pos)
+        for e in np.unique(epoch):
+            sel = epoch == e
+            if self.offsets is None:
+                out[sel] = permute(r[sel], self.size, derive_key(self.key, int(e)))
+            else:
+                out[sel] = self._windowed(int(e))[r[sel]]
+        return out
+
+    @functools.lru_cache(maxsize=2)  # noqa: B019 — two epochs live at once across an epoch boundary
+    def _windowed(self, epoch: int) -> np.ndarray:
+        """WDS epoch order: shards permuted, samples permuted within each window of shards.
+
+        The table has one entry per sample of the stream (a WDS stream is read whole each epoch anyway).
+        """
+        assert self.offsets is not None
+        n_shards = len(self.offsets) - 1
+        shard_perm = permute(np.arange(n_shards), n_shards, derive_key(self.key, epoch, "shards"))
+        parts = []
+        for w0 in range(0, n_shards, self.window):
+            members = np.concatenate(
+                [np.arange(self.offsets[k], self.offsets[k + 1]) for k in shard_perm[w0 : w0 + self.window]]
+            )
+            inner = permute(np.arange(len(members)), len(members), derive_key(self.key, epoch, "window", w0))
+            parts.append(members[inner])
+        return np.concatenate(parts)
+
+
+class MixtureOrder:
+    """Global position -> (stream index, sequence index within the stream's split)."""
+
+    def __init__(self, streams: Sequence[StreamOrder], weights: Sequence[float], key: int) -> None:
+        self.streams = list(streams)
+        self.counts = mixture_counts([s.size for s in streams], weights)
+        self.bounds = np.cumsum([0, *self.counts])
+        self.epoch_len = int(self.bounds[-1])
+        self.key = key
+
+    def __call__(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        positions = np.asarray(positions, dtype=np.int64)
+        epoch, offset = np.divmod(positions, self.epoch_len)
+        slot = np.empty_like(positions)
+        for e in np.unique(epoch):
+            sel = epoch == e
+            slot[sel] = permute(offset[sel], self.epoch_len, derive_key(self.key, "mix", int(e)))
+        stream = np.searchsorted(self.bounds, slot, side="right") - 1
+        local = epoch * np.asarray(self.counts)[stream] + (slot - self.bounds[stream])
+        index = np.empty_like(positions)
+        for i, order in enumerate(self.streams):
+            sel = stream == i
+            if sel.any():
+                index[sel] = order(local[sel])
+        return stream, index

@@ -1,0 +1,273 @@
+"""prepare-data: documents -> tokens -> packed fixed-length sequences -> shards + manifest.
+
+Documents are tokenised, each followed by EOS, concatenated and cut into rows of seq_len+1 tokens
+(the trailing partial row of each split is dropped and counted). The split is per document by a
+hash of its name, so the held-out set is stable. The manifest is written last and atomically; a
+re-run with a complete manifest for the same recipe does nothing, and a re-run after an interrupted
+preparation starts the split directories over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import multiprocessing
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from elastic_pretrain.config import to_dict
+from elastic_pretrain.data.config import DataConfig, PrepareConfig, TokenizerConfig, local_path
+from elastic_pretrain.data.manifest import MANIFEST, Manifest, SplitInfo, read_manifest, verify_shard, write_manifest
+from elastic_pretrain.data.shards import make_sink
+from elastic_pretrain.data.sources import Document, iter_documents
+from elastic_pretrain.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, token_dtype
+from elastic_pretrain.errors import UserError
+
+SPLITS = ("train", "val")
+_CHUNK_CHARS = 1 << 20  # documents per worker task, by size: big enough to amortise pickling
+
+
+def is_val(name: str, fraction: float) -> bool:
+    """Deterministic held-out choice by document name (sha1 -> uniform in [0, 1))."""
+    if fraction <= 0:
+        return False
+    h = int.from_bytes(hashlib.sha1(name.encode("utf-8")).digest()[:8], "big")
+    return h / 2**64 < fraction
+
+
+def recipe_of(cfg: DataConfig, tokenizer: Tokenizer) -> dict[str, Any]:
+    """What decides the shard contents; a manifest with a different recipe is not reused."""
+    assert cfg.prepare is not None
+    prep = {k: v for k, v in to_dict(cfg.prepare).items() if k not in ("num_workers", "output")}
+    if cfg.prepare.source == "stdlib":
+        prep["python"] = sys.version.split()[0]
+    return {"format": cfg.format, "seq_len": cfg.seq_len, "tokenizer": tokenizer.fingerprint, "prepare": prep}
+
+
+# ------------------------------------------------------------------------------------ tokenising
+_worker_tok: Tokenizer | None = None
+
+
+def _init_worker(tok_cfg: TokenizerConfig) -> None:
+    global _worker_tok
+    _worker_tok = load_tokenizer(tok_cfg)
+
+
+def _encode_chunk(chunk: list[tuple[int, str]]) -> list[tuple[int, np.ndarray]]:
+    assert _worker_tok is not None
+    return [(split, _encode(_worker_tok, text)) for split, text in chunk]
+
+
+def _encode(tok: Tokenizer, text: str) -> np.ndarray:
+    ids = tok.encode_array(text) if isinstance(tok, ByteTokenizer) else np.asarray(tok.encode(text))
+    out = np.empty(len(ids) + 1, dtype=token_dtype(tok.vocab_size))
+    out[:-1] = ids
+    out[-1] = tok.eos_id  # the document separator
+    return out
+
+
+def _chunks(docs: Iterable[tuple[int, str]]) -> Iterator[list[tuple[int, str]]]:
+    chunk: list[tuple[int, str]] = []
+    size = 0
+    for item in docs:
+        chunk.append(item)
+        size += len(item[1])
+        if size >= _CHUNK_CHARS:
+            yield chunk
+            chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def _tokenised(cfg: DataConfig, tok: Tokenizer, docs: Iterable[tuple[int, str]]) -> Iterator[tuple[int, np.ndarray]]:
+    """(split, tokens+EOS) in document order; a process pool for non-byte tokenizers.
+
+    Byte-level encoding is a memcpy, faster than pickling the text to a worker, so it stays here.
+    ``imap`` keeps the document order, which keeps the shards deterministic.
+    """
+    assert cfg.prepare is not None
+    workers = cfg.prepare.num_workers or min(8, os.cpu_count() or 1)
+    if isinstance(tok, ByteTokenizer) or workers <= 1:
+        for split, text in docs:
+            yield split, _encode(tok, text)
+        return
+    # spawn: the parent may hold torch / Rust tokenizer threads, which fork would copy half-initialised
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(workers, initializer=_init_worker, initargs=(cfg.tokenizer,)) as pool:
+        for chunk in pool.imap(_encode_chunk, _chunks(docs), chunksize=1):
+            yield from chunk
+
+
+# --------------------------------------------------------------------------------------- packing
+class _Packer:
+    """Concatenates tokenised documents of one split and writes full rows of ``sample_tokens``."""
+
+    def __init__(self, sink: Any, sample_tokens: int, cap_tokens: int | None) -> None:
+        self.sink, self.n, self.cap = sink, sample_tokens, cap_tokens
+        self.pending: list[np.ndarray] = []
+        self.pending_len = 0
+        self.rows = 0
+        self.documents = 0
+        self.dropped = 0
+
+    @property
+    def full(self) -> bool:
+        return self.cap is not None and self.rows * self.n >= self.cap
+
+    def add(self, tokens: np.ndarray) -> None:
+        self.documents += 1
+        self.pending.append(tokens)
+        self.pending_len += len(tokens)
+        if self.pending_len >= 64 * self.n:  # batch rows: numpy reshapes instead of per-token Python
+            self._flush()
+
+    def _flush(self, final: bool = False) -> None:
+        if not self.pending:
+            return
+        buf = np.concatenate(self.pending)
+        rows = len(buf) // self.n
+        if self.cap is not None:
+            rows = min(rows, max(0, math.ceil(self.cap / self.n) - self.rows))
+        if rows:
+            self.sink.write(buf[: rows * self.n].reshape(rows, self.n))
+            self.rows += rows
+        rest = buf[rows * self.n :]
+        self.pending, self.pending_len = ([rest], len(rest)) if len(rest) and not self.full else ([], 0)
+        if final or self.full:
+            self.dropped += len(rest)
+
+    def finish(self) -> SplitInfo:
+        self._flush(final=True)
+        shards = self.sink.finish()
+        return SplitInfo(sequences=self.rows, tokens=self.rows * self.n, documents=self.documents, shards=shards)
+
+
+# ------------------------------------------------------------------------------------------- main
+def _existing(out: Path, recipe: dict[str, Any], verify: str) -> Manifest | None:
+    """A complete, matching, intact previous preparation (then prepare-data has nothing to do)."""
+    if not (out / MANIFEST).is_file():
+        return None
+    manifest = read_manifest(out)
+    if manifest.recipe != recipe:
+        raise UserError(
+            f"{out}: holds shards of a different recipe; choose another prepare.output or delete {out} to rebuild"
+        )
+    for split, info in manifest.splits.items():
+        for shard in info.shards:
+            problem = verify_shard(out / split / shard.name, shard, verify)
+            if problem:
+                raise UserError(f"{out}: shard {split}/{shard.name} {problem}; delete {out} and run prepare-data again")
+    return manifest
+
+
+def _val_cap(prep: PrepareConfig, sample_tokens: int) -> int | None:
+    if prep.max_tokens is None:
+        return None
+    share = prep.val_fraction / (1.0 - prep.val_fraction)
+    return max(sample_tokens, math.ceil(prep.max_tokens * share))
+
+
+def prepare_data(cfg: DataConfig, *, progress: bool = True) -> Manifest:
+    """Build the shards and manifest described by ``cfg.prepare``; returns the (new or existing) manifest."""
+    if cfg.prepare is None:
+        raise UserError("data.prepare: the recipe has no prepare section; add one (see data/stdlib-code.yaml)")
+    prep = cfg.prepare
+    tok = load_tokenizer(cfg.tokenizer)
+    out = local_path(prep.output)
+    recipe = recipe_of(cfg, tok)
+    existing = _existing(out, recipe, cfg.verify)
+    if existing is not None:
+        return existing
+    dtype, sample_tokens = token_dtype(tok.vocab_size), cfg.seq_len + 1
+    for split in SPLITS:  # leftovers of an interrupted run: no manifest means nothing here is trusted
+        shutil.rmtree(out / split, ignore_errors=True)
+    caps = {"train": prep.max_tokens, "val": _val_cap(prep, sample_tokens)}
+    packers = [
+        _Packer(
+            make_sink(
+                cfg.format, out / s, sample_tokens=sample_tokens, dtype=dtype, samples_per_shard=prep.samples_per_shard
+            ),
+            sample_tokens,
+            caps[s],
+        )
+        for s in SPLITS
+    ]
+    counts: dict[str, int] = {}
+    docs = _split_documents(iter_documents(prep, counts), prep.val_fraction, packers)
+    start = time.perf_counter()
+    bar = tqdm(
+        total=prep.max_tokens,
+        unit="tok",
+        unit_scale=True,
+        desc=f"prepare {out.name}",
+        disable=not progress,
+        file=sys.stderr,
+        smoothing=0.1,
+    )
+    with bar:
+        for split, tokens in _tokenised(cfg, tok, docs):
+            if not packers[split].full:
+                packers[split].add(tokens)
+                bar.update(len(tokens) if split == 0 else 0)
+            if all(p.full for p in packers):
+                break
+    splits = {name: p.finish() for name, p in zip(SPLITS, packers)}
+    if splits["train"].sequences == 0:
+        raise UserError(
+            f"prepare: the inputs hold fewer than seq_len+1={sample_tokens} tokens; add text or lower seq_len"
+        )
+    if prep.val_fraction > 0 and splits["val"].sequences == 0:
+        raise UserError(
+            f"prepare: the held-out documents hold fewer than {sample_tokens} tokens; raise "
+            "prepare.val_fraction or add documents"
+        )
+    manifest = Manifest(
+        format=cfg.format,
+        seq_len=cfg.seq_len,
+        dtype=dtype.name,
+        tokenizer={
+            "kind": cfg.tokenizer.kind,
+            "fingerprint": tok.fingerprint,
+            "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id,
+        },
+        splits=splits,
+        recipe=recipe,
+        stats={
+            **counts,
+            "dropped_tail_tokens": sum(p.dropped for p in packers),
+            "seconds": round(time.perf_counter() - start, 2),
+        },
+    )
+    write_manifest(manifest, out)
+    return manifest
+
+
+def _split_documents(docs: Iterable[Document], fraction: float, packers: list[_Packer]) -> Iterator[tuple[int, str]]:
+    """(0 = train | 1 = val, text); documents of a split whose cap is reached are not even tokenised."""
+    for name, text in docs:
+        split = int(is_val(name, fraction))
+        if not packers[split].full:
+            yield split, text
+        elif all(p.full for p in packers):
+            return
+
+
+def manifest_summary(manifest: Manifest) -> str:
+    """One line per split, for the CLI."""
+    lines = []
+    for name, s in manifest.splits.items():
+        size = sum(sh.bytes for sh in s.shards)
+        lines.append(
+            f"{name}: {s.sequences:,} sequences x {manifest.seq_len + 1} tokens = {s.tokens:,} tokens, "
+            f"{s.documents:,} documents, {len(s.shards)} {manifest.format} shards, {size / 1e6:.1f} MB"
+        )
+    return "\n".join(lines)

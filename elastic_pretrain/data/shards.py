@@ -1,0 +1,291 @@
+"""Shard files of packed token sequences: writers (prepare-data) and per-split readers (training).
+
+MDS goes through mosaicml-streaming's own ``MDSWriter`` and shard reader (``reader_from_json`` ->
+``MDSReader.get_item``: random access by sample). WebDataset goes through ``wds.ShardWriter`` and
+webdataset's tar pipeline (``SimpleShardList -> tarfile_to_samples -> decode``), one shard at a time.
+
+Why not ``StreamingDataset``: its sample order, partitioning and resume state are its own
+(canonical nodes, shared memory keyed by the local directory, file locks in the system temp dir,
+a barrier that expects every process of the job to build it with identical arguments). Our order
+is a pure function of the global sample position (``order.py``), which is what exact resume at a
+different DP size needs, and TP/PP/EP ranks of one replica read the same samples independently.
+Remote shards are fetched with streaming's ``CloudDownloader`` (s3, gs, oci, azure, hf, sftp,
+dbfs, ...) into the stream's local cache under an ``fcntl`` lock kept *in that cache directory*,
+so several ranks on one machine download each file once and two jobs never share lock names.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import fcntl
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from elastic_pretrain.data.config import DataConfig, StreamConfig, is_remote, local_path
+from elastic_pretrain.data.manifest import (
+    MANIFEST,
+    Manifest,
+    ShardInfo,
+    SplitInfo,
+    check_compatible,
+    read_manifest,
+    sha256_file,
+    verify_shard,
+)
+from elastic_pretrain.data.streaming_compat import import_streaming
+from elastic_pretrain.data.tokenizer import Tokenizer
+from elastic_pretrain.errors import UserError
+
+log = logging.getLogger(__name__)
+WDS_PATTERN = "shard-%06d.tar"
+
+
+# ----------------------------------------------------------------------------------------- writers
+class MDSSink:
+    """Fixed-size token rows into MDS shards of exactly ``samples_per_shard`` rows (the last may be short)."""
+
+    def __init__(self, directory: Path, *, sample_tokens: int, dtype: np.dtype[Any], samples_per_shard: int) -> None:
+        import_streaming()
+        from streaming.base.format.mds.writer import MDSWriter
+
+        self.directory = directory
+        # a fixed shape makes the column fixed-size: no per-sample length header, pure offsets
+        self._writer = MDSWriter(
+            out=str(directory),
+            columns={"tokens": f"ndarray:{dtype.name}:{sample_tokens}"},
+            compression=None,
+            size_limit=1 << 30,
+            progress_bar=False,
+            exist_ok=False,
+        )
+        # MDSWriter cuts shards by bytes; set the limit so a shard holds exactly samples_per_shard rows
+        row = sample_tokens * dtype.itemsize + self._writer.extra_bytes_per_sample
+        self._writer.size_limit = self._writer.extra_bytes_per_shard + samples_per_shard * row
+
+    def write(self, rows: np.ndarray) -> None:
+        for row in rows:
+            self._writer.write({"tokens": row})
+
+    def finish(self) -> list[ShardInfo]:
+        self._writer.finish()
+        index = json.loads((self.directory / "index.json").read_text())
+        return [
+            ShardInfo(
+                name=s["raw_data"]["basename"],
+                samples=s["samples"],
+                bytes=s["raw_data"]["bytes"],
+                sha256=sha256_file(self.directory / s["raw_data"]["basename"]),
+            )
+            for s in index["shards"]
+        ]
+
+
+class WDSSink:
+    """Token rows as ``<key>.tokens.npy`` members of WebDataset tar shards; keys are the split index."""
+
+    def __init__(self, directory: Path, *, sample_tokens: int, dtype: np.dtype[Any], samples_per_shard: int) -> None:
+        import webdataset as wds
+
+        directory.mkdir(parents=True, exist_ok=False)
+        self.directory, self._sps, self._count = directory, samples_per_shard, 0
+        self._writer = wds.ShardWriter(str(directory / WDS_PATTERN), maxcount=samples_per_shard, verbose=0)
+
+    def write(self, rows: np.ndarray) -> None:
+        for row in rows:
+            self._writer.write({"__key__": f"{self._count:010d}", "tokens.npy": row})
+            self._count += 1
+
+    def finish(self) -> list[ShardInfo]:
+        self._writer.close()
+        out = []
+        for i, path in enumerate(sorted(self.directory.glob("shard-*.tar"))):
+            samples = min(self._sps, self._count - i * self._sps)
+            if samples <= 0:  # ShardWriter opens its first shard eagerly: an empty split leaves one
+                path.unlink()
+                continue
+            out.append(ShardInfo(name=path.name, samples=samples, bytes=path.stat().st_size, sha256=sha256_file(path)))
+        return out
+
+
+def make_sink(fmt: str, directory: Path, **kw: Any) -> MDSSink | WDSSink:
+    return MDSSink(directory, **kw) if fmt == "mds" else WDSSink(directory, **kw)
+
+
+# ---------------------------------------------------------------------------------------- fetching
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def fetch(remote: str, local: Path, *, timeout: float = 120.0) -> Path:
+    """Download ``remote`` to ``local`` once (streaming's downloader; tmp + rename inside, lock outside)."""
+    if local.is_file():
+        return local
+    import_streaming()
+    from streaming.base.storage import CloudDownloader
+
+    with _file_lock(local):
+        if not local.is_file():
+            try:
+                CloudDownloader.direct_download(remote, str(local), timeout)
+            except Exception as err:  # boto/gcs/hf raise many types; the message is what matters
+                raise UserError(
+                    f"cannot fetch {remote} ({type(err).__name__}: {err}); check the URI, "
+                    "credentials and network, or prepare the data locally"
+                ) from None
+    return local
+
+
+class StreamFiles:
+    """Where a stream's files live locally: the directory itself, or a cache filled from a remote."""
+
+    def __init__(self, stream: StreamConfig) -> None:
+        self.remote = stream.path if is_remote(stream.path) else None
+        self.root = local_path(stream.local) if self.remote else local_path(stream.path)
+        self.where = stream.path
+
+    def manifest(self) -> Manifest:
+        if self.remote:
+            fetch(f"{self.remote.rstrip('/')}/{MANIFEST}", self.root / MANIFEST)
+        return read_manifest(self.root)
+
+    def file(self, split: str, name: str) -> Path:
+        local = self.root / split / name
+        if self.remote and not local.is_file():
+            fetch(f"{self.remote.rstrip('/')}/{split}/{name}", local)
+        return local
+
+
+# ----------------------------------------------------------------------------------------- readers
+class SplitReader:
+    """Random access to the packed sequences of one split of one stream, checking every shard once.
+
+    Shards are verified against the manifest (size, and sha256 unless ``verify: size``) on first use.
+    With ``on_bad_shard: skip`` every shard is verified up front instead, because which shards exist
+    decides the sample count and so the order, which every rank must agree on.
+    """
+
+    def __init__(self, cfg: DataConfig, stream: StreamConfig, tokenizer: Tokenizer) -> None:
+        self.cfg, self.files = cfg, StreamFiles(stream)
+        self.where = f"{stream.path} [{stream.split}]"
+        self.manifest = self.files.manifest()
+        check_compatible(self.manifest, seq_len=cfg.seq_len, tokenizer=tokenizer, where=stream.path, fmt=cfg.format)
+        self.split_name = stream.split
+        split: SplitInfo = self.manifest.split(stream.split, stream.path)
+        self.skipped: list[str] = []
+        shards = split.shards
+        if cfg.on_bad_shard == "skip":
+            shards = [s for s in shards if self._check(s, raise_error=False)]
+        if not shards or sum(s.samples for s in shards) == 0:
+            raise UserError(f"{self.where}: no readable sequences; re-run prepare-data or drop the stream")
+        self.shards = shards
+        self.offsets = np.asarray(SplitInfo(sequences=0, tokens=0, documents=0, shards=shards).shard_offsets())
+        self._checked: set[str] = {s.name for s in shards} if cfg.on_bad_shard == "skip" else set()
+        self._mds: dict[str, Any] = {}
+        self._wds: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()
+        self.shard_offsets = self.offsets  # public alias for the order (wds shuffles within shard windows)
+
+    def __len__(self) -> int:
+        return int(self.offsets[-1])
+
+    def _check(self, info: ShardInfo, *, raise_error: bool = True) -> bool:
+        try:
+            path = self.files.file(self.split_name, info.name)
+            problem = verify_shard(path, info, self.cfg.verify)
+        except UserError as err:
+            if raise_error:
+                raise
+            problem = str(err)
+        if problem is None:
+            return True
+        msg = f"{self.where}: shard {info.name} {problem}"
+        if raise_error:
+            raise UserError(f"{msg}; delete it and re-run prepare-data (or re-download), or set data.on_bad_shard=skip")
+        self.skipped.append(info.name)
+        log.warning("%s; skipping it (%d skipped in this split)", msg, len(self.skipped))
+        return False
+
+    def _shard(self, k: int) -> Path:
+        info = self.shards[k]
+        if info.name not in self._checked:
+            self._check(info)
+            self._checked.add(info.name)
+        return self.files.file(self.split_name, info.name)
+
+    def get(self, index: int) -> np.ndarray:
+        """The sequence at split-local ``index`` (uint16/uint32, seq_len+1 tokens)."""
+        k = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        local = index - int(self.offsets[k])
+        mds = self.cfg.format == "mds"
+        row = self._mds_reader(k).get_item(local)["tokens"] if mds else self._wds_rows(k)[local]
+        if row.shape != (self.cfg.seq_len + 1,):
+            raise UserError(
+                f"{self.where}: shard {self.shards[k].name} holds rows of {row.shape}, expected "
+                f"({self.cfg.seq_len + 1},); re-run prepare-data"
+            )
+        return row
+
+    def _mds_reader(self, k: int) -> Any:
+        name = self.shards[k].name
+        if name not in self._mds:
+            path = self._shard(k)
+            import_streaming()
+            from streaming.base.format import reader_from_json
+
+            index = self._mds_index()
+            obj = next((s for s in index["shards"] if s["raw_data"]["basename"] == name), None)
+            if obj is None or obj["samples"] != self.shards[k].samples:
+                raise UserError(f"{self.where}: index.json does not match the manifest for {name}; re-run prepare-data")
+            self._mds[name] = reader_from_json(str(path.parent), "", obj)
+        return self._mds[name]
+
+    def _mds_index(self) -> dict[str, Any]:
+        if not hasattr(self, "_index"):
+            path = self.files.file(self.split_name, "index.json")
+            try:
+                self._index: dict[str, Any] = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as err:
+                raise UserError(f"{self.where}: unreadable index.json ({err}); re-run prepare-data") from None
+        return self._index
+
+    def _wds_rows(self, k: int) -> np.ndarray:
+        name = self.shards[k].name
+        if name in self._wds:
+            self._wds.move_to_end(name)
+            return self._wds[name]
+        rows = read_wds_shard(self._shard(k), self.shards[k].samples, self.where)
+        self._wds[name] = rows
+        while len(self._wds) > self.cfg.wds_window + 1:  # the window being read, plus one across a boundary
+            self._wds.popitem(last=False)
+        return rows
+
+
+def read_wds_shard(path: Path, samples: int, where: str) -> np.ndarray:
+    """All rows of one tar shard via webdataset's pipeline, in key order, as one 2-D array."""
+    import webdataset as wds
+
+    pipeline = wds.DataPipeline(wds.SimpleShardList([str(path)]), wds.tarfile_to_samples(), wds.decode())
+    try:
+        items = sorted((s["__key__"], s["tokens.npy"]) for s in pipeline)
+    except Exception as err:  # tarfile.ReadError, ValueError from npy decoding, ...
+        raise UserError(
+            f"{where}: shard {path.name} cannot be read ({type(err).__name__}: {err}); delete it and "
+            "re-run prepare-data, or set data.on_bad_shard=skip"
+        ) from None
+    if len(items) != samples:
+        raise UserError(
+            f"{where}: shard {path.name} holds {len(items)} samples, the manifest says {samples}; re-run prepare-data"
+        )
+    return np.stack([row for _, row in items])

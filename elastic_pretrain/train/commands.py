@@ -5,7 +5,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 
 def _quiet_logs() -> None:
@@ -15,19 +18,34 @@ def _quiet_logs() -> None:
     # megatron-core warns at import time that TE/Apex are absent; the CPU path is deliberate.
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
+    # megatron's optimizer probes .grad on shard views; torch warns on every such access.
+    warnings.filterwarnings("ignore", message=".*is not a leaf Tensor is being accessed.*")
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     for name in ("megatron", "megatron.core"):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Validate the job here (one-line errors), then start torchrun with one rank per process."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--nproc-per-node", str(args.nproc_per_node), "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "127.0.0.1:0", "-m", "elastic_pretrain.cli", "train", args.job, *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.run(cmd, env=env, check=False).returncode
 
 
 def _train(args: argparse.Namespace) -> int:
     _quiet_logs()
     from elastic_pretrain.job import load_job
-    from elastic_pretrain.train.trainer import train
 
     overrides = list(args.overrides)
     if args.run_dir:
         overrides.append(f"run_dir={args.run_dir}")
     job = load_job(args.job, overrides)
+    if args.nproc_per_node and "RANK" not in os.environ:
+        return _launch(args, overrides)
+    from elastic_pretrain.train.trainer import train
+
     train(job)
     return 0
 
@@ -45,6 +63,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("job", help="job YAML, e.g. jobs/tiny-cpu.yaml")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. model.loops=4")
     p.add_argument("--run-dir", help="run directory (default runs/<name>)")
+    p.add_argument("--nproc-per-node", type=int, metavar="N",
+                   help="start torchrun with N local ranks (validates the job first); omit under torchrun/srun")
     p.set_defaults(handler=_train)
     c = sub.add_parser("config", help="print the resolved job config (presets and overrides applied)")
     c.add_argument("job")

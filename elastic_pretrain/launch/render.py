@@ -1,0 +1,156 @@
+"""Fill the sbatch template (``slurm/train.sbatch``) for one run.
+
+Placeholders are ``{{NAME}}``. How a value is quoted depends on the line it sits on, so a
+template author cannot get it wrong:
+
+* on an ``#SBATCH`` line, sbatch's own parser reads the value: anything beyond a small safe set
+  of characters is wrapped in double quotes with ``\\`` and ``"`` backslash-escaped (inside quotes
+  sbatch keeps spaces, ``'``, ``#`` and ``$`` literally; an escaped space outside quotes would end
+  the argument); a list gives one ``#SBATCH`` line per item;
+* anywhere else the value is shell text: :func:`shlex.quote`, a list becomes quoted words;
+* ``None`` drops the whole line (an option that is not set);
+* :class:`Lines` (pre-rendered, already quoted) replace the whole line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shlex
+import string
+import sys
+from pathlib import Path
+
+from elastic_pretrain.config import ConfigError
+from elastic_pretrain.launch.config import SlurmConfig
+from elastic_pretrain.launch.layout import RunFiles
+
+PLACEHOLDER_RE = re.compile(r"\{\{([A-Z][A-Z0-9_]*)\}\}")
+DEFAULT_TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "train.sbatch"
+# A template may hard-code other values (a site's account, say) but not leave these out.
+REQUIRED_PLACEHOLDERS = frozenset(
+    {"NODES", "SIGNAL", "SIGNAL_LEAD_S", "LOG", "RUN_DIR", "PYTHON", "RETRIES", "TRAINER"}
+)
+_SBATCH_SAFE = frozenset(string.ascii_letters + string.digits + "_-.,:=@+/")
+
+
+class Lines(tuple[str, ...]):
+    """Whole lines, already quoted, that replace the line holding the placeholder."""
+
+
+Value = str | int | list[str] | Lines | None
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchSpec:
+    """What to run: the job's name, where its files go, and the trainer command torchrun starts."""
+
+    job_name: str
+    run_dir: Path
+    workdir: Path
+    trainer: list[str]  # torchrun's training script + its arguments, e.g. ["-m", "elastic_pretrain.cli", "train", ...]
+
+
+def sbatch_escape(value: str) -> str:
+    """Quote ``value`` for an ``#SBATCH`` line, as sbatch's directive parser reads it back."""
+    if any(c in value for c in "\n\r\0"):
+        raise ConfigError(f"{value!r} contains a line break, which an #SBATCH line cannot hold: rename it")
+    if value and all(c in _SBATCH_SAFE for c in value):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def output_pattern(path: Path) -> str:
+    """``--output`` value for a literal path: ``%`` starts a Slurm filename pattern unless doubled
+    (a path containing a backslash disables patterns altogether, so it is then left alone)."""
+    text = str(path)
+    return text if "\\" in text else text.replace("%", "%%")
+
+
+def fill(template: str, values: dict[str, Value]) -> str:
+    """Substitute every ``{{NAME}}``; unknown names and unused required ones are errors."""
+    used: set[str] = set()
+    out: list[str] = []
+    for lineno, line in enumerate(template.splitlines(), 1):
+        names = PLACEHOLDER_RE.findall(line)
+        unknown = [n for n in names if n not in values]
+        if unknown:
+            raise ConfigError(f"sbatch template line {lineno}: unknown placeholder {{{{{unknown[0]}}}}}")
+        used.update(names)
+        if any(values[n] is None for n in names):
+            continue
+        lines = [v for n in names if isinstance(v := values[n], Lines)]
+        if lines:
+            if len(names) != 1 or line.strip() != f"{{{{{names[0]}}}}}":
+                raise ConfigError(f"sbatch template line {lineno}: a block placeholder must stand alone on its line")
+            out.extend(lines[0])
+            continue
+        out.extend(_fill_line(line, values))
+    missing = sorted(REQUIRED_PLACEHOLDERS & set(values) - used)
+    if missing:
+        raise ConfigError(f"sbatch template does not use {{{{{missing[0]}}}}}: compare it with slurm/train.sbatch")
+    return "\n".join(out) + "\n"
+
+
+def _fill_line(line: str, values: dict[str, Value]) -> list[str]:
+    is_sbatch = line.lstrip().startswith("#SBATCH")
+    lists = [values[n] for n in PLACEHOLDER_RE.findall(line) if isinstance(values[n], list)]
+    if is_sbatch and lists:  # one #SBATCH line per item
+        (name,) = PLACEHOLDER_RE.findall(line)
+        items = values[name]
+        assert isinstance(items, list)
+        return [line.replace(f"{{{{{name}}}}}", sbatch_escape(item)) for item in items]
+
+    def quote(m: re.Match[str]) -> str:
+        value = values[m.group(1)]
+        if isinstance(value, list):
+            return " ".join(shlex.quote(v) for v in value)
+        text = str(value)
+        return sbatch_escape(text) if is_sbatch else shlex.quote(text)
+
+    return [PLACEHOLDER_RE.sub(quote, line)]
+
+
+def template_values(cfg: SlurmConfig, spec: LaunchSpec) -> dict[str, Value]:
+    """The placeholder values of ``slurm/train.sbatch`` for one run."""
+    for what, path in (("run dir", spec.run_dir), ("working directory", spec.workdir)):
+        if not path.is_absolute():
+            raise ConfigError(f"the {what} must be an absolute path, got {path}")
+        if any(c in str(path) for c in "\n\r\0"):
+            raise ConfigError(f"the {what} {str(path)!r} contains a line break: choose another --run-dir")
+    files = RunFiles(spec.run_dir)
+    exports = Lines(f"export {k}={shlex.quote(str(v))}" for k, v in sorted(cfg.env.items()))
+    return {
+        "JOB_NAME": spec.job_name,
+        "NODES": cfg.nodes,
+        "GPUS_PER_NODE": cfg.gpus_per_node or None,
+        "CPUS_PER_TASK": cfg.cpus_per_task,
+        "TIME": cfg.time,
+        "PARTITION": cfg.partition,
+        "ACCOUNT": cfg.account,
+        "SIGNAL": cfg.signal,
+        "SIGNAL_LEAD_S": cfg.signal_lead_s,
+        "LOG": output_pattern(files.log),
+        "SBATCH_ARGS": list(cfg.sbatch_args) or None,
+        "RUN_DIR": str(spec.run_dir),
+        "WORKDIR": str(spec.workdir),
+        "PYTHON": cfg.python or sys.executable,
+        "NPROC_PER_NODE": cfg.procs_per_node,
+        "RETRIES": cfg.retries,
+        "ON_FAILURE": cfg.on_failure,
+        "TRAINER": list(spec.trainer),
+        "ENV_EXPORTS": exports,
+    }
+
+
+def render(cfg: SlurmConfig, spec: LaunchSpec) -> str:
+    """The batch script for ``spec`` under ``cfg`` (from ``cfg.template`` or ``slurm/train.sbatch``)."""
+    path = Path(cfg.template) if cfg.template else DEFAULT_TEMPLATE
+    try:
+        template = path.read_text()
+    except OSError as err:
+        raise ConfigError(
+            f"cannot read the sbatch template {path} ({err.strerror}): set slurm.template to a copy of "
+            "slurm/train.sbatch, or run from a checkout of the repository"
+        ) from None
+    return fill(template, template_values(cfg, spec))

@@ -1,0 +1,195 @@
+"""Talk to Slurm: submit a rendered job, read its state, cancel it.
+
+Every Slurm command runs as an argument list (``subprocess.run([...])``), never through a shell,
+so run directories, job names and option values reach Slurm exactly as given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import subprocess
+from pathlib import Path
+
+from elastic_pretrain.errors import UserError
+from elastic_pretrain.launch.config import SlurmConfig
+from elastic_pretrain.launch.layout import RunFiles, last_committed_step, read_text_or_none
+from elastic_pretrain.launch.render import LaunchSpec, render
+
+# States in which a job still holds (or waits for) resources.
+LIVE_STATES = frozenset(
+    {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING",
+     "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "PREEMPTED"}
+)  # fmt: skip
+_NO_SLURM_HINT = (
+    "run this where Slurm's commands are installed (a login node); for the local test cluster run "
+    "slurm/local-cluster/up.sh, then `source /tmp/elastic-slurm/env.sh`"
+)
+# sbatch error text -> the flag that fixes it
+_SBATCH_HINTS = (
+    (re.compile(r"invalid partition", re.I), "check --partition (`sinfo -s` lists the partitions)"),
+    (re.compile(r"invalid account|account.*(not|invalid)", re.I), "check --account (`sacctmgr show assoc user=$USER`)"),
+    (re.compile(r"time limit|invalid --time", re.I), "check --time against the partition's MaxTime (`sinfo -s`)"),
+    (
+        re.compile(r"node configuration is not available|node count specification invalid|more processors", re.I),
+        "the partition has no nodes that fit: lower --nodes / --gpus-per-node / slurm.cpus_per_task",
+    ),
+    (re.compile(r"qos", re.I), "check the --qos in slurm.sbatch_args"),
+    (re.compile(r"invalid (generic resource|gres)", re.I), "this partition has no GPUs: use --gpus-per-node 0"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobState:
+    """What Slurm knows about a job."""
+
+    job_id: str
+    state: str
+    reason: str
+    restarts: int | None
+    exit_code: str
+    nodes: str
+    elapsed: str
+    name: str
+
+    @property
+    def live(self) -> bool:
+        return self.state.split()[0] in LIVE_STATES if self.state else False
+
+
+def run_slurm(argv: list[str], *, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """Run one Slurm client command; a missing binary is a :class:`UserError`."""
+    try:
+        return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, check=False, timeout=120)
+    except FileNotFoundError:
+        raise UserError(f"{argv[0]} not found: {_NO_SLURM_HINT}") from None
+    except subprocess.TimeoutExpired:
+        raise UserError(f"{argv[0]} did not answer within 120 s: is slurmctld up? (`scontrol ping`)") from None
+
+
+def explain_sbatch_error(stderr: str) -> str:
+    """One line from sbatch's error output plus the flag that fixes it."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower()] or lines or ["sbatch failed without a message"]
+    message = re.sub(r"^sbatch:\s*(error:\s*)?", "", errors[-1])
+    for pattern, hint in _SBATCH_HINTS:
+        if pattern.search(message):
+            return f"sbatch rejected the job: {message}: {hint}"
+    return f"sbatch rejected the job: {message}: fix the Slurm option it names"
+
+
+def submit(cfg: SlurmConfig, spec: LaunchSpec) -> str:
+    """Render the script into ``<run_dir>/slurm/``, submit it, record and return the job id."""
+    files = RunFiles(spec.run_dir)
+    check_can_submit(files)
+    script = render(cfg, spec)
+    files.slurm_dir.mkdir(parents=True, exist_ok=True)
+    files.script.write_text(script)
+    files.cancelled.unlink(missing_ok=True)
+    proc = run_slurm(["sbatch", "--parsable", str(files.script)], cwd=spec.workdir)
+    if proc.returncode != 0:
+        raise UserError(explain_sbatch_error(proc.stderr or proc.stdout))
+    job_id = proc.stdout.strip().split(";")[0]
+    if not job_id.isdigit():
+        raise UserError(f"sbatch printed {proc.stdout.strip()!r} instead of a job id: check its output above")
+    tmp = files.job_id.with_suffix(".tmp")
+    tmp.write_text(job_id + "\n")
+    os.replace(tmp, files.job_id)
+    return job_id
+
+
+def check_can_submit(files: RunFiles) -> None:
+    """Refuse to start a second job on a run directory that is finished or already has a live job."""
+    if files.finished.exists():
+        raise UserError(
+            f"{files.run_dir} has finished training ({files.finished} exists): pick another --run-dir, "
+            "or delete that file to train it further"
+        )
+    job_id = read_text_or_none(files.job_id)
+    if job_id is None:
+        return
+    try:
+        state = query_job(job_id)
+    except UserError:
+        return  # no Slurm to ask: sbatch will report that itself
+    if state is not None and state.live:
+        raise UserError(
+            f"{files.run_dir} already has job {job_id} ({state.state}): wait for it, or stop it with "
+            f"`elastic-pretrain cancel {files.run_dir}`"
+        )
+
+
+def query_job(job_id: str) -> JobState | None:
+    """The job's state from slurmctld (``squeue``), else from accounting (``sacct``); ``None`` if unknown."""
+    fields = "JobID:|,State:|,Reason:|,RestartCnt:|,exit_code:|,NodeList:|,TimeUsed:|,Name:|"
+    proc = run_slurm(["squeue", "-h", "-j", job_id, "--states=all", "-O", fields])
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith(f"{job_id}|")]
+    if proc.returncode == 0 and rows:
+        jid, state, reason, restarts, code, nodes, used, name = (rows[0].rstrip("|").split("|", 7) + [""] * 8)[:8]
+        return JobState(
+            jid, state, reason, int(restarts) if restarts.isdigit() else None, _exit_code(code), nodes, used, name
+        )
+    # Ended long ago: slurmctld forgot it; the accounting database (if any) still knows.
+    proc = run_slurm(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "JobID,State,ExitCode,NodeList,Elapsed,JobName"])
+    rows = [ln for ln in proc.stdout.splitlines() if ln.split("|", 1)[0] == job_id]
+    if proc.returncode == 0 and rows:
+        jid, state, code, nodes, elapsed, name = (rows[0].split("|", 5) + [""] * 6)[:6]
+        return JobState(jid, state, "", None, code, nodes, elapsed, name)
+    return None
+
+
+def _exit_code(raw: str) -> str:
+    """squeue's exit_code is a wait status: show it as Slurm's ``code:signal``."""
+    if not raw.isdigit():
+        return raw
+    status = int(raw)
+    return f"{(status >> 8) & 0xFF}:{status & 0x7F}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunStatus:
+    """``elastic-pretrain status``: the job, its restarts, and how far training got."""
+
+    run_dir: str
+    job_id: str | None
+    job: JobState | None
+    last_step: int | None
+    finished: bool
+    mlflow_run_id: str | None
+    log: str
+
+    def as_dict(self) -> dict[str, object]:
+        out = dataclasses.asdict(self)
+        out["job"] = dataclasses.asdict(self.job) if self.job else None
+        return out
+
+
+def run_status(run_dir: Path) -> RunStatus:
+    files = RunFiles(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir}: no such run directory (give the --run-dir the job was submitted with)")
+    job_id = read_text_or_none(files.job_id)
+    return RunStatus(
+        run_dir=str(run_dir),
+        job_id=job_id,
+        job=query_job(job_id) if job_id else None,
+        last_step=last_committed_step(files),
+        finished=files.finished.exists(),
+        mlflow_run_id=read_text_or_none(files.mlflow_run_id),
+        log=str(files.log),
+    )
+
+
+def cancel(run_dir: Path) -> str:
+    """Cancel the run's job for good: mark it so the batch script does not requeue, then ``scancel``."""
+    files = RunFiles(run_dir)
+    job_id = read_text_or_none(files.job_id)
+    if job_id is None:
+        raise UserError(f"{run_dir}: no Slurm job recorded ({files.job_id} is missing): was it submitted from here?")
+    files.cancelled.write_text(job_id + "\n")
+    proc = run_slurm(["scancel", job_id])
+    if proc.returncode != 0:
+        msg = (proc.stderr or proc.stdout).strip().splitlines()
+        raise UserError(f"scancel {job_id} failed: {msg[-1] if msg else 'no message'}")
+    return job_id

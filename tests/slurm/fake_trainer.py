@@ -1,0 +1,111 @@
+"""Stand-in for ``elastic-pretrain train`` under torchrun: the run-directory and signal contract of
+the real trainer (elastic_pretrain/launch/layout.py), with a cheap all-reduce as the "step".
+
+* ``torch.distributed`` over gloo (NCCL if CUDA is there) across every node of the job;
+* SIGTERM / SIGUSR1 / SIGUSR2 only set a flag; at each step boundary the flag is all-reduced, so
+  every rank saves the same step and exits 0 together;
+* rank 0 commits ``checkpoints/step_<N>/`` (written under a temporary name, then renamed) and
+  then replaces ``checkpoints/latest``; a restart resumes from it;
+* ``FINISHED`` (JSON with the final state) once all steps are done.
+
+The state update is order-sensitive (``v = v / 2 + sum_r (r+1) * s``), so resuming from the
+wrong step or state changes the final value.
+
+Diagnostics for the tests: ``starts.jsonl`` (one line per start: restart count, start step, hosts
+of all ranks) and ``pids/rank<R>`` (the worker's pid, for killing one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+STOP = False
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    global STOP
+    STOP = True
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _resume(ckpts: Path) -> tuple[int, float]:
+    latest = ckpts / "latest"
+    if not latest.is_file():
+        return 0, 0.0
+    state = json.loads((ckpts / latest.read_text().strip() / "state.json").read_text())
+    return int(state["step"]), float(state["value"])
+
+
+def _save(ckpts: Path, step: int, value: float) -> None:
+    tmp = ckpts / f".tmp-step_{step}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "state.json").write_text(json.dumps({"step": step, "value": value}))
+    os.replace(tmp, ckpts / f"step_{step}")
+    _write_atomic(ckpts / "latest", f"step_{step}\n")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--run-dir", type=Path, required=True)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--step-time", type=float, default=0.4)
+    p.add_argument("--save-every", type=int, default=4)
+    args = p.parse_args()
+    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, _on_signal)
+
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run_dir: Path = args.run_dir
+    ckpts = run_dir / "checkpoints"
+    (run_dir / "pids").mkdir(parents=True, exist_ok=True)
+    (run_dir / "pids" / f"rank{rank}").write_text(f"{os.getpid()}\n")
+    hosts: list[str | None] = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    start, value = _resume(ckpts)
+    if rank == 0:
+        entry = {"restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")), "start_step": start, "hosts": hosts}
+        with (run_dir / "starts.jsonl").open("a") as f:
+            f.write(json.dumps(entry) + "\n")
+    print(f"rank {rank}/{world} on {socket.gethostname()}: starting at step {start}", flush=True)
+
+    for step in range(start + 1, args.steps + 1):
+        time.sleep(args.step_time)
+        contrib = torch.tensor([(rank + 1) * step], dtype=torch.float64)
+        dist.all_reduce(contrib)
+        value = value / 2 + contrib.item()
+        stop = torch.tensor([1 if STOP else 0])
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+        if stop.item() or step % args.save_every == 0:
+            if rank == 0:
+                _save(ckpts, step, value)
+            dist.barrier()
+        if stop.item():
+            print(f"rank {rank}: stop requested, saved step {step}, exiting", flush=True)
+            dist.destroy_process_group()
+            return 0
+    if rank == 0:
+        _write_atomic(run_dir / "FINISHED", json.dumps({"step": args.steps, "value": value, "world": world}))
+    print(f"rank {rank}: finished at step {args.steps}", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

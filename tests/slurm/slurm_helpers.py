@@ -1,0 +1,98 @@
+"""Helpers of the Slurm tests: submit the stand-in trainer, bounded waits, expected results."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from elastic_pretrain.launch.config import SlurmConfig
+from elastic_pretrain.launch.layout import RunFiles, last_committed_step
+from elastic_pretrain.launch.render import LaunchSpec
+from elastic_pretrain.launch.slurm import JobState, query_job, submit
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+CLUSTER_SCRIPTS = REPO / "slurm" / "local-cluster"
+FAKE_TRAINER = HERE / "fake_trainer.py"
+# fake-trainer run shape shared by the tests (kept small: every start imports torch 4 times)
+STEPS = 12
+STEP_TIME_S = 0.4
+SAVE_EVERY = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    home: Path
+    conf: Path
+    env: dict[str, str]
+
+
+def fake_spec(run_dir: Path, *, steps: int = STEPS) -> LaunchSpec:
+    """A launch of the stand-in trainer (instead of ``-m elastic_pretrain.cli train``)."""
+    trainer = [str(FAKE_TRAINER), "--run-dir", str(run_dir), "--steps", str(steps)]
+    trainer += ["--step-time", str(STEP_TIME_S), "--save-every", str(SAVE_EVERY)]
+    return LaunchSpec(job_name=f"fake-{run_dir.name}", run_dir=run_dir, workdir=REPO, trainer=trainer)
+
+
+def submit_fake(run_dir: Path, *, steps: int = STEPS, **slurm: object) -> str:
+    """Submit the stand-in trainer on 2 nodes; ``slurm`` overrides SlurmConfig fields."""
+    cfg = SlurmConfig(**{"nodes": 2, "retries": 1, "python": sys.executable, **slurm})  # type: ignore[arg-type]
+    return submit(cfg, fake_spec(run_dir, steps=steps))
+
+
+def expected_value(steps: int = STEPS, world: int = 2) -> float:
+    """The fake trainer's final value for an uninterrupted run (same float64 arithmetic)."""
+    value = 0.0
+    for step in range(1, steps + 1):
+        value = value / 2 + float(step * world * (world + 1) // 2)
+    return value
+
+
+def log_tail(run_dir: Path, lines: int = 40) -> str:
+    log = RunFiles(run_dir).log
+    text = log.read_text(errors="replace") if log.exists() else "(no log yet)"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def wait_for(check: Callable[[], bool], *, timeout: float, what: str, run_dir: Path, job_id: str) -> None:
+    """Poll ``check`` until it holds; on timeout cancel the job and fail with its log."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            state = query_job(job_id)
+            subprocess.run(["scancel", job_id], capture_output=True)
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}; job {state}\n{log_tail(run_dir)}")
+        time.sleep(0.3)
+
+
+def wait_job_end(job_id: str, run_dir: Path, *, timeout: float) -> JobState:
+    """Wait (bounded) until the job has ended for good (requeued restarts count as still alive)."""
+    final: list[JobState] = []
+
+    def ended() -> bool:
+        state = query_job(job_id)
+        if state is not None and not state.live:
+            final.append(state)
+            return True
+        return False
+
+    wait_for(ended, timeout=timeout, what=f"job {job_id} to end", run_dir=run_dir, job_id=job_id)
+    return final[-1]
+
+
+def wait_checkpoint(job_id: str, run_dir: Path, *, step: int, timeout: float) -> None:
+    """Wait until the run has committed a checkpoint at ``step`` or later (the trainer is mid-run)."""
+    files = RunFiles(run_dir)
+    wait_for(
+        lambda: (last_committed_step(files) or 0) >= step,
+        timeout=timeout,
+        what=f"a checkpoint at step >= {step}",
+        run_dir=run_dir,
+        job_id=job_id,
+    )

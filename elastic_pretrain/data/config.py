@@ -77,7 +77,11 @@ class StreamConfig:
 
     path: str = field(doc="local directory or remote URI (s3://, gs://, hf://, file://...) holding manifest.json")
     split: str = field("train", doc="subdirectory of shards to read: 'train' or 'val' as written by prepare-data")
-    local: str | None = field(None, doc="cache directory for a remote path (required then); None for local paths")
+    local: str | None = field(
+        None,
+        doc="cache directory: required for a remote URI; for a local path, files are copied into it "
+        "before reading (a slow shared filesystem); None reads a local path in place",
+    )
     weight: float = field(1.0, doc="relative share of this stream in the training mixture (normalised over streams)")
 
     def __post_init__(self) -> None:

@@ -98,15 +98,15 @@ class TokenBatches:
     def state_dict(self) -> dict[str, Any]:
         """The global position plus what it is relative to (JSON-serialisable; same on every DP rank).
 
-        The mixture/shuffle RNG state is a function of (seeds, epoch), and the epochs follow from the
-        position, so nothing else needs saving; ``epoch`` and ``step`` are recorded for humans.
+        The mixture/shuffle RNG state is a function of (seeds, block, epoch), all of which follow from
+        the position, so nothing else needs saving; ``epochs`` (per stream) and ``step`` are for humans.
         """
         return {
             "version": STATE_VERSION,
             "position": self.position,
             "global_batch_size": self.global_batch_size,
             "step": self.position // self.global_batch_size,
-            "epoch": self.position // self.order.epoch_len,
+            "epochs": self.order.epochs(self.position),
             "order": self._fingerprint(),
         }
 

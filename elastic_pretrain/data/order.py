@@ -2,15 +2,16 @@
 
 Nothing here has hidden state. Position ``p`` of the (infinite) training order is resolved as:
 
-1. **Mixture.** A mixture epoch has ``M = sum(N_i)`` positions (``N_i`` = sequences of stream i);
-   stream i owns ``n_i ≈ M·w_i`` of them (largest-remainder rounding, at least 1). Each mixture epoch
-   ``e`` permutes its ``M`` slots with a seeded bijection; the slot decides the stream, and the slot's
-   rank among that stream's slots, plus ``e·n_i``, is the stream-local position ``s``.
-2. **Stream.** Stream epoch ``s // N_i`` is a seeded permutation of the stream's sequences
-   (MDS: of all of them; WDS: of its shards, then of the samples inside windows of ``wds_window``
-   consecutive shards of that permutation, so a reader holds one window of tar shards at a time).
+1. **Mixture.** Positions come in blocks of 4096; stream i owns ``c_i ≈ 4096·w_i`` slots of every
+   block (largest-remainder rounding, at least 1), placed by a seeded permutation of the block. The
+   k-th slot of stream i in block ``b`` is its stream-local position ``s = b·c_i + k``. Weights are thus
+   exact to 1/4096 over every block, and each stream is consumed in its own order, gap-free.
+2. **Stream.** Stream epoch ``s // N_i`` (``N_i`` = sequences of stream i) is a seeded permutation
+   of the stream's sequences (MDS: of all of them; WDS: of its shards, then of the samples inside
+   windows of ``wds_window`` consecutive shards of that permutation, so a reader holds one window of
+   tar shards at a time).
 
-The "mixture RNG state" is therefore just ``(seed, epoch)``, derived from the position: a resumed
+The "mixture RNG state" is therefore just ``(seed, block, epoch)``, derived from the position: a resumed
 loader, at any DP size, produces exactly the samples an uninterrupted one would.
 
 Permutations of large ranges use a keyed Feistel network with cycle-walking (O(1) memory, random
@@ -65,14 +66,16 @@ def permute(index: np.ndarray, n: int, key: int) -> np.ndarray:
     return x.astype(np.int64)
 
 
-def mixture_counts(sizes: Sequence[int], weights: Sequence[float]) -> list[int]:
-    """Slots per stream in one mixture epoch of ``sum(sizes)`` slots (largest remainder, each >= 1)."""
-    total = sum(sizes)
+def mixture_counts(weights: Sequence[float], block: int) -> list[int]:
+    """Slots per stream in one mixture block (largest-remainder rounding of ``block·w``, each >= 1)."""
     w = np.asarray(weights, dtype=np.float64) / sum(weights)
-    exact = w * total
+    exact = w * block
     counts = np.maximum(np.floor(exact).astype(np.int64), 1)
-    for i in np.argsort(-(exact - np.floor(exact)), kind="stable")[: max(0, total - int(counts.sum()))]:
+    spare = block - int(counts.sum())
+    for i in np.argsort(-(exact - np.floor(exact)), kind="stable")[: max(0, spare)]:
         counts[i] += 1
+    if int(counts.sum()) != block:
+        raise ValueError(f"{len(weights)} streams do not fit a mixture block of {block}")
     return [int(c) for c in counts]
 
 
@@ -115,27 +118,55 @@ class StreamOrder:
 
 
 class MixtureOrder:
-    """Global position -> (stream index, sequence index within the stream's split)."""
+    """Global position -> (stream index, sequence index within the stream's split).
 
-    def __init__(self, streams: Sequence[StreamOrder], weights: Sequence[float], key: int) -> None:
+    Positions come in blocks of ``block``; stream i owns ``c_i`` slots of every block, placed by a
+    seeded permutation of the block. The k-th slot of stream i (in position order) is stream-local
+    position ``blk·c_i + k``, so each stream is consumed in its own order without gaps or repeats,
+    and locality inside a stream (WebDataset windows) survives the mixing.
+    """
+
+    def __init__(self, streams: Sequence[StreamOrder], weights: Sequence[float], key: int, block: int = 4096) -> None:
         self.streams = list(streams)
-        self.counts = mixture_counts([s.size for s in streams], weights)
+        self.block = block if len(streams) > 1 else 1  # one stream: the identity, no mixing needed
+        self.counts = mixture_counts(weights, self.block)
         self.bounds = np.cumsum([0, *self.counts])
-        self.epoch_len = int(self.bounds[-1])
         self.key = key
 
-    def __call__(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        positions = np.asarray(positions, dtype=np.int64)
-        epoch, offset = np.divmod(positions, self.epoch_len)
-        slot = np.empty_like(positions)
-        for e in np.unique(epoch):
-            sel = epoch == e
-            slot[sel] = permute(offset[sel], self.epoch_len, derive_key(self.key, "mix", int(e)))
+    @functools.lru_cache(maxsize=4)  # noqa: B019 — a step touches one or two blocks
+    def _layout(self, blk: int) -> tuple[np.ndarray, np.ndarray]:
+        """(stream, rank among that stream's slots) for every offset of block ``blk``."""
+        slot = permute(np.arange(self.block), self.block, derive_key(self.key, "mix", blk))
         stream = np.searchsorted(self.bounds, slot, side="right") - 1
-        local = epoch * np.asarray(self.counts)[stream] + (slot - self.bounds[stream])
-        index = np.empty_like(positions)
+        rank = np.empty(self.block, dtype=np.int64)
+        for i in range(len(self.streams)):
+            sel = stream == i
+            rank[sel] = np.arange(int(sel.sum()))
+        return stream, rank
+
+    def stream_positions(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(stream, stream-local position) for global positions."""
+        positions = np.asarray(positions, dtype=np.int64)
+        blk, offset = np.divmod(positions, self.block)
+        stream = np.empty_like(positions)
+        local = np.empty_like(positions)
+        for b in np.unique(blk):
+            sel = blk == b
+            s, r = self._layout(int(b))
+            stream[sel] = s[offset[sel]]
+            local[sel] = int(b) * np.asarray(self.counts)[stream[sel]] + r[offset[sel]]
+        return stream, local
+
+    def __call__(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        stream, local = self.stream_positions(positions)
+        index = np.empty_like(local)
         for i, order in enumerate(self.streams):
             sel = stream == i
             if sel.any():
                 index[sel] = order(local[sel])
         return stream, index
+
+    def epochs(self, position: int) -> list[int]:
+        """Each stream's epoch at a global position (how often it has been read through)."""
+        blk = position // self.block
+        return [blk * c // s.size for c, s in zip(self.counts, self.streams)]

@@ -149,12 +149,27 @@ def fetch(remote: str, local: Path, *, timeout: float = 120.0) -> Path:
 
 
 class StreamFiles:
-    """Where a stream's files live locally: the directory itself, or a cache filled from a remote."""
+    """Where a stream's files live locally: the directory itself, or a cache filled from a remote.
+
+    With ``local`` set, ``path`` is a source to copy from even when it is a plain directory or
+    ``file://`` URI (a slow shared filesystem cached on local disk; also how the tests exercise the
+    remote code path without network). Without ``local``, a local ``path`` is read in place.
+    """
 
     def __init__(self, stream: StreamConfig) -> None:
-        self.remote = stream.path if is_remote(stream.path) else None
-        self.root = local_path(stream.local) if self.remote else local_path(stream.path)
+        self.remote: str | None = None
+        if stream.local:
+            # streaming's LocalDownloader handles scheme-less paths; it has no "file" scheme
+            self.remote = stream.path if is_remote(stream.path) else str(local_path(stream.path))
+        self.root = local_path(stream.local) if stream.local else local_path(stream.path)
         self.where = stream.path
+
+    def refetch(self, split: str, name: str) -> Path:
+        """Drop a cached copy that failed verification and download it again (remote streams only)."""
+        local = self.root / split / name
+        with _file_lock(local):
+            local.unlink(missing_ok=True)
+        return self.file(split, name)
 
     def manifest(self) -> Manifest:
         if self.remote:
@@ -204,6 +219,8 @@ class SplitReader:
         try:
             path = self.files.file(self.split_name, info.name)
             problem = verify_shard(path, info, self.cfg.verify)
+            if problem is not None and self.files.remote:  # a damaged cache copy: fetch it once more
+                problem = verify_shard(self.files.refetch(self.split_name, info.name), info, self.cfg.verify)
         except UserError as err:
             if raise_error:
                 raise

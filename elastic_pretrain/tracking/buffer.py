@@ -38,6 +38,7 @@ class TrackerStats:
     dropped: int = 0  # oldest values discarded because the buffer was full
     skipped: int = 0  # values whose step was not after the last step logged for their key
     rejected: int = 0  # values MLflow refused (4xx); see the warning that names the error
+    failed_attempts: int = 0  # sends that failed in a retryable way (one warning per outage, not per attempt)
     reachable: bool | None = None  # None until the first attempt to reach MLflow
 
 
@@ -135,5 +136,6 @@ class Buffer:
                 dropped=s.dropped,
                 skipped=s.skipped,
                 rejected=s.rejected,
+                failed_attempts=s.failed_attempts,
                 reachable=s.reachable,
             )

@@ -135,6 +135,7 @@ class Sender:
     def _note_down(self, err: BaseException) -> None:
         with self.buf.cond:
             self.buf.stats.reachable = False
+            self.buf.stats.failed_attempts += 1
         if self._down_since is None:
             self._down_since = time.monotonic()
             self._sent_at_outage = self.buf.snapshot().sent

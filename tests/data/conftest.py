@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import os
 import random
 import tempfile
@@ -81,3 +82,20 @@ def prepared_mds(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Data
     cfg = recipe(tmp_path_factory.mktemp("mds") / "ds", [str(corpus)])
     prepare_data(cfg, progress=False)
     return cfg
+
+
+@pytest.fixture(scope="module")
+def prepared_wds(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> DataConfig:
+    """The same corpus as WebDataset tar shards, shuffled in windows of 2 shards."""
+    from elastic_pretrain.data.prepare import prepare_data
+
+    cfg = recipe(tmp_path_factory.mktemp("wds") / "ds", [str(corpus)], format="wds", wds_window=2)
+    prepare_data(cfg, progress=False)
+    return cfg
+
+
+def write_ranks(path: Path) -> Path:
+    """A tiny tiktoken ranks file: the 256 bytes plus merges al, ph, alph."""
+    ranks = {bytes([b]): b for b in range(256)} | {b"al": 256, b"ph": 257, b"alph": 258}
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    return path

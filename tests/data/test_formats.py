@@ -3,7 +3,6 @@ weighted mixtures and cached "remote" streams — each written to disk and read 
 
 from __future__ import annotations
 
-import base64
 import json
 import shutil
 from pathlib import Path
@@ -21,7 +20,7 @@ from elastic_pretrain.data.order import mixture_counts
 from elastic_pretrain.data.prepare import prepare_data
 from elastic_pretrain.data.shards import SplitReader
 from elastic_pretrain.data.tokenizer import HFTokenizer, TiktokenTokenizer, load_tokenizer
-from tests.data.conftest import WORDS, recipe, write_corpus
+from tests.data.conftest import WORDS, recipe, write_corpus, write_ranks
 
 
 def _all_rows(cfg: DataConfig, index: int = 0) -> np.ndarray:
@@ -86,9 +85,7 @@ def test_hf_tokenizer_round_trip_fingerprint_and_parallel_prepare(tmp_path: Path
 
 
 def test_tiktoken_ranks_file(tmp_path: Path) -> None:
-    ranks = {bytes([b]): b for b in range(256)} | {b"al": 256, b"ph": 257, b"alph": 258}
-    path = tmp_path / "tiny.tiktoken"
-    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items()))
+    path = write_ranks(tmp_path / "tiny.tiktoken")
     tok = TiktokenTokenizer(build(TokenizerConfig, {"kind": "tiktoken", "path": str(path)}))
     assert tok.encode("alpha") == [258, ord("a")] and tok.decode(tok.encode("alpha größe")) == "alpha größe"
     assert (tok.eos_id, tok.vocab_size) == (259, 260)
@@ -96,13 +93,6 @@ def test_tiktoken_ranks_file(tmp_path: Path) -> None:
     corpus = write_corpus(tmp_path / "c", n_files=6)
     cfg = recipe(tmp_path / "ds", [str(corpus)], tokenizer={"kind": "tiktoken", "path": str(path)})
     assert prepare_data(cfg, progress=False).tokenizer["fingerprint"] == tok.fingerprint
-
-
-@pytest.fixture(scope="module")
-def prepared_wds(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> DataConfig:
-    cfg = recipe(tmp_path_factory.mktemp("wds") / "ds", [str(corpus)], format="wds", wds_window=2)
-    prepare_data(cfg, progress=False)
-    return cfg
 
 
 def test_wds_shards_hold_the_same_rows_as_mds(prepared_wds: DataConfig, prepared_mds: DataConfig) -> None:

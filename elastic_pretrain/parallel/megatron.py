@@ -21,7 +21,9 @@ from elastic_pretrain.parallel.mesh import ParallelConfig
 
 log = logging.getLogger(__name__)
 
-VOCAB_DIVISIBLE_BY = 64
+# The padded vocabulary must not depend on the layout, or checkpoints could not move between TP
+# sizes: pad to a fixed multiple that every supported TP size (1..128) divides.
+VOCAB_DIVISIBLE_BY = 128
 
 
 def te_available() -> bool:
@@ -29,8 +31,9 @@ def te_available() -> bool:
 
 
 def padded_vocab_size(vocab: int, tp: int) -> int:
-    multiple = VOCAB_DIVISIBLE_BY * tp
-    return int(math.ceil(vocab / multiple) * multiple)
+    if VOCAB_DIVISIBLE_BY % tp:
+        raise ValueError(f"tensor parallel size {tp} must divide {VOCAB_DIVISIBLE_BY}")
+    return int(math.ceil(vocab / VOCAB_DIVISIBLE_BY) * VOCAB_DIVISIBLE_BY)
 
 
 def transformer_config(
@@ -107,6 +110,20 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, **kwargs: Any) -> 
     tconfig = transformer_config(model, parallel, **kwargs)
     net = LoopedMoEModel(model, tconfig, layer_specs(model), padded_vocab=padded_vocab_size(model.vocab_size,
                                                                                               parallel.tensor))
+    mark_tp_replicated_experts(net, parallel)
     if torch.cuda.is_available():
         net.cuda(torch.cuda.current_device())
     return net
+
+
+def mark_tp_replicated_experts(net: torch.nn.Module, parallel: ParallelConfig) -> None:
+    """With TP > 1, expert-TP = 1 and EP = 1, every TP rank holds all experts but routes only its own
+    sequence shard through them, so each rank's expert gradient is partial. megatron tags expert
+    weights ``allreduce=True`` (dense) whenever EP == 1 and reduces them over DP only — the TP
+    replicas would silently diverge. Tag them as expert-parallel params instead: DDP then sums them
+    over the expert-data-parallel group (TP x DP ranks), which is the full gradient
+    (tests/parallel/test_equivalence.py checks it against one process)."""
+    if parallel.tensor > 1 and parallel.expert == 1:
+        for name, p in net.named_parameters():
+            if ".experts." in name:
+                p.allreduce = False  # type: ignore[attr-defined]

@@ -128,7 +128,7 @@ class MixtureOrder:
 
     def __init__(self, streams: Sequence[StreamOrder], weights: Sequence[float], key: int, block: int = 4096) -> None:
         self.streams = list(streams)
-        self.block = block if len(streams) > 1 else 1  # one stream: the identity, no mixing needed
+        self.block = block
         self.counts = mixture_counts(weights, self.block)
         self.bounds = np.cumsum([0, *self.counts])
         self.key = key
@@ -147,6 +147,8 @@ class MixtureOrder:
     def stream_positions(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(stream, stream-local position) for global positions."""
         positions = np.asarray(positions, dtype=np.int64)
+        if len(self.streams) == 1:  # nothing to mix: the stream-local position is the global one
+            return np.zeros_like(positions), positions
         blk, offset = np.divmod(positions, self.block)
         stream = np.empty_like(positions)
         local = np.empty_like(positions)

@@ -1,0 +1,106 @@
+"""Loader throughput: TokenBatches over MDS and WebDataset shards vs raw ``np.memmap`` reads.
+
+All three read the same packed sequences (a capped slice of the stdlib corpus) in the same
+global order, so the ratio is the cost of the real shard readers (streaming's MDS reader, the
+webdataset tar pipeline) and the order computation. Prints numbers; asserts nothing.
+
+    .venv/bin/python bench/bench_loader.py [--tokens 4e6] [--steps 100] [--batch 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from elastic_pretrain.config import build
+from elastic_pretrain.data.config import DataConfig
+from elastic_pretrain.data.loader import TokenBatches
+from elastic_pretrain.data.prepare import prepare_data
+
+SEQ_LEN = 128
+
+
+def _recipe(root: Path, fmt: str, tokens: int) -> DataConfig:
+    out = root / fmt
+    return build(DataConfig, {
+        "format": fmt, "seq_len": SEQ_LEN, "streams": [{"path": str(out)}],
+        "prepare": {"source": "stdlib", "output": str(out), "max_tokens": tokens, "samples_per_shard": 4096},
+    })  # fmt: skip
+
+
+def _loader(cfg: DataConfig, batch: int) -> TokenBatches:
+    return TokenBatches(cfg, micro_batch_size=batch, num_micro_batches=1, dp_rank=0, dp_size=1, seed=0)
+
+
+class _Clock:
+    """Wall and CPU time of a block: the machine may be shared, CPU time is the steadier number."""
+
+    def __enter__(self) -> _Clock:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+    def rates(self, tokens: int) -> tuple[float, float]:
+        return tokens / self.wall, tokens / max(self.cpu, 1e-9)
+
+
+def _time_loader(cfg: DataConfig, batch: int, steps: int) -> tuple[float, float]:
+    loader = _loader(cfg, batch)
+    loader.next_step()  # first touch: imports, shard verification (sha256), first tar window
+    with _Clock() as clock:
+        for _ in range(steps):
+            loader.next_step()
+    return clock.rates(steps * batch * (SEQ_LEN + 1))
+
+
+def _memmap_baseline(cfg: DataConfig, root: Path, batch: int, steps: int) -> tuple[float, float]:
+    """The same rows, flat in one uint16 file, gathered by the same global order."""
+    loader = _loader(cfg, batch)
+    reader = loader.readers[0]
+    rows = np.stack([reader.get(i) for i in range(len(reader))])
+    path = root / "flat.u16"
+    rows.tofile(path)
+    mm = np.memmap(path, dtype=rows.dtype, mode="r", shape=rows.shape)
+    order = [loader.order(np.arange(s * batch, (s + 1) * batch))[1] for s in range(steps + 1)]
+    np.asarray(mm[np.sort(order[0])], dtype=np.int64)
+    with _Clock() as clock:
+        for idx in order[1:]:
+            np.asarray(mm[idx], dtype=np.int64)
+    return clock.rates(steps * batch * (SEQ_LEN + 1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=float, default=4e6, help="training tokens to prepare per format")
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--batch", type=int, default=64, help="sequences per step")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-loader-") as tmp:
+        root = Path(tmp)
+        os.environ["TMPDIR"] = tmp  # streaming's lock files stay inside the scratch directory
+        cfgs = {fmt: _recipe(root, fmt, int(args.tokens)) for fmt in ("mds", "wds")}
+        for fmt, cfg in cfgs.items():
+            start = time.perf_counter()
+            m = prepare_data(cfg, progress=False)
+            secs = time.perf_counter() - start
+            print(
+                f"prepare {fmt}: {m.splits['train'].tokens / 1e6:.1f} M tokens in {secs:.1f} s "
+                f"({m.splits['train'].tokens / secs / 1e6:.1f} M tok/s incl. reading the stdlib)"
+            )
+        base = _memmap_baseline(cfgs["mds"], root, args.batch, args.steps)
+        print(f"{'reader':18s} {'wall M tok/s':>13s} {'CPU M tok/s':>12s} {'CPU ratio':>10s}")
+        print(f"{'np.memmap gather':18s} {base[0] / 1e6:13.2f} {base[1] / 1e6:12.2f} {1:10.4f}")
+        for fmt, cfg in cfgs.items():
+            wall, cpu = _time_loader(cfg, args.batch, args.steps)
+            print(f"{'TokenBatches ' + fmt:18s} {wall / 1e6:13.2f} {cpu / 1e6:12.2f} {cpu / base[1]:10.4f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -59,6 +59,7 @@ class Buffer:
         self.stats = TrackerStats()
         self.flush_requested = False
         self.stopping = False
+        self.disabled = False  # MLflow refused the run for good: accept nothing more
         self._full_warned = False
 
     # -- producer side (training thread, system-metrics thread); caller holds no lock --
@@ -69,6 +70,8 @@ class Buffer:
         after its last checkpoint, or a value logged twice, does not draw a zigzag in the UI.
         """
         with self.cond:
+            if self.disabled:
+                return
             for row in rows:
                 key, step = row[0], row[3]
                 if step <= self.last_step.get(key, -1):

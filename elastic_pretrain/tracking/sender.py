@@ -86,6 +86,8 @@ class Sender:
             self._loop()
         except Exception as err:  # a bug here must cost us tracking, never the training run
             self._disabled = True
+            with self.buf.cond:
+                self.buf.disabled = True
             log.warning("tracking stopped after an unexpected error: %s", short_error(err), exc_info=True)
         finally:
             with self.buf.cond:
@@ -208,6 +210,9 @@ class Sender:
             if is_transient(err):
                 raise
             self._disabled = True
+            with self.buf.cond:  # stop buffering: nothing would ever drain it
+                self.buf.disabled = True
+                self.buf.metrics.clear()
             log.warning("tracking off: MLflow at %s refused the run (%s)", self.uri, short_error(err))
             return
         self.run_id = run.info.run_id

@@ -170,3 +170,23 @@ def test_resume_with_unknown_run_id_starts_a_new_run(
 def test_metric_names_we_document_pass_mlflow_validation() -> None:
     for name in ("loss", "loss_loops_4", "val_ppl_loops_2", "tokens_per_s", routing(11, 3, "entropy"), "system/x"):
         _validate_metric_name(name)
+
+
+def test_refused_run_turns_tracking_off_with_one_warning(
+    mlflow_server: Any, fast_cfg: Callable[..., TrackingConfig], tmp_path: Path, caplog: Any
+) -> None:
+    client = MlflowClient(mlflow_server.uri)
+    client.delete_experiment(client.create_experiment("deleted-in-the-ui"))  # runs cannot be created in it
+    caplog.set_level(logging.WARNING, logger="elastic_pretrain.tracking")
+    tracker = create_tracker(
+        fast_cfg(uri=mlflow_server.uri, experiment="deleted-in-the-ui"), run_dir=tmp_path, job_name="x", rank=0
+    )
+    tracker.log_metrics({"loss": 1.0}, step=0)
+    assert not tracker.flush(FLUSH_S)  # returns as soon as the sender gave up, not after FLUSH_S
+    for step in range(1, 100):
+        tracker.log_metrics({"loss": 1.0}, step=step)  # accepted and ignored, nothing buffered
+    assert tracker.run_id is None and tracker.stats().buffered == 0
+    tracker.close(FLUSH_S)
+    (off,) = [r.getMessage() for r in caplog.records if "tracking off" in r.getMessage()]
+    assert "refused the run" in off
+    assert not [r for r in caplog.records if "unreachable" in r.getMessage() or "closed with" in r.getMessage()]

@@ -43,7 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may follow flags (train job.yaml --nproc-per-node 2 train.steps=5)
+    if extra and isinstance(getattr(args, "overrides", None), list) and all(
+        "=" in e and not e.startswith("-") for e in extra
+    ):
+        args.overrides += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.handler(args) or 0)
     except UserError as err:

@@ -1,0 +1,33 @@
+"""End to end: the default job (2 gloo ranks, EP=2) trains a few steps and its loss decreases."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import REPO, VENV_BIN
+
+pytestmark = pytest.mark.slow
+
+
+def test_tiny_job_trains_and_reports_every_loop_count(tmp_path):
+    cli = str(VENV_BIN / "elastic-pretrain")
+    subprocess.run([cli, "prepare-data", "stdlib-code"], cwd=REPO, check=True, capture_output=True, timeout=300)
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [cli, "train", "jobs/tiny-cpu.yaml", "--nproc-per-node", "2", "--run-dir", str(run_dir),
+         "train.steps=30", "train.warmup_steps=5", "train.log_interval=10", "train.eval_interval=0",
+         "train.eval_sequences=16"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "validation loss per loop count" in proc.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    losses = [h["loss"] for h in summary["history"]]
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
+    assert sorted(summary["val_loss_by_loops"]) == ["1", "2", "3", "4"]
+    assert summary["layout"] == {"world_size": 2, "tp": 1, "ep": 2, "pp": 1, "dp": 2, "device": "cpu"}
+    assert (run_dir / "config.yaml").is_file()

@@ -82,7 +82,9 @@ def mixture_counts(weights: Sequence[float], block: int) -> list[int]:
 class StreamOrder:
     """Stream-local position -> sequence index for one stream (see module docstring, step 2)."""
 
-    def __init__(self, size: int, key: int, shard_offsets: Sequence[int] | None = None, window: int = 1) -> None:
+    def __init__(
+        self, size: int, key: int, shard_offsets: Sequence[int] | np.ndarray | None = None, window: int = 1
+    ) -> None:
         self.size, self.key = size, key
         self.offsets = None if shard_offsets is None else np.asarray(shard_offsets, dtype=np.int64)
         self.window = window

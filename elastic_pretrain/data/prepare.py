@@ -213,10 +213,10 @@ def prepare_data(cfg: DataConfig, *, progress: bool = True) -> Manifest:
         smoothing=0.1,
     )
     with bar:
-        for split, tokens in _tokenised(cfg, tok, docs):
-            if not packers[split].full:
-                packers[split].add(tokens)
-                bar.update(len(tokens) if split == 0 else 0)
+        for which, tokens in _tokenised(cfg, tok, docs):
+            if not packers[which].full:
+                packers[which].add(tokens)
+                bar.update(len(tokens) if which == 0 else 0)
             if all(p.full for p in packers):
                 break
     splits = {name: p.finish() for name, p in zip(SPLITS, packers)}

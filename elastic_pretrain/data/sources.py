@@ -29,7 +29,7 @@ def stdlib_root() -> Path:
 
 
 def _walk(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
-    out = []
+    out: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
         out.extend(Path(dirpath) / f for f in filenames if f.endswith(suffixes))

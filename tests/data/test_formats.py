@@ -101,6 +101,22 @@ def test_wds_shards_hold_the_same_rows_as_mds(prepared_wds: DataConfig, prepared
     np.testing.assert_array_equal(_all_rows(prepared_wds), _all_rows(prepared_mds))
 
 
+def test_wds_members_hold_blocks_of_rows_within_shards(
+    tmp_path: Path, prepared_mds: DataConfig, corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tarfile
+
+    from elastic_pretrain.data import shards
+
+    monkeypatch.setattr(shards, "WDS_MEMBER_TOKENS", 5 * 17)  # 5 rows per member, 32 rows per shard
+    cfg = recipe(tmp_path / "ds", [str(corpus)], format="wds")
+    m = prepare_data(cfg, progress=False)
+    first = Path(cfg.streams[0].path) / "train" / m.splits["train"].shards[0].name
+    with tarfile.open(first) as tar:
+        assert [n.split(".")[0] for n in tar.getnames()] == [f"{k:010d}" for k in (0, 5, 10, 15, 20, 25, 30)]
+    np.testing.assert_array_equal(_all_rows(cfg), _all_rows(prepared_mds))
+
+
 def _batches(cfg: DataConfig, dp: int, rank: int) -> TokenBatches:
     return TokenBatches(cfg, micro_batch_size=4 // dp, num_micro_batches=3, dp_rank=rank, dp_size=dp, seed=3)
 
@@ -171,3 +187,24 @@ def test_cached_remote_stream_reads_the_same_and_refetches_a_damaged_copy(
     victim.write_bytes(bytes(data))
     np.testing.assert_array_equal(_all_rows(cfg), _all_rows(prepared_mds))
     shutil.rmtree(cache)
+
+
+def _read_sum(path: str, local: str) -> int:
+    cfg = build(DataConfig, {"seq_len": 16, "streams": [{"path": path, "local": local}]})
+    return int(_all_rows(cfg).sum())
+
+
+def test_two_processes_share_one_cache(tmp_path: Path, prepared_mds: DataConfig) -> None:
+    """Two ranks on one machine fill the same cache concurrently: same rows, each file once, no temp files."""
+    import multiprocessing
+
+    assert prepared_mds.prepare is not None
+    src, cache = prepared_mds.prepare.output, str(tmp_path / "cache")
+    # fork: streaming is already imported here, a spawned child would spend ~10 s importing it again
+    with multiprocessing.get_context("fork").Pool(2) as pool:
+        sums = pool.starmap(_read_sum, [(src, cache), (src, cache)])
+    assert sums[0] == sums[1] == int(_all_rows(prepared_mds).sum())
+    leftovers = [p.name for p in (tmp_path / "cache").rglob("*") if p.name.endswith(".tmp")]
+    assert not leftovers
+    cached = sorted(p.name for p in (tmp_path / "cache" / "train").glob("shard.*"))
+    assert cached == sorted(p.name for p in (Path(src) / "train").glob("shard.*"))

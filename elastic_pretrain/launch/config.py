@@ -43,7 +43,7 @@ def parse_time_limit(text: str) -> int | None:
     m = _TIME_RE.match(text.strip())
     if not m:
         raise ConfigError(
-            f"slurm.time: {text!r} is not a Slurm time limit: write minutes (90), HH:MM:SS (01:30:00) "
+            f"slurm.time (--time): {text!r} is not a Slurm time limit: write minutes (90), HH:MM:SS (01:30:00) "
             "or D-HH:MM:SS (2-00:00:00)"
         )
     g = {k: int(v) for k, v in m.groupdict().items() if v is not None}
@@ -135,7 +135,7 @@ class SlurmConfig:
         if self.time is not None:
             limit = parse_time_limit(self.time)
             if limit == 0:
-                raise ConfigError("slurm.time: a time limit of 0 would never run: give minutes, e.g. --time 60")
+                raise ConfigError("slurm.time (--time): a limit of 0 would never run: give minutes, e.g. --time 60")
             if limit is not None and self.signal_lead_s >= limit:
                 raise ConfigError(
                     f"slurm.signal_lead_s={self.signal_lead_s} is not below slurm.time={self.time} ({limit} s): "

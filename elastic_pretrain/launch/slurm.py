@@ -71,8 +71,15 @@ def run_slurm(argv: list[str], *, cwd: Path | None = None) -> subprocess.Complet
 def explain_sbatch_error(stderr: str) -> str:
     """One line from sbatch's error output plus the flag that fixes it."""
     lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "error" in ln.lower()] or lines or ["sbatch failed without a message"]
-    message = re.sub(r"^sbatch:\s*(error:\s*)?", "", errors[-1])
+    errors = (
+        [ln for ln in lines if "fatal" in ln.lower()]
+        or [ln for ln in lines if "error" in ln.lower()]
+        or lines
+        or ["sbatch failed without a message"]
+    )
+    message = re.sub(r"^sbatch:\s*((error|fatal):\s*)?(Batch job submission failed:\s*)?", "", errors[-1])
+    if re.search(r"configuration source|Unable to contact slurm controller|Connection refused", message, re.I):
+        return f"sbatch cannot reach a Slurm cluster ({message}): {_NO_SLURM_HINT}"
     for pattern, hint in _SBATCH_HINTS:
         if pattern.search(message):
             return f"sbatch rejected the job: {message}: {hint}"

@@ -4,7 +4,7 @@
 #   munged -> slurmctld -> slurmd x N; nodeK runs in its own UTS + mount namespace with hostname
 #   nodeK, NodeAddr 127.0.0.(10+K) and a private /etc/hosts, so a job sees N distinct hosts.
 #
-# Partitions: `debug` (default, PriorityTier=1, preemptable: REQUEUE after GraceTime=10 s) and
+# Partitions: `debug` (default, PriorityTier=1, preemptable: REQUEUE after GraceTime=30 s) and
 # `high` (PriorityTier=10) on the same nodes: a job in `high` preempts one in `debug`, which is
 # first sent its --signal (preempt_send_user_signal).
 #
@@ -96,6 +96,8 @@ SlurmdParameters=config_overrides
 ReturnToService=2
 MailProg=/bin/true
 JobRequeue=1
+# reject at submit time what a partition can never run (too many nodes, too long), as most sites do
+EnforcePartLimits=ALL
 KillWait=10
 # keep finished jobs visible to scontrol (no accounting database here) for an hour
 MinJobAge=3600
@@ -109,7 +111,7 @@ EOF
     echo "NodeName=node$i NodeHostname=node$i NodeAddr=$(node_addr "$i") Port=$((ES_PORT + i))" \
       "CPUs=$ES_CPUS RealMemory=$ES_MEM State=UNKNOWN"
   done
-  echo "PartitionName=debug Nodes=$NODELIST Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=10"
+  echo "PartitionName=debug Nodes=$NODELIST Default=YES MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=30"
   echo "PartitionName=high Nodes=$NODELIST MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF"
 }
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from slurm_helpers import CLUSTER_SCRIPTS, Cluster
+from slurm_helpers import CLUSTER_NODES, CLUSTER_SCRIPTS, CPUS_PER_NODE, Cluster
 
 
 def _cluster_env() -> dict[str, str]:
@@ -23,6 +23,8 @@ def _cluster_env() -> dict[str, str]:
         **os.environ,
         "ELASTIC_SLURM_HOME": os.environ.get("ELASTIC_SLURM_TEST_HOME", "/tmp/elastic-slurm-test"),
         "ELASTIC_SLURM_PORT": os.environ.get("ELASTIC_SLURM_TEST_PORT", "16940"),
+        "ELASTIC_SLURM_NODES": str(CLUSTER_NODES),
+        "ELASTIC_SLURM_CPUS": str(CPUS_PER_NODE),
     }
 
 
@@ -44,3 +46,19 @@ def slurm_cluster() -> Iterator[Cluster]:
     finally:
         if os.environ.get("ELASTIC_SLURM_KEEP") != "1":
             subprocess.run(["bash", str(CLUSTER_SCRIPTS / "down.sh")], env=env, capture_output=True, timeout=300)
+            stray = _processes_of(home)
+            assert not stray, f"down.sh left processes of the test cluster running: {stray}"
+
+
+def _processes_of(home: Path) -> list[str]:
+    """Live processes started by the cluster in ``home`` (daemons carry ELASTIC_SLURM_DAEMON=home)."""
+    marker = f"ELASTIC_SLURM_DAEMON={home}".encode()
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if marker in (proc / "environ").read_bytes().split(b"\0"):
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{proc.name} {cmdline}")
+        except OSError:
+            continue
+    return found

@@ -11,7 +11,9 @@ the real trainer (elastic_pretrain/launch/layout.py), with a cheap all-reduce as
 The state update is order-sensitive (``v = v / 2 + sum_r (r+1) * s``), so resuming from the
 wrong step or state changes the final value.
 
-Diagnostics for the tests: ``starts.jsonl`` (one line per start: restart count, start step, hosts
+``--hold-at N`` makes the first start wait at step N (still answering signals) until signalled, so
+a test can preempt or kill it mid-run without racing the clock. Diagnostics for the tests:
+``holding`` (written when it waits), ``starts.jsonl`` (one line per start: restart count, start step, hosts
 of all ranks) and ``pids/rank<R>`` (the worker's pid, for killing one).
 """
 
@@ -60,12 +62,22 @@ def _save(ckpts: Path, step: int, value: float) -> None:
     _write_atomic(ckpts / "latest", f"step_{step}\n")
 
 
+def _agree(flag: bool) -> bool:
+    """True on every rank if any rank got the signal (the trainer's step-boundary all-reduce)."""
+    t = torch.tensor([1 if flag else 0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--run-dir", type=Path, required=True)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--step-time", type=float, default=0.4)
     p.add_argument("--save-every", type=int, default=4)
+    p.add_argument(
+        "--hold-at", type=int, default=0, help="first start only: stop advancing after this step until signalled"
+    )
     args = p.parse_args()
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, _on_signal)
@@ -79,8 +91,9 @@ def main() -> int:
     hosts: list[str | None] = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
     start, value = _resume(ckpts)
+    restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     if rank == 0:
-        entry = {"restart": int(os.environ.get("SLURM_RESTART_COUNT", "0")), "start_step": start, "hosts": hosts}
+        entry = {"restart": restart, "start_step": start, "hosts": hosts}
         with (run_dir / "starts.jsonl").open("a") as f:
             f.write(json.dumps(entry) + "\n")
     print(f"rank {rank}/{world} on {socket.gethostname()}: starting at step {start}", flush=True)
@@ -90,13 +103,19 @@ def main() -> int:
         contrib = torch.tensor([(rank + 1) * step], dtype=torch.float64)
         dist.all_reduce(contrib)
         value = value / 2 + contrib.item()
-        stop = torch.tensor([1 if STOP else 0])
-        dist.all_reduce(stop, op=dist.ReduceOp.MAX)
-        if stop.item() or step % args.save_every == 0:
+        stop = _agree(STOP)
+        if step == args.hold_at and restart == 0 and start == 0:
+            # a long run in miniature: keep "training" at this step boundary until signalled
+            if rank == 0:
+                (run_dir / "holding").write_text(f"{step}\n")
+            while not stop:
+                time.sleep(0.2)
+                stop = _agree(STOP)
+        if stop or step % args.save_every == 0:
             if rank == 0:
                 _save(ckpts, step, value)
             dist.barrier()
-        if stop.item():
+        if stop:
             print(f"rank {rank}: stop requested, saved step {step}, exiting", flush=True)
             dist.destroy_process_group()
             return 0

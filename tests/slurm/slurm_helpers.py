@@ -20,9 +20,15 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 CLUSTER_SCRIPTS = REPO / "slurm" / "local-cluster"
 FAKE_TRAINER = HERE / "fake_trainer.py"
-# fake-trainer run shape shared by the tests (kept small: every start imports torch 4 times)
-STEPS = 12
-STEP_TIME_S = 0.4
+# The test cluster: jobs run on node1+node2 (CPUs declared for several 2-node jobs side by side);
+# node3+node4 are kept for the partition-preemption test, whose preemptor takes all their CPUs.
+CLUSTER_NODES = 4
+CPUS_PER_NODE = 8
+MAIN_NODES = "node[1-2]"
+PREEMPT_NODES = "node[3-4]"
+# Fake-trainer run shape (kept small: every start imports torch 4 times on 2 shared cores).
+STEPS = 16
+STEP_TIME_S = 0.2
 SAVE_EVERY = 3
 
 
@@ -33,17 +39,21 @@ class Cluster:
     env: dict[str, str]
 
 
-def fake_spec(run_dir: Path, *, steps: int = STEPS) -> LaunchSpec:
+def fake_spec(run_dir: Path, *, steps: int = STEPS, hold_at: int = 0) -> LaunchSpec:
     """A launch of the stand-in trainer (instead of ``-m elastic_pretrain.cli train``)."""
-    trainer = [str(FAKE_TRAINER), "--run-dir", str(run_dir), "--steps", str(steps)]
+    trainer = [str(FAKE_TRAINER), "--run-dir", str(run_dir), "--steps", str(steps), "--hold-at", str(hold_at)]
     trainer += ["--step-time", str(STEP_TIME_S), "--save-every", str(SAVE_EVERY)]
     return LaunchSpec(job_name=f"fake-{run_dir.name}", run_dir=run_dir, workdir=REPO, trainer=trainer)
 
 
-def submit_fake(run_dir: Path, *, steps: int = STEPS, **slurm: object) -> str:
+def submit_fake(
+    run_dir: Path, *, steps: int = STEPS, hold_at: int = 0, nodelist: str = MAIN_NODES, **slurm: object
+) -> str:
     """Submit the stand-in trainer on 2 nodes; ``slurm`` overrides SlurmConfig fields."""
-    cfg = SlurmConfig(**{"nodes": 2, "retries": 1, "python": sys.executable, **slurm})  # type: ignore[arg-type]
-    return submit(cfg, fake_spec(run_dir, steps=steps))
+    fields: dict[str, object] = {"nodes": 2, "retries": 1, "python": sys.executable, **slurm}
+    fields["sbatch_args"] = [f"--nodelist={nodelist}"]
+    cfg = SlurmConfig(**fields)  # type: ignore[arg-type]
+    return submit(cfg, fake_spec(run_dir, steps=steps, hold_at=hold_at))
 
 
 def expected_value(steps: int = STEPS, world: int = 2) -> float:
@@ -84,6 +94,12 @@ def wait_job_end(job_id: str, run_dir: Path, *, timeout: float) -> JobState:
 
     wait_for(ended, timeout=timeout, what=f"job {job_id} to end", run_dir=run_dir, job_id=job_id)
     return final[-1]
+
+
+def wait_holding(job_id: str, run_dir: Path, *, timeout: float) -> None:
+    """Wait until the stand-in trainer (``hold_at``) waits mid-run for a signal."""
+    wait_for((run_dir / "holding").exists, timeout=timeout, what="the trainer to hold mid-run", run_dir=run_dir,
+             job_id=job_id)  # fmt: skip
 
 
 def wait_checkpoint(job_id: str, run_dir: Path, *, step: int, timeout: float) -> None:

@@ -1,0 +1,128 @@
+"""``elastic-pretrain submit | status | cancel`` without a cluster: flags, dry runs, errors, run-dir files."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from elastic_pretrain import cli
+from elastic_pretrain.errors import UserError
+from elastic_pretrain.launch.layout import RunFiles, last_committed_step
+from elastic_pretrain.launch.slurm import check_can_submit, explain_sbatch_error
+
+
+@pytest.fixture
+def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "jobs" / "tiny job.yaml"
+    path.parent.mkdir()
+    path.write_text("name: tiny\nslurm:\n  nodes: 2\n  retries: 5\n  partition: cpu\n")
+    return path
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_dry_run_prints_the_script_and_writes_nothing(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_cli(["submit", str(job), "train.steps=7", "--nodes", "3", "--time", "30", "--dry-run"], capsys)
+    assert code == 0, err
+    run_dir = Path.cwd() / "runs" / "tiny"  # default: runs/<name> under the working directory
+    assert "#SBATCH --nodes=3" in out and "#SBATCH --partition=cpu" in out and "#SBATCH --time=30" in out
+    assert "RETRIES=5" in out  # from the YAML's slurm: section; flags override it key by key
+    assert f"TRAINER=(-m elastic_pretrain.cli train '{job}' train.steps=7 --run-dir {run_dir})" in out
+    assert "dry run" in err and not run_dir.exists()
+
+
+def test_run_dir_from_flag_or_yaml(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_cli(["submit", str(job), "--run-dir", "elsewhere/r 1", "--dry-run"], capsys)
+    assert code == 0 and f"RUN_DIR='{Path.cwd() / 'elsewhere' / 'r 1'}'" in out
+    job.write_text("run_dir: /scratch/x\n")
+    code, out, _ = run_cli(["submit", str(job), "--dry-run"], capsys)
+    assert code == 0 and "RUN_DIR=/scratch/x" in out and '#SBATCH --job-name="tiny job"' in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--nodes", "0"], "slurm.nodes must be >= 1 (got 0): pass --nodes N"),
+        (["--time", "1:2:3:4"], "slurm.time (--time): '1:2:3:4' is not a Slurm time limit"),
+        (["--signal", "HUP"], "slurm.signal: 'HUP' is not supported"),
+        (["--time", "5", "--signal-lead", "600"], "lower --signal-lead or raise --time"),
+        (["slurm.nodez=2"], "unknown key 'slurm.nodez': did you mean 'slurm.nodes'?"),
+    ],
+)
+def test_bad_options_are_one_line_errors(
+    job: Path, capsys: pytest.CaptureFixture[str], flags: list[str], needle: str
+) -> None:
+    code, _, err = run_cli(["submit", str(job), *flags, "--dry-run"], capsys)
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_missing_job_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run_cli(["submit", str(tmp_path / "nope.yaml"), "--dry-run"], capsys)
+    assert code == 2 and "no such file" in err
+
+
+def test_submit_without_slurm_says_where_to_run(
+    job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    code, _, err = run_cli(["submit", str(job)], capsys)
+    assert code == 2 and "sbatch not found: run this where Slurm's commands are installed" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_status_of_a_run_dir_without_slurm_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    files = RunFiles(tmp_path)
+    files.checkpoints.mkdir()
+    files.latest.write_text("step_40\n")
+    files.mlflow_run_id.write_text("abc123\n")
+    code, out, _ = run_cli(["status", str(tmp_path)], capsys)
+    assert code == 0
+    assert "no job submitted from here" in out and "last step:  40" in out and "abc123" in out
+    code, _, err = run_cli(["status", str(tmp_path / "missing")], capsys)
+    assert code == 2 and "no such run directory" in err
+    code, _, err = run_cli(["cancel", str(tmp_path)], capsys)
+    assert code == 2 and "no Slurm job recorded" in err
+
+
+def test_latest_may_be_a_file_or_a_symlink(tmp_path: Path) -> None:
+    files = RunFiles(tmp_path)
+    assert last_committed_step(files) is None
+    files.checkpoints.mkdir()
+    (files.checkpoints / "step_12").mkdir()
+    os.symlink("step_12", files.latest)
+    assert last_committed_step(files) == 12
+    files.latest.unlink()
+    files.latest.write_text("9")
+    assert last_committed_step(files) == 9
+
+
+def test_finished_run_is_not_resubmitted(tmp_path: Path) -> None:
+    RunFiles(tmp_path).finished.write_text("{}")
+    with pytest.raises(UserError, match="has finished training"):
+        check_can_submit(RunFiles(tmp_path))
+
+
+@pytest.mark.parametrize(
+    ("stderr", "needle"),
+    [
+        ("sbatch: error: invalid partition specified: gpu\nsbatch: error: Batch job submission failed: "
+         "Invalid partition name specified", "Invalid partition name specified: check --partition"),
+        ("sbatch: error: Batch job submission failed: Node count specification invalid", "lower --nodes"),
+        ("sbatch: error: Invalid --time specification", "check --time"),
+        ("sbatch: error: Batch job submission failed: Invalid account or account/partition combination specified",
+         "check --account"),
+        ("sbatch: error: fetch_config: DNS SRV lookup failed\nsbatch: error: _establish_config_source: failed to "
+         "fetch config\nsbatch: fatal: Could not establish a configuration source", "cannot reach a Slurm cluster"),
+        ("sbatch: error: Something new", "Something new: fix the Slurm option it names"),
+    ],
+)  # fmt: skip
+def test_sbatch_errors_name_the_fix(stderr: str, needle: str) -> None:
+    message = explain_sbatch_error(stderr)
+    assert needle in message and "\n" not in message

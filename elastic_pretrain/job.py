@@ -22,6 +22,7 @@ from elastic_pretrain.config import (
 from elastic_pretrain.data.config import DataConfig
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.parallel.mesh import ParallelConfig
+from elastic_pretrain.tracking.config import TrackingConfig
 from elastic_pretrain.train.config import TrainConfig
 from elastic_pretrain.train.schedule import ScheduleConfig
 
@@ -40,6 +41,7 @@ class JobConfig:
     data: DataConfig = field(doc="Data streams (or a preset name in data/).")
     train: TrainConfig = field(doc="Optimisation and cadence.")
     schedule: ScheduleConfig = field(factory=ScheduleConfig, doc="Depth during training.")
+    tracking: TrackingConfig = field(factory=TrackingConfig, doc="MLflow tracking (local store under run_dir).")
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:

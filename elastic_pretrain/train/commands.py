@@ -21,6 +21,7 @@ def _quiet_logs() -> None:
     # megatron's optimizer probes .grad on shard views; torch warns on every such access.
     warnings.filterwarnings("ignore", message=".*is not a leaf Tensor is being accessed.*")
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
     for name in ("megatron", "megatron.core"):
         logging.getLogger(name).setLevel(logging.WARNING)
 

@@ -139,6 +139,46 @@ class SummaryWriter:
             self.path.write_text(json.dumps(summary, indent=1))
 
 
+class TrackingCallback:
+    """Metrics, validation curves and the quality-budget plot to MLflow (rank 0; never fatal)."""
+
+    def __init__(self, job: JobConfig, mesh: Mesh, run_dir: Path) -> None:
+        from elastic_pretrain.config import flatten, to_dict
+        from elastic_pretrain.tracking import names
+        from elastic_pretrain.tracking.tracker import create_tracker, default_tags
+
+        self.job, self.names, self.run_dir = job, names, run_dir
+        self.tracker = create_tracker(job.tracking, run_dir=run_dir, job_name=job.name, rank=mesh.rank)
+        self.tracker.log_params(flatten(to_dict(job)))
+        if mesh.is_logging_rank:
+            self.tracker.set_tags({**default_tags(world_size=mesh.world_size),
+                                   "layout": json.dumps(describe(mesh))})
+        self._window: list[float] = []
+
+    def on_step(self, state: TrainState, result: StepResult, step_s: float) -> None:
+        self._window.append(step_s)
+        if state.step % self.job.train.log_interval and state.step != self.job.train.steps:
+            return
+        n = self.names
+        metrics = {n.LOSS: result.loss, n.LR: result.lr, n.GRAD_NORM: result.grad_norm,
+                   n.TOKENS_PER_S: self.job.tokens_per_step * len(self._window) / sum(self._window)}
+        metrics.update({n.loss_loops(k): v for k, v in result.loss_by_loops.items()})
+        metrics.update({n.sanitize(k): v for k, v in result.aux.items()})
+        self._window.clear()
+        self.tracker.log_metrics(metrics, step=state.step)
+
+    def on_eval(self, state: TrainState, val: dict[int, float]) -> None:
+        self.tracker.log_quality_budget(val, step=state.step)
+
+    def on_end(self, state: TrainState, val: dict[int, float]) -> None:
+        self.on_eval(state, val)
+        if (self.run_dir / "config.yaml").is_file():
+            self.tracker.log_artifact(self.run_dir / "config.yaml")
+        if self.tracker.run_id:
+            (self.run_dir / "mlflow_run_id").write_text(self.tracker.run_id)
+        self.tracker.close(self.job.tracking.close_timeout_s)
+
+
 def train(job: JobConfig) -> dict[int, float]:
     """Run a job in this process (one rank of a torchrun launch, or a single process)."""
     torch.set_num_threads(job.train.threads_per_rank)
@@ -151,7 +191,8 @@ def train(job: JobConfig) -> dict[int, float]:
         session = build_session(job, mesh)
         if mesh.is_logging_rank:
             print(session.describe(), flush=True)
-        callbacks: list[Callback] = [ProgressPrinter(job, mesh, session.controller), SummaryWriter(run_dir, mesh)]
+        callbacks: list[Callback] = [ProgressPrinter(job, mesh, session.controller), SummaryWriter(run_dir, mesh),
+                                     TrackingCallback(job, mesh, run_dir)]
         return Trainer(job, mesh, session, callbacks).fit()
     finally:
         teardown()

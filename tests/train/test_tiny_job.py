@@ -31,3 +31,13 @@ def test_tiny_job_trains_and_reports_every_loop_count(tmp_path):
     assert sorted(summary["val_loss_by_loops"]) == ["1", "2", "3", "4"]
     assert summary["layout"] == {"world_size": 2, "tp": 1, "ep": 2, "pp": 1, "dp": 2, "device": "cpu"}
     assert (run_dir / "config.yaml").is_file()
+    # the run is in the local MLflow store with its curves and the quality-budget plot
+    from mlflow.tracking import MlflowClient
+
+    from elastic_pretrain.tracking.config import local_store_uri
+
+    client = MlflowClient(tracking_uri=local_store_uri(run_dir))
+    run = client.get_run((run_dir / "mlflow_run_id").read_text().strip())
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [10, 20, 30]
+    assert {f"val_loss_loops_{k}" for k in range(1, 5)} <= set(run.data.metrics)
+    assert run.data.params["model.flatten"] == "2"

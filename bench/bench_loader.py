@@ -21,6 +21,7 @@ from elastic_pretrain.config import build
 from elastic_pretrain.data.config import DataConfig
 from elastic_pretrain.data.loader import TokenBatches
 from elastic_pretrain.data.prepare import prepare_data
+from elastic_pretrain.data.streaming_compat import import_streaming
 
 SEQ_LEN = 128
 
@@ -86,6 +87,9 @@ def main() -> None:
         root = Path(tmp)
         os.environ["TMPDIR"] = tmp  # streaming's lock files stay inside the scratch directory
         cfgs = {fmt: _recipe(root, fmt, int(args.tokens)) for fmt in ("mds", "wds")}
+        start = time.perf_counter()
+        import_streaming()  # ~10 s once per process (it imports transformers): not the writer's cost
+        print(f"import streaming: {time.perf_counter() - start:.1f} s")
         for fmt, cfg in cfgs.items():
             start = time.perf_counter()
             m = prepare_data(cfg, progress=False)

@@ -80,8 +80,13 @@ def plan_submit(args: argparse.Namespace) -> SubmitPlan:
     name = str(data.get("name") or job_path.stem)
     run_dir = args.run_dir or Path(str(data.get("run_dir") or Path("runs") / name))
     run_dir = run_dir.expanduser().absolute()
-    trainer = ["-m", "elastic_pretrain.cli", "train", str(job_path), *args.overrides, "--run-dir", str(run_dir)]
+    trainer = trainer_command(job_path, list(args.overrides), run_dir)
     return SubmitPlan(cfg, LaunchSpec(job_name=name, run_dir=run_dir, workdir=Path.cwd(), trainer=trainer))
+
+
+def trainer_command(job_path: Path, overrides: list[str], run_dir: Path) -> list[str]:
+    """What torchrun starts on every node: ``elastic-pretrain train`` for this job and run dir."""
+    return ["-m", "elastic_pretrain.cli", "train", str(job_path), *overrides, "--run-dir", str(run_dir)]
 
 
 def cmd_submit(args: argparse.Namespace) -> int:

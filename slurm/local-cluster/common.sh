@@ -41,7 +41,7 @@ es_alive() {
 }
 
 es_has_marker() {
-  tr '\0' '\n' <"/proc/$1/environ" 2>/dev/null | grep -qxF -- "$ES_MARKER"
+  { tr '\0' '\n' <"/proc/$1/environ"; } 2>/dev/null | grep -qxF -- "$ES_MARKER"
 }
 
 # es_stop PIDFILE...: SIGTERM the live ones together, wait up to 10 s, SIGKILL what is left
@@ -71,7 +71,7 @@ es_sweep() {
   for p in /proc/[0-9]*; do
     pid=${p#/proc/}
     [ "$pid" = $$ ] && continue
-    env=$(tr '\0' '\n' <"$p/environ" 2>/dev/null) || continue
+    env=$( { tr '\0' '\n' <"$p/environ"; } 2>/dev/null) || continue
     if grep -qxF -- "$ES_MARKER" <<<"$env" ||
       { grep -qxF -- "SLURM_CONF=$ES_CONF" <<<"$env" && grep -q '^SLURM_JOB_ID=' <<<"$env"; }; then
       kill -9 "$pid" 2>/dev/null && n=$((n + 1))

@@ -199,7 +199,8 @@ def load_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}:{where} is not valid YAML ({getattr(err, 'problem', err)}): fix the syntax") from None
+        problem = getattr(err, "problem", err)
+        raise ConfigError(f"{path}:{where} is not valid YAML ({problem}): fix the syntax") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -6,7 +6,7 @@ A recipe in ``data/<name>.yaml`` builds a :class:`DataConfig`. Relative paths in
 ``elastic-pretrain`` from the repository root (Slurm templates ``cd`` there) or give absolute paths.
 """
 
-# ruff: noqa: RUF009  (config.field returns a dataclasses.field, not a shared default value)
+
 from __future__ import annotations
 
 import dataclasses

@@ -101,12 +101,12 @@ class SlurmConfig:
         doc="When the trainer exits non-zero without being signalled: 'fail' ends the job FAILED at once; "
         "'requeue' restarts it from the last checkpoint (counts against retries).",
     )
-    sbatch_args: list[str] = field(  # noqa: RUF009 (field() wraps dataclasses.field)
+    sbatch_args: list[str] = field(
         factory=list,
         doc="Extra sbatch options, one per item, as --name=value (e.g. --qos=high, --mem=0, "
         "--exclusive); options the template sets (nodes, time, signal, ...) have their own keys.",
     )
-    env: dict[str, str] = field(  # noqa: RUF009
+    env: dict[str, str] = field(
         factory=dict, doc="Environment variables exported in the job (e.g. NCCL_DEBUG: INFO)."
     )
     python: str | None = field(

@@ -47,6 +47,9 @@ class ModelConfig:
         "alltoall", doc="Token dispatcher; alltoall is what mixed-depth EP safety is designed around."
     )
     route_replay: bool = field(False, doc="Passes >= 1 reuse pass-0 expert choices (ELR); gates stay live.")
+    loop_conditioning: bool = field(
+        True, doc="Build the ELR loop-count conditioning head (zero-init, switched on at the mixed-depth switch)."
+    )
     dtype: Literal["fp32", "bf16"] = field("fp32", doc="Parameter / compute dtype.")
 
     def __post_init__(self) -> None:

@@ -23,12 +23,14 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.models.common.language_module.language_module import LanguageModule
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
 from elastic_pretrain.model.config import ModelConfig
+from elastic_pretrain.model.routing import RoutingProbe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +72,66 @@ class CoreLayer(MegatronModule):
     def attention_for(self, pass_idx: int) -> TransformerLayer:
         return self.passes[min(pass_idx, len(self.passes) - 1)]
 
-    def forward(self, h_TBD: Tensor, *, pass_idx: int, rotary_pos_emb: Tensor | None) -> Tensor:
+    def forward(self, h_TBD: Tensor, *, pass_idx: int, rotary_pos_emb: Tensor | None, replay: bool = False) -> Tensor:
         h_TBD, _ = self.attention_for(pass_idx)._forward_attention(
             h_TBD, attention_mask=None, rotary_pos_emb=rotary_pos_emb
         )
-        return self.passes[0]._forward_mlp(h_TBD)
+        router = getattr(self.shared_mlp, "router", None)
+        rr = getattr(router, "router_replay", None)
+        if replay and rr is not None:
+            # Route replay (ELR): pass 0 records its top-k experts, later passes reuse them; the gate
+            # weights are still a softmax of the live logits at those experts, so routers learn.
+            if pass_idx == 0:
+                rr.clear_indices()
+                rr.set_router_replay_action(RouterReplayAction.RECORD)
+            else:
+                rr.target_topk_idx = rr.recorded_topk_idx  # not set_target_indices: no backward list
+                rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        try:
+            return self.passes[0]._forward_mlp(h_TBD)
+        finally:
+            if rr is not None:
+                rr.clear_router_replay_action()
+
+    def ghost_pass(self, like_TBD: Tensor) -> Tensor:
+        """Join one MoE call with zero tokens (forward and backward collectives) — see run_loops."""
+        empty = like_TBD.new_zeros((0, *like_TBD.shape[1:]), requires_grad=True)
+        router = self.shared_mlp.router
+        was_training = router.training
+        router.train(False)  # no aux/z loss over zero tokens (0/0); still in the autograd graph
+        try:
+            out, _ = self.shared_mlp(empty)
+        finally:
+            router.train(was_training)
+        return out.sum()
+
+
+class LoopConditioning(MegatronModule):
+    """ELR loop-count conditioning: (target ℓ, pass j) → a vector added to the residual at pass entry.
+
+    ``out`` is zero-initialised and the head is only switched on when the schedule enters mixed
+    depth, so the switch step's loss equals the fixed-depth model's (ELR §3: zero-init heads).
+    Parameters are replicated over TP; tagged ``sequence_parallel`` so their gradients (partial sums
+    over each rank's sequence shard) are all-reduced over TP like norm weights.
+    """
+
+    def __init__(self, config: TransformerConfig, max_loops: int) -> None:
+        super().__init__(config=config)
+        d = config.hidden_size
+        self.target_emb = torch.nn.Embedding(max_loops + 1, d)
+        self.pass_emb = torch.nn.Embedding(max_loops, d)
+        self.out = torch.nn.Linear(d, d, bias=False)
+        with torch.no_grad():
+            self.target_emb.weight.normal_(0.0, config.init_method_std)
+            self.pass_emb.weight.normal_(0.0, config.init_method_std)
+            self.out.weight.zero_()
+        for p in self.parameters():
+            p.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+    def forward(self, target_loops: int, pass_idx: int) -> Tensor:
+        idx = torch.tensor(target_loops, device=self.out.weight.device)
+        z_D = self.target_emb(idx) + self.pass_emb(torch.tensor(pass_idx, device=idx.device))
+        return self.out(torch.nn.functional.silu(z_D))
 
 
 class LoopedMoEModel(LanguageModule):
@@ -110,6 +167,9 @@ class LoopedMoEModel(LanguageModule):
         self.coda = torch.nn.ModuleList(
             [build_module(edge, config=config, layer_number=next(number)) for _ in range(cfg.coda_layers)]
         )
+        self.loop_conditioning = LoopConditioning(config, cfg.max_loops) if cfg.loop_conditioning else None
+        self.conditioning_active = False  # switched on by the schedule controller (mixed phase)
+        self.routing_probe: RoutingProbe | None = None
         norm_spec = specs.dense.submodules.input_layernorm
         self.final_layernorm = build_module(norm_spec, config=config, hidden_size=config.hidden_size,
                                             eps=config.layernorm_epsilon)
@@ -124,20 +184,50 @@ class LoopedMoEModel(LanguageModule):
     def set_input_tensor(self, input_tensor: Tensor | None) -> None:  # megatron schedule hook (PP=1: unused)
         self.input_tensor = input_tensor
 
-    def run_loops(self, input_ids_BT: Tensor, *, loops: int, exits: Sequence[int]) -> dict[int, Tensor]:
-        """Hidden states after the coda and final norm at each exit loop count (sequence-first)."""
+    def start_routing_probe(self) -> RoutingProbe:
+        """Collect routing health during the next forward passes (until :meth:`stop_routing_probe`)."""
+        self.routing_probe = RoutingProbe(len(self.core), self.cfg.max_loops, self.cfg.moe_top_k)
+        self.routing_probe.attach([core.shared_mlp.router for core in self.core])
+        return self.routing_probe
+
+    def stop_routing_probe(self) -> RoutingProbe | None:
+        probe, self.routing_probe = self.routing_probe, None
+        if probe is not None:
+            probe.detach()
+        return probe
+
+    def run_loops(self, input_ids_BT: Tensor, *, loops: int, exits: Sequence[int],
+                  sync_loops: int | None = None) -> tuple[dict[int, Tensor], Tensor | None]:
+        """Hidden states after the coda and final norm at each exit loop count (sequence-first).
+
+        ``sync_loops`` > ``loops``: other members of this rank's expert-parallel group run more
+        passes on this micro-batch. Every MoE call is an all-to-all over that group, so after its
+        own passes this rank joins each remaining call with zero tokens (forward, and — through the
+        returned ``ghost`` scalar, which the caller adds to its loss times zero — backward too).
+        Ghost calls come after every real one, so the collectives line up in both directions.
+        """
         self.cfg.check_loops(loops)
         rope = self.rotary_pos_emb(input_ids_BT.shape[1])
         h_TBD = self.embedding(input_ids=input_ids_BT, position_ids=None)
         for layer in self.prelude:
             h_TBD, _ = layer(h_TBD, attention_mask=None, rotary_pos_emb=rope)
         out: dict[int, Tensor] = {}
+        conditioning = self.loop_conditioning if self.conditioning_active else None
         for j in range(loops):
+            if conditioning is not None:
+                h_TBD = h_TBD + conditioning(loops, j).to(h_TBD.dtype)
+            if self.routing_probe is not None:
+                self.routing_probe.at(j)
             for core in self.core:
-                h_TBD = core(h_TBD, pass_idx=j, rotary_pos_emb=rope)
+                h_TBD = core(h_TBD, pass_idx=j, rotary_pos_emb=rope, replay=self.cfg.route_replay)
             if j + 1 in exits:
                 out[j + 1] = self._head_states(h_TBD, rope)
-        return out
+        ghost = None
+        for _ in range(loops, sync_loops or loops):
+            for core in self.core:
+                g = core.ghost_pass(h_TBD)
+                ghost = g if ghost is None else ghost + g
+        return out, ghost
 
     def _head_states(self, h_TBD: Tensor, rope: Tensor) -> Tensor:
         for layer in self.coda:
@@ -151,8 +241,8 @@ class LoopedMoEModel(LanguageModule):
         return logits_TBV
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
-                labels: Tensor | None = None, *, loops: int | None = None,
-                exits: Sequence[int] = ()) -> dict[int, Tensor]:
+                labels: Tensor | None = None, *, loops: int | None = None, exits: Sequence[int] = (),
+                sync_loops: int | None = None) -> dict[int, Tensor]:
         """Run ℓ = ``loops`` passes (default L_max).
 
         Returns ``{exit: tensor}`` for ℓ and every extra exit in ``exits`` (< ℓ): per-token losses
@@ -163,7 +253,7 @@ class LoopedMoEModel(LanguageModule):
         all_exits = sorted({*exits, loops})
         if all_exits[0] < 1:
             self.cfg.check_loops(all_exits[0])
-        states = self.run_loops(input_ids, loops=loops, exits=all_exits)
+        states, ghost = self.run_loops(input_ids, loops=loops, exits=all_exits, sync_loops=sync_loops)
         out: dict[int, Tensor] = {}
         for ell, h_TBD in states.items():
             logits_TBV = self.logits(h_TBD)
@@ -172,4 +262,6 @@ class LoopedMoEModel(LanguageModule):
                 out[ell] = full_TBV[..., : self.cfg.vocab_size].transpose(0, 1).contiguous()
             else:
                 out[ell] = self.compute_language_model_loss(labels, logits_TBV)
+        if ghost is not None:  # keep the ghost MoE calls in the graph: their backward all-to-alls must run
+            out[loops] = out[loops] + 0.0 * ghost
         return out

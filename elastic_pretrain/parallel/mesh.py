@@ -152,6 +152,33 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def data_parallel_group() -> Any:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False)
+
+
+def all_reduce_sum(t: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """In-place sum over ``group`` (default: data parallel) when it has more than one rank."""
+    group = data_parallel_group() if group is None else group
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, group=group)
+    return t
+
+
+def expert_group_max(value: int) -> int:
+    """Max of ``value`` over this rank's expert-parallel group: the loop count every member of the
+    group must join MoE all-to-alls for (DESIGN §3: one all-reduce MAX of ℓ per micro-batch)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_expert_model_parallel_group()
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank if any rank passed True (used for stop/save decisions at step boundaries)."""
     t = torch.tensor([1 if flag else 0], dtype=torch.int64)

@@ -29,6 +29,7 @@ class TrainConfig:
     log_interval: int = field(10, doc="Steps between progress lines / metric logs.")
     eval_interval: int = field(100, doc="Steps between validation runs (0: only at the end).")
     eval_sequences: int = field(64, doc="Held-out sequences evaluated at every loop count.")
+    routing_interval: int = field(50, doc="Steps between routing-health probes (0: never).")
     distributed_optimizer: bool = field(True, doc="Shard optimizer state over data-parallel ranks (ZeRO-1).")
     threads_per_rank: int = field(1, doc="torch intra-op threads per process (CPU runs).")
 

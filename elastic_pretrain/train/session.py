@@ -36,7 +36,13 @@ class Session:
     step: TrainStep
 
     def on_switch_to_mixed(self, step: int) -> None:
-        log.info("step %d: switching to mixed depth (%s)", step, self.job.schedule.sampler)
+        log.info("step %d: switching to mixed depth (%s)%s", step, self.job.schedule.sampler,
+                 "; loop-conditioning heads on (zero-init)" if self.net.loop_conditioning is not None else "")
+        self.sync_phase()
+
+    def sync_phase(self) -> None:
+        """The conditioning heads are on exactly in the mixed phase (also after a resume)."""
+        self.net.conditioning_active = self.controller.mixed and self.net.loop_conditioning is not None
 
     def describe(self) -> str:
         n_params = sum(p.numel() for p in self.net.parameters())
@@ -95,4 +101,6 @@ def build_session(job: JobConfig, mesh: Mesh) -> Session:
                                     total_tokens=job.train.steps * job.tokens_per_step, seed=job.train.seed)
     step = TrainStep(model, optimizer, scheduler, seq_len=job.data.seq_len,
                      micro_batch_size=job.train.micro_batch_size, max_loops=job.model.max_loops)
-    return Session(job, net, model, optimizer, scheduler, batches, val_tokens, controller, step)
+    session = Session(job, net, model, optimizer, scheduler, batches, val_tokens, controller, step)
+    session.sync_phase()
+    return session

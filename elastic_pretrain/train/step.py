@@ -14,11 +14,11 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
+from elastic_pretrain.model.routing import RoutingProbe
+from elastic_pretrain.parallel.mesh import all_reduce_sum, data_parallel_group, expert_group_max
 from elastic_pretrain.train.schedule import DepthPlan
 
 
@@ -36,10 +36,7 @@ class StepResult:
     lr: float
     skipped: bool
     aux: dict[str, float]
-
-
-def _dp_group() -> Any:
-    return parallel_state.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False)
+    routing: dict[tuple[int, int], dict[str, float]] = dataclasses.field(default_factory=dict)
 
 
 def _loss_func(plan: DepthPlan, losses_BT: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -54,7 +51,8 @@ def _loss_func(plan: DepthPlan, losses_BT: dict[int, torch.Tensor]) -> tuple[tor
 def _forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module) -> tuple[Any, Any]:
     mb = next(data_iterator)
     inputs, labels = mb.tokens_BT1[:, :-1].contiguous(), mb.tokens_BT1[:, 1:].contiguous()
-    losses = model(inputs, labels=labels, loops=mb.plan.loops, exits=mb.plan.exits)
+    sync_loops = expert_group_max(mb.plan.loops)  # EP-safe mixed depth (see LoopedMoEModel.run_loops)
+    losses = model(inputs, labels=labels, loops=mb.plan.loops, exits=mb.plan.exits, sync_loops=sync_loops)
     return losses, partial(_loss_func, mb.plan)
 
 
@@ -71,10 +69,8 @@ def _reduce_by_loops(reports: list[dict], max_loops: int) -> tuple[float, dict[i
     keys = list(range(1, max_loops + 1))  # the same key space on every DP rank: one all-reduce
     packed = torch.tensor([objective / max(len(reports), 1)] + [sums[k] for k in keys] + [counts[k] for k in keys],
                           dtype=torch.float64)
-    group = _dp_group()
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(packed, group=group)
-        packed[0] /= dist.get_world_size(group)
+    all_reduce_sum(packed)
+    packed[0] /= torch.distributed.get_world_size(data_parallel_group()) if torch.distributed.is_initialized() else 1
     n = len(keys)
     by_loops = {k: float(packed[1 + i] / packed[1 + n + i]) for i, k in enumerate(keys) if packed[1 + n + i] > 0}
     return float(packed[0]), by_loops
@@ -91,6 +87,18 @@ def _moe_aux(num_micro: int) -> dict[str, float]:
     return out
 
 
+def reduce_routing(probe: RoutingProbe | None) -> dict[tuple[int, int], dict[str, float]]:
+    """Routing statistics summed over DP ranks (each rank saw its own tokens), as means."""
+    if probe is None:
+        return {}
+    packed = torch.cat([probe.sums_KLS.flatten(), probe.counts_KL.flatten()])
+    all_reduce_sum(packed)
+    n = probe.sums_KLS.numel()
+    probe.sums_KLS = packed[:n].view_as(probe.sums_KLS)
+    probe.counts_KL = packed[n:].view_as(probe.counts_KL)
+    return probe.means()
+
+
 class TrainStep:
     """Owns the numerics: forward/backward over micro-batches, optimizer step, LR schedule."""
 
@@ -101,7 +109,18 @@ class TrainStep:
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.forward_backward = get_forward_backward_func()
 
-    def __call__(self, micro_batches: list[MicroBatch]) -> StepResult:
+    def __call__(self, micro_batches: list[MicroBatch], *, probe_routing: bool = False) -> StepResult:
+        net = self.model.module
+        if probe_routing:
+            net.start_routing_probe()
+        try:
+            result = self._step(micro_batches)
+        finally:
+            probe = net.stop_routing_probe()
+        result.routing = reduce_routing(probe) if probe_routing else {}
+        return result
+
+    def _step(self, micro_batches: list[MicroBatch]) -> StepResult:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -119,25 +138,27 @@ class TrainStep:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, tokens_NT1: torch.Tensor, *, loops: list[int], batch_size: int) -> dict[int, float]:
+def evaluate(model: torch.nn.Module, tokens_NT1: torch.Tensor, *, loops: list[int], batch_size: int,
+             separate_runs: bool = False) -> dict[int, float]:
     """Per-token validation CE at every loop count, over this rank's rows, summed over DP ranks.
 
-    Every rank of an expert-parallel group runs the same number of batches and passes (its MoE
-    all-to-alls must pair up), so the DP split of the rows is even and padded by repetition.
+    One ℓ_max run with an exit at every ℓ — or, when the loop-count conditioning is on (each ℓ is
+    conditioned on its own target), one run per ℓ. Every rank has the same number of rows (the
+    caller splits them evenly), so the MoE all-to-alls of an expert-parallel group pair up.
     """
     model.eval()
-    max_loops = max(loops)
     sums = torch.zeros(len(loops), dtype=torch.float64)
     count = torch.zeros(1, dtype=torch.float64)
+    runs = [(ell, (ell,)) for ell in loops] if separate_runs else [(max(loops), tuple(loops))]
     for start in range(0, tokens_NT1.shape[0], batch_size):
         batch = tokens_NT1[start : start + batch_size]
-        losses = model(batch[:, :-1].contiguous(), labels=batch[:, 1:].contiguous(), loops=max_loops, exits=loops)
-        for i, ell in enumerate(loops):
-            sums[i] += losses[ell].double().sum()
-        count += batch[:, 1:].numel()
+        inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+        for ell, exits in runs:
+            losses = model(inputs, labels=labels, loops=ell, exits=exits)
+            for e in exits:
+                sums[loops.index(e)] += losses[e].double().sum()
+        count += labels.numel()
     clear_aux_losses_tracker()
-    group = _dp_group()
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(sums, group=group)
-        dist.all_reduce(count, group=group)
+    all_reduce_sum(sums)
+    all_reduce_sum(count)
     return {ell: float(sums[i] / count) for i, ell in enumerate(loops)}

@@ -59,7 +59,8 @@ class Trainer:
             tokens = s.batches.next_step()
             plans = [s.controller.plan(step=state.step, micro=i, replica=self.mesh.replica)
                      for i in range(len(tokens))]
-            result = s.step([MicroBatch(t, p) for t, p in zip(tokens, plans)])
+            probe = bool(job.train.routing_interval) and (state.step + 1) % job.train.routing_interval == 0
+            result = s.step([MicroBatch(t, p) for t, p in zip(tokens, plans)], probe_routing=probe)
             step_s = time.perf_counter() - t0
             state.step += 1
             state.tokens += job.tokens_per_step
@@ -78,7 +79,8 @@ class Trainer:
 
     def validate(self) -> dict[int, float]:
         loops = list(range(1, self.job.model.max_loops + 1))
-        return evaluate(self.s.model, self.s.val_tokens, loops=loops, batch_size=self.job.train.micro_batch_size)
+        return evaluate(self.s.model, self.s.val_tokens, loops=loops, batch_size=self.job.train.micro_batch_size,
+                        separate_runs=self.s.net.conditioning_active)
 
 
 class ProgressPrinter:
@@ -87,9 +89,12 @@ class ProgressPrinter:
     def __init__(self, job: JobConfig, mesh: Mesh, controller: ScheduleController) -> None:
         self.job, self.enabled, self.controller = job, mesh.is_logging_rank, controller
         self._window: list[float] = []
+        self.routing: dict[tuple[int, int], dict[str, float]] = {}
 
     def on_step(self, state: TrainState, result: StepResult, step_s: float) -> None:
         self._window.append(step_s)
+        if result.routing:
+            self.routing = result.routing
         if not self.enabled or (state.step % self.job.train.log_interval and state.step != self.job.train.steps):
             return
         mean_s = sum(self._window) / len(self._window)
@@ -115,7 +120,19 @@ class ProgressPrinter:
         print(f"  {'loops':>5}  {'loss':>8}  {'ppl':>9}")
         for k, v in sorted(val.items()):
             print(f"  {k:>5}  {v:8.4f}  {math.exp(min(v, 50)):9.2f}")
+        if self.routing:
+            print("\nrouting health (last probe; per core layer and pass)")
+            print(print_routing(self.routing))
         print(f"trained {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.1f}s", flush=True)
+
+
+def print_routing(routing: dict[tuple[int, int], dict[str, float]]) -> str:
+    from elastic_pretrain.model.routing import STATS
+
+    lines = [f"  {'layer':>5} {'pass':>4}  " + "  ".join(f"{s:>10}" for s in STATS)]
+    for (layer, p), stats in sorted(routing.items()):
+        lines.append(f"  {layer:>5} {p:>4}  " + "  ".join(f"{stats[s]:10.4f}" for s in STATS))
+    return "\n".join(lines)
 
 
 class SummaryWriter:
@@ -124,10 +141,13 @@ class SummaryWriter:
     def __init__(self, run_dir: Path, mesh: Mesh) -> None:
         self.path, self.enabled, self.mesh = run_dir / "summary.json", mesh.is_logging_rank, mesh
         self.history: list[dict[str, Any]] = []
+        self.routing: dict[str, dict[str, float]] = {}
 
     def on_step(self, state: TrainState, result: StepResult, step_s: float) -> None:
         self.history.append({"step": state.step, "loss": result.loss,
                              "loss_by_loops": {str(k): v for k, v in result.loss_by_loops.items()}})
+        if result.routing:
+            self.routing = {f"{layer}/{p}": stats for (layer, p), stats in result.routing.items()}
 
     def on_eval(self, state: TrainState, val: dict[int, float]) -> None: ...
 
@@ -135,7 +155,7 @@ class SummaryWriter:
         if self.enabled:
             summary = {"steps": state.step, "tokens": state.tokens, "elapsed_s": state.elapsed_s,
                        "val_loss_by_loops": {str(k): v for k, v in val.items()}, "layout": describe(self.mesh),
-                       "history": self.history}
+                       "routing": self.routing, "history": self.history}
             self.path.write_text(json.dumps(summary, indent=1))
 
 
@@ -164,6 +184,8 @@ class TrackingCallback:
                    n.TOKENS_PER_S: self.job.tokens_per_step * len(self._window) / sum(self._window)}
         metrics.update({n.loss_loops(k): v for k, v in result.loss_by_loops.items()})
         metrics.update({n.sanitize(k): v for k, v in result.aux.items()})
+        for (layer, p), stats in result.routing.items():
+            metrics.update({n.routing(layer, p, stat): v for stat, v in stats.items()})
         self._window.clear()
         self.tracker.log_metrics(metrics, step=state.step)
 

@@ -1,0 +1,101 @@
+"""Routing health per (core layer, pass) — Foil: watch routing *confidence*, not only load balance.
+
+A :class:`RoutingProbe` is attached to the shared routers while one forward runs (every N steps);
+it recomputes the router logits of the tokens it sees (no grad, cheap: one small matmul) and
+accumulates, per (layer, pass):
+
+- ``confidence``: mean over tokens of the largest router probability (softmax over all experts),
+- ``margin``: mean gap between the k-th and (k+1)-th largest probability (how decisive top-k is),
+- ``entropy``: mean router entropy (nats),
+- ``load_cv``: coefficient of variation of tokens per expert (std / mean),
+- ``maxvio``: max load over mean load minus 1 (MaxVio),
+- ``overlap``: mean fraction of a token's top-k experts shared with its pass-0 top-k.
+
+Shapes: ``S`` = number of statistics, ``K`` core layers, ``L`` passes, ``N`` tokens, ``E`` experts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+STATS = ("confidence", "margin", "entropy", "load_cv", "maxvio", "overlap")
+
+
+class RoutingProbe:
+    """Accumulates per-(layer, pass) routing statistics as sums + token counts (reducible over DP)."""
+
+    def __init__(self, num_layers: int, max_loops: int, top_k: int) -> None:
+        self.top_k = top_k
+        self.sums_KLS = torch.zeros(num_layers, max_loops, len(STATS), dtype=torch.float64)
+        self.counts_KL = torch.zeros(num_layers, max_loops, dtype=torch.float64)
+        self._pass0_topk: dict[int, torch.Tensor] = {}
+        self._where: tuple[int, int] | None = None
+        self._handles: list[Any] = []
+
+    def attach(self, routers: list[torch.nn.Module]) -> None:
+        for layer, router in enumerate(routers):
+            self._handles.append(router.register_forward_hook(self._hook(layer, router)))
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def at(self, pass_idx: int) -> None:
+        """The pass the next router calls belong to (set by the model before each pass)."""
+        self._where = (-1, pass_idx)
+
+    def _hook(self, layer: int, router: torch.nn.Module) -> Any:
+        def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if self._where is None:
+                return
+            x = args[0]
+            if x.numel() == 0:  # ghost pass of an EP-synchronised micro-batch
+                return
+            with torch.no_grad():
+                logits_NE = router.gating(x.reshape(-1, x.shape[-1]).detach()).float()
+                self.observe(layer, self._where[1], logits_NE)
+
+        return hook
+
+    def observe(self, layer: int, pass_idx: int, logits_NE: torch.Tensor) -> None:
+        probs_NE = torch.softmax(logits_NE, dim=-1)
+        n, e = probs_NE.shape
+        k = min(self.top_k, e)
+        top_NK = probs_NE.topk(min(k + 1, e), dim=-1)
+        margin = (top_NK.values[:, k - 1] - top_NK.values[:, k]) if k < e else top_NK.values[:, k - 1]
+        topk_NK = top_NK.indices[:, :k]
+        load_E = torch.zeros(e, dtype=torch.float64).index_add_(
+            0, topk_NK.reshape(-1), torch.ones(topk_NK.numel(), dtype=torch.float64))
+        mean_load = load_E.mean()
+        if pass_idx == 0:
+            self._pass0_topk[layer] = topk_NK
+            overlap = torch.ones(())
+        else:
+            ref = self._pass0_topk.get(layer)
+            overlap = _topk_overlap(topk_NK, ref) if ref is not None and ref.shape == topk_NK.shape else torch.ones(())
+        entropy = -(probs_NE * probs_NE.clamp_min(1e-12).log()).sum(-1)
+        values = torch.stack([
+            probs_NE.max(-1).values.double().mean(), margin.double().mean(), entropy.double().mean(),
+            load_E.std(unbiased=False) / mean_load, load_E.max() / mean_load - 1, overlap.double(),
+        ])
+        self.sums_KLS[layer, pass_idx] += values * n
+        self.counts_KL[layer, pass_idx] += n
+
+    def means(self) -> dict[tuple[int, int], dict[str, float]]:
+        """{(layer, pass): {stat: mean}} over what was observed."""
+        out = {}
+        for layer in range(self.counts_KL.shape[0]):
+            for p in range(self.counts_KL.shape[1]):
+                n = float(self.counts_KL[layer, p])
+                if n > 0:
+                    out[(layer, p)] = {s: float(self.sums_KLS[layer, p, i] / n) for i, s in enumerate(STATS)}
+        return out
+
+
+def _topk_overlap(a_NK: torch.Tensor, b_NK: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens of |topk_a ∩ topk_b| / k."""
+    same = (a_NK.unsqueeze(-1) == b_NK.unsqueeze(-2)).any(-1)
+    return same.double().mean()

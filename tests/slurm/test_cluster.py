@@ -68,6 +68,7 @@ def jobs(slurm_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
         # real preemption: alone on node3+node4, which the preemptor then takes whole
         "partition": (base / "partition", {"hold_at": HOLD_AT, "retries": 2, "signal": "USR2",
                                            "partition": "debug", "nodelist": PREEMPT_NODES}),
+        "early": (base / "early", {"hold_at": HOLD_AT, "retries": 1}),
         "capped": (base / "capped", {"hold_at": HOLD_AT, "retries": 0, "signal": "USR1"}),
         "killed": (base / "killed", {"hold_at": HOLD_AT, "retries": 3}),
     }  # fmt: skip
@@ -79,6 +80,12 @@ def jobs(slurm_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
         log = RunFiles(run_dir).log  # created when the batch script starts
         wait_for(log.exists, timeout=START_TIMEOUT_S, what="the batch script to start", run_dir=run_dir, job_id=job_id)
         cancel(run_dir)
+        # signalled while the trainer is still starting (no step yet, then no handler yet)
+        job_id, run_dir = jobs["early"]
+        log = RunFiles(run_dir).log
+        wait_for(lambda: log.exists() and "restart 0:" in log.read_text(), timeout=START_TIMEOUT_S,
+                 what="the batch script's first line", run_dir=run_dir, job_id=job_id)  # fmt: skip
+        subprocess.run(["scancel", "--signal=TERM", "--batch", job_id], check=True)
         # what Slurm does `signal_lead_s` before the time limit: signal the batch shell only
         job_id, run_dir = jobs["preempted"]
         wait_holding(job_id, run_dir, timeout=START_TIMEOUT_S)
@@ -139,6 +146,16 @@ def test_partition_preemption_signals_requeues_and_resumes(jobs: dict[str, Job])
     # the script requeues the job itself once the step ends; if that takes longer than the
     # partition's GraceTime, Slurm kills and requeues it instead: either way it resumes
     assert "got SIGUSR2" in RunFiles(run_dir).log.read_text()
+
+
+def test_signal_during_startup_still_requeues_and_finishes(jobs: dict[str, Job]) -> None:
+    """Signalled while the step is starting: the trainer cannot save yet (the script repeats the
+    signal until it can, or the signal ends the half-started step), the job requeues and finishes."""
+    job_id, run_dir = jobs["early"]
+    state = wait_job_end(job_id, run_dir, timeout=END_TIMEOUT_S)
+    assert state.state == "COMPLETED" and state.restarts == 1, f"{state}\n{log_tail(run_dir)}"
+    assert "got SIGTERM" in RunFiles(run_dir).log.read_text()
+    assert finished_value(run_dir) == expected_value()
 
 
 def test_retry_cap_stops_requeueing(jobs: dict[str, Job]) -> None:

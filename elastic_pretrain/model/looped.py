@@ -30,6 +30,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
 from elastic_pretrain.model.config import ModelConfig
+from elastic_pretrain.model.layer_list import LayerList
 from elastic_pretrain.model.routing import RoutingProbe
 
 
@@ -63,7 +64,7 @@ class CoreLayer(MegatronModule):
         layers = [build_module(spec, config=config, layer_number=layer_number)]
         layers += [build_module(attention_only(spec), config=config, layer_number=layer_number)
                    for _ in range(n_attn - 1)]
-        self.passes = torch.nn.ModuleList(layers)
+        self.passes = LayerList(layers)
 
     @property
     def shared_mlp(self) -> torch.nn.Module:
@@ -94,13 +95,18 @@ class CoreLayer(MegatronModule):
                 rr.clear_router_replay_action()
 
     def ghost_pass(self, like_TBD: Tensor) -> Tensor:
-        """Join one MoE call with zero tokens (forward and backward collectives) — see run_loops."""
-        empty = like_TBD.new_zeros((0, *like_TBD.shape[1:]), requires_grad=True)
+        """Join one MoE call (forward and backward collectives) without contributing — see run_loops.
+
+        megatron's router cannot take zero tokens (a ``view(..., -1)`` of an empty tensor), so the
+        ghost call sends one all-zero token. The caller multiplies the result by zero: the token's
+        expert outputs and every gradient it produces are exactly zero, so numerics are unchanged.
+        """
+        dummy = like_TBD.new_zeros((1, 1, like_TBD.shape[-1]), requires_grad=True)
         router = self.shared_mlp.router
         was_training = router.training
-        router.train(False)  # no aux/z loss over zero tokens (0/0); still in the autograd graph
+        router.train(False)  # no aux / z loss from the dummy token; still in the autograd graph
         try:
-            out, _ = self.shared_mlp(empty)
+            out, _ = self.shared_mlp(dummy)
         finally:
             router.train(was_training)
         return out.sum()
@@ -154,17 +160,17 @@ class LoopedMoEModel(LanguageModule):
         )
         edge = specs.moe if cfg.edge_mlp == "moe" else specs.dense
         number = iter(range(1, cfg.num_unique_layers + 1))
-        self.prelude = torch.nn.ModuleList(
+        self.prelude = LayerList(
             [build_module(edge, config=config, layer_number=next(number)) for _ in range(cfg.prelude_layers)]
         )
-        self.core = torch.nn.ModuleList(
+        self.core = LayerList(
             [
                 CoreLayer(config, specs.moe, layer_number=next(number), num_passes=cfg.max_loops,
                           tied_attention=cfg.attention == "tied")
                 for _ in range(cfg.core_layers_built)
             ]
         )
-        self.coda = torch.nn.ModuleList(
+        self.coda = LayerList(
             [build_module(edge, config=config, layer_number=next(number)) for _ in range(cfg.coda_layers)]
         )
         self.loop_conditioning = LoopConditioning(config, cfg.max_loops) if cfg.loop_conditioning else None
@@ -223,6 +229,8 @@ class LoopedMoEModel(LanguageModule):
             if j + 1 in exits:
                 out[j + 1] = self._head_states(h_TBD, rope)
         ghost = None
+        if self.routing_probe is not None:
+            self.routing_probe.at(None)
         for _ in range(loops, sync_loops or loops):
             for core in self.core:
                 g = core.ghost_pass(h_TBD)

@@ -43,17 +43,15 @@ class RoutingProbe:
             handle.remove()
         self._handles.clear()
 
-    def at(self, pass_idx: int) -> None:
-        """The pass the next router calls belong to (set by the model before each pass)."""
-        self._where = (-1, pass_idx)
+    def at(self, pass_idx: int | None) -> None:
+        """The pass the next router calls belong to (None: ghost calls, not observed)."""
+        self._where = None if pass_idx is None else (-1, pass_idx)
 
     def _hook(self, layer: int, router: torch.nn.Module) -> Any:
         def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if self._where is None:
                 return
             x = args[0]
-            if x.numel() == 0:  # ghost pass of an EP-synchronised micro-batch
-                return
             with torch.no_grad():
                 logits_NE = router.gating(x.reshape(-1, x.shape[-1]).detach()).float()
                 self.observe(layer, self._where[1], logits_NE)

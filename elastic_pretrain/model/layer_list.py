@@ -1,0 +1,29 @@
+"""A ``ModuleList`` that megatron-core's distributed checkpointing recurses into.
+
+megatron's default ``sharded_state_dict`` calls ``sharded_state_dict`` on each child that has one
+and treats every other child as plain, fully *replicated* tensors. A plain ``torch.nn.ModuleList``
+has no such method, so the TransformerLayers inside it would lose their tensor-parallel and
+expert-parallel sharding: every TP/EP rank would save its own slice under the same key and shape,
+only rank 0's slice would be written, and the rest would be dropped without an error.
+:class:`LayerList` keys each element ``<prefix><index>.`` and asks it for its own sharded state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedStateDict
+from megatron.core.transformer.utils import sharded_state_dict_default
+
+
+class LayerList(torch.nn.ModuleList):
+    """``torch.nn.ModuleList`` + megatron ``sharded_state_dict`` (same state-dict keys)."""
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple[tuple[int, int, int], ...] = (), metadata: dict[str, Any] | None = None
+    ) -> ShardedStateDict:
+        out: ShardedStateDict = {}
+        for name, module in self.named_children():
+            out.update(sharded_state_dict_default(module, f"{prefix}{name}.", sharded_offsets, metadata))
+        return out

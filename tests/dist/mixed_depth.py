@@ -1,0 +1,70 @@
+"""EP-safe mixed depth: run by tests/train/test_mixed_depth.py.
+
+usage: mixed_depth.py MODE OUT_DIR [replay]
+  ref   — 1 process: writes weights and batches; runs the 4 replicas' micro-batches as 4 micro-batches
+          at their ℓ values (gradient accumulation) and writes loss/gradients.
+  ep2   — 4 processes, expert parallel 2 (data parallel 4): replica r runs its micro-batch at ℓ_r,
+          so the two members of each EP group run different numbers of passes.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from elastic_pretrain.model.config import ModelConfig
+from elastic_pretrain.parallel.megatron import build_model
+from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
+from elastic_pretrain.train.schedule import DepthPlan
+from elastic_pretrain.train.step import MicroBatch, _forward_step, _reduce_by_loops
+from tests.dist.equivalence import wrap_ddp_for_test
+
+LOOPS = [1, 3, 2, 4]  # ℓ of replica 0..3; EP groups pair replicas (0,1) and (2,3)
+
+
+def model_cfg(replay: bool) -> ModelConfig:
+    return ModelConfig(hidden_size=32, num_heads=4, ffn_hidden_size=64, prelude_layers=1, coda_layers=1,
+                       core_layers=2, num_experts=4, loops=2, flatten=2, moe_top_k=2, moe_ffn_hidden_size=32,
+                       moe_aux_loss_coeff=0.0, moe_z_loss_coeff=1e-3, route_replay=replay)
+
+
+def main(mode: str, out: Path, replay: bool) -> None:
+    par = ParallelConfig(expert=2) if mode == "ep2" else ParallelConfig()
+    mesh = init_mesh(par, seed=11)
+    torch.set_num_threads(1)
+    cfg = model_cfg(replay)
+    net = build_model(cfg, par)
+    tag = "replay" if replay else "plain"
+    if mode == "ref":
+        batches = torch.randint(0, cfg.vocab_size, (4, 2, 17), generator=torch.Generator().manual_seed(5))
+        torch.save({"state": net.state_dict(), "batches": batches}, out / f"inputs_{tag}.pt")
+        micro = [MicroBatch(batches[r], DepthPlan(LOOPS[r], (LOOPS[r],))) for r in range(4)]
+    else:
+        saved = torch.load(out / f"inputs_{tag}.pt", weights_only=True)
+        n_local = cfg.experts_built // mesh.ep_size
+        with torch.no_grad():
+            for name, p in net.named_parameters():
+                if ".local_experts." in name:
+                    head, rest = name.split(".local_experts.")
+                    k, tail = rest.split(".", 1)
+                    name = f"{head}.local_experts.{mesh.ep_rank * n_local + int(k)}.{tail}"
+                p.copy_(saved["state"][name])
+        r = mesh.dp_rank
+        micro = [MicroBatch(saved["batches"][r], DepthPlan(LOOPS[r], (LOOPS[r],)))]
+    model = wrap_ddp_for_test(net)
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    reports = get_forward_backward_func()(
+        forward_step_func=_forward_step, data_iterator=iter(micro), model=[model], num_microbatches=len(micro),
+        seq_length=16, micro_batch_size=2, forward_only=False)
+    loss, by_loops = _reduce_by_loops(reports, cfg.max_loops)
+    grads = {n: p.main_grad.detach().clone() for n, p in net.named_parameters()}
+    torch.save({"loss": loss, "by_loops": by_loops, "grads": grads, "ep": mesh.ep_rank, "dp": mesh.dp_rank},
+               out / f"{mode}_{tag}_rank{mesh.rank}.pt")
+    teardown()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]), len(sys.argv) > 3 and sys.argv[3] == "replay")

@@ -1,0 +1,106 @@
+"""The schedule controller: phases, the switch, every sampler, determinism and resumability."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from elastic_pretrain.config import ConfigError
+from elastic_pretrain.train.schedule import DepthPlan, ScheduleConfig, ScheduleController
+
+TOTAL = 1000
+
+
+def ctl(**kw) -> ScheduleController:
+    return ScheduleController(ScheduleConfig(**kw), max_loops=4, total_tokens=TOTAL, seed=3)
+
+
+def test_switch_at_fraction_of_tokens():
+    c = ctl(sampler="independent_rank", switch_at=0.75)
+    assert c.phase == "fixed"
+    assert not c.update(step=7, tokens_seen=740)
+    assert c.plan(step=7, micro=0, replica=0) == DepthPlan(4, (4,))
+    assert c.update(step=8, tokens_seen=750)
+    assert c.mixed and c.switch_step == 8
+    assert not c.update(step=9, tokens_seen=760)  # switches once
+
+
+def test_switch_at_zero_and_one():
+    assert ctl(sampler="per_step", switch_at=0.0).mixed
+    never = ctl(sampler="per_step", switch_at=1.0)
+    assert not never.update(step=10**6, tokens_seen=10 * TOTAL) and not never.mixed
+
+
+def test_fixed_sampler_and_configured_depth():
+    c = ctl(sampler="fixed", switch_at=0.0, loops=3)
+    assert {c.plan(step=s, micro=m, replica=r) for s in range(5) for m in range(2) for r in range(3)} == {
+        DepthPlan(3, (3,))
+    }
+
+
+def test_independent_rank_is_deterministic_per_replica_and_honours_the_one_loop_override():
+    c = ctl(sampler="independent_rank", switch_at=0.0, one_loop_fraction=0.15)
+    draws = [c.plan(step=s, micro=m, replica=r).loops for s in range(300) for m in range(2) for r in range(4)]
+    assert draws == [c.plan(step=s, micro=m, replica=r).loops for s in range(300) for m in range(2) for r in range(4)]
+    counts = Counter(draws)
+    # P(ℓ=1) = 0.15 + 0.85/4 = 0.3625, others 0.2125 each; 2400 draws
+    assert 0.32 < counts[1] / len(draws) < 0.41
+    assert all(0.17 < counts[k] / len(draws) < 0.26 for k in (2, 3, 4))
+    # replicas differ within a step (that is the point), all TP/PP ranks of a replica agree by construction
+    assert len({c.plan(step=5, micro=0, replica=r).loops for r in range(16)}) > 1
+
+
+def test_independent_rank_weights():
+    c = ctl(sampler="independent_rank", switch_at=0.0, weights=[0, 0, 1, 3])
+    counts = Counter(c.plan(step=s, micro=0, replica=0).loops for s in range(800))
+    assert set(counts) == {3, 4} and 0.68 < counts[4] / 800 < 0.82
+
+
+def test_per_step_gives_one_depth_to_every_replica_and_micro_batch():
+    c = ctl(sampler="per_step", switch_at=0.0)
+    for s in range(20):
+        assert len({c.plan(step=s, micro=m, replica=r).loops for m in range(3) for r in range(4)}) == 1
+    assert len({c.plan(step=s, micro=0, replica=0).loops for s in range(50)}) > 1
+
+
+def test_telescopic_anchor_plus_random_prefix():
+    c = ctl(sampler="telescopic", switch_at=0.0)
+    plans = [c.plan(step=s, micro=m, replica=0) for s in range(200) for m in range(2)]
+    assert all(p.loops == 4 and p.exits[-1] == 4 and len(p.exits) == 2 and p.exits[0] < 4 for p in plans)
+    assert {p.exits[0] for p in plans} == {1, 2, 3}
+
+
+def test_telescopic_density_concentrated_on_listed_depths():
+    c = ctl(sampler="telescopic", switch_at=0.0, telescopic_depths=[1, 2], telescopic_weights=[1, 9])
+    exits = Counter(c.plan(step=s, micro=0, replica=0).exits[0] for s in range(500))
+    assert set(exits) == {1, 2} and exits[2] > 4 * exits[1]
+
+
+def test_fixed_exits_supervises_only_listed_exits():
+    c = ctl(sampler="fixed_exits", switch_at=0.0, exits=[4, 1, 2])
+    assert c.plan(step=0, micro=0, replica=0) == DepthPlan(4, (1, 2, 4))
+
+
+def test_state_dict_round_trip_draws_the_same():
+    a = ctl(sampler="independent_rank", switch_at=0.5)
+    a.update(step=5, tokens_seen=600)
+    b = ctl(sampler="independent_rank", switch_at=0.5)
+    b.load_state_dict(a.state_dict())
+    assert b.mixed and b.switch_step == 5
+    assert [a.plan(step=9, micro=m, replica=1) for m in range(4)] == [b.plan(step=9, micro=m, replica=1) for m in range(4)]
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"switch_at": 1.5}, "switch_at: 1.5 must be in [0, 1]"),
+        ({"sampler": "fixed_exits"}, "exits: fixed_exits needs"),
+        ({"weights": [1, 1]}, "give 4 weights"),
+        ({"loops": 5}, "schedule.loops=5 is outside [1, 4]"),
+        ({"telescopic_depths": [1], "telescopic_weights": [1, 2]}, "one weight per entry"),
+    ],
+)
+def test_bad_schedules_are_clear_errors(kw, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        ctl(**kw)

@@ -41,4 +41,4 @@ def test_mixed_depth_across_an_expert_group_matches_one_process(tmp_path, replay
                 k, tail = rest.split(".", 1)
                 name = f"{head}.local_experts.{res['ep'] * 4 + int(k)}.{tail}"
             torch.testing.assert_close(got, ref["grads"][name], rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, n=name: f"rank {rank} {n}: {m}")
+                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")

@@ -88,7 +88,8 @@ def test_state_dict_round_trip_draws_the_same():
     b = ctl(sampler="independent_rank", switch_at=0.5)
     b.load_state_dict(a.state_dict())
     assert b.mixed and b.switch_step == 5
-    assert [a.plan(step=9, micro=m, replica=1) for m in range(4)] == [b.plan(step=9, micro=m, replica=1) for m in range(4)]
+    plans_a = [a.plan(step=9, micro=m, replica=1) for m in range(4)]
+    assert plans_a == [b.plan(step=9, micro=m, replica=1) for m in range(4)]
 
 
 @pytest.mark.parametrize(

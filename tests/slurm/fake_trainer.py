@@ -78,6 +78,7 @@ def main() -> int:
     p.add_argument(
         "--hold-at", type=int, default=0, help="first start only: stop advancing after this step until signalled"
     )
+    p.add_argument("--forget-finished", action="store_true", help="break the contract: no FINISHED at the end")
     args = p.parse_args()
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, _on_signal)
@@ -119,7 +120,7 @@ def main() -> int:
             print(f"rank {rank}: stop requested, saved step {step}, exiting", flush=True)
             dist.destroy_process_group()
             return 0
-    if rank == 0:
+    if rank == 0 and not args.forget_finished:
         _write_atomic(run_dir / "FINISHED", json.dumps({"step": args.steps, "value": value, "world": world}))
     print(f"rank {rank}: finished at step {args.steps}", flush=True)
     dist.destroy_process_group()

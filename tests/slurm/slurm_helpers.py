@@ -39,21 +39,27 @@ class Cluster:
     env: dict[str, str]
 
 
-def fake_spec(run_dir: Path, *, steps: int = STEPS, hold_at: int = 0) -> LaunchSpec:
+def fake_spec(run_dir: Path, *, steps: int = STEPS, hold_at: int = 0, extra: tuple[str, ...] = ()) -> LaunchSpec:
     """A launch of the stand-in trainer (instead of ``-m elastic_pretrain.cli train``)."""
     trainer = [str(FAKE_TRAINER), "--run-dir", str(run_dir), "--steps", str(steps), "--hold-at", str(hold_at)]
-    trainer += ["--step-time", str(STEP_TIME_S), "--save-every", str(SAVE_EVERY)]
+    trainer += ["--step-time", str(STEP_TIME_S), "--save-every", str(SAVE_EVERY), *extra]
     return LaunchSpec(job_name=f"fake-{run_dir.name}", run_dir=run_dir, workdir=REPO, trainer=trainer)
 
 
 def submit_fake(
-    run_dir: Path, *, steps: int = STEPS, hold_at: int = 0, nodelist: str = MAIN_NODES, **slurm: object
+    run_dir: Path,
+    *,
+    steps: int = STEPS,
+    hold_at: int = 0,
+    extra: tuple[str, ...] = (),
+    nodelist: str = MAIN_NODES,
+    **slurm: object,
 ) -> str:
     """Submit the stand-in trainer on 2 nodes; ``slurm`` overrides SlurmConfig fields."""
     fields: dict[str, object] = {"nodes": 2, "retries": 1, "python": sys.executable, **slurm}
     fields["sbatch_args"] = [f"--nodelist={nodelist}"]
     cfg = SlurmConfig(**fields)  # type: ignore[arg-type]
-    return submit(cfg, fake_spec(run_dir, steps=steps, hold_at=hold_at))
+    return submit(cfg, fake_spec(run_dir, steps=steps, hold_at=hold_at, extra=extra))
 
 
 def expected_value(steps: int = STEPS, world: int = 2) -> float:

@@ -71,6 +71,8 @@ def jobs(slurm_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
         "early": (base / "early", {"hold_at": HOLD_AT, "retries": 1}),
         "capped": (base / "capped", {"hold_at": HOLD_AT, "retries": 0, "signal": "USR1"}),
         "killed": (base / "killed", {"hold_at": HOLD_AT, "retries": 3}),
+        # a trainer that ends cleanly but forgets FINISHED must not be requeued over and over
+        "unfinished": (base / "unfinished", {"steps": 2, "retries": 3, "extra": ("--forget-finished",)}),
     }  # fmt: skip
     jobs = {name: Job(submit_fake(run_dir, **kw), run_dir) for name, (run_dir, kw) in plan.items()}
     cleanup = [job.job_id for job in jobs.values()]
@@ -177,6 +179,14 @@ def test_killed_task_fails_the_job_without_hanging(jobs: dict[str, Job]) -> None
     assert state.state == "FAILED", f"{state}\n{log_tail(run_dir)}"
     assert state.restarts == 0, "on_failure=fail must not requeue a crashed trainer"
     assert "the trainer failed" in RunFiles(run_dir).log.read_text()
+
+
+def test_clean_exit_without_finished_marker_fails_instead_of_requeueing(jobs: dict[str, Job]) -> None:
+    job_id, run_dir = jobs["unfinished"]
+    state = wait_job_end(job_id, run_dir, timeout=END_TIMEOUT_S)
+    assert state.state == "FAILED" and state.exit_code == "5:0", f"{state}\n{log_tail(run_dir)}"
+    assert state.restarts == 0
+    assert "without writing" in RunFiles(run_dir).log.read_text()
 
 
 def test_two_node_job_runs_on_distinct_hosts_and_finishes(jobs: dict[str, Job]) -> None:

@@ -106,9 +106,7 @@ class SlurmConfig:
         doc="Extra sbatch options, one per item, as --name=value (e.g. --qos=high, --mem=0, "
         "--exclusive); options the template sets (nodes, time, signal, ...) have their own keys.",
     )
-    env: dict[str, str] = field(
-        factory=dict, doc="Environment variables exported in the job (e.g. NCCL_DEBUG: INFO)."
-    )
+    env: dict[str, str] = field(factory=dict, doc="Environment variables exported in the job (e.g. NCCL_DEBUG: INFO).")
     python: str | None = field(
         None, doc="Python interpreter on the compute nodes; default: the one running `submit` (shared filesystem)."
     )

@@ -20,7 +20,7 @@ from elastic_pretrain.launch.render import LaunchSpec, render
 # States in which a job still holds (or waits for) resources.
 LIVE_STATES = frozenset(
     {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING",
-     "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD", "PREEMPTED"}
+     "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESV_DEL_HOLD"}
 )  # fmt: skip
 _NO_SLURM_HINT = (
     "run this where Slurm's commands are installed (a login node); for the local test cluster run "

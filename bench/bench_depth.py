@@ -67,16 +67,18 @@ def main() -> None:
         b = timed(step(replay, loops=ell), args.repeats)
         print(f"  {ell:>5} {a:9.4f} {b:9.4f} {b / a:13.3f}")
 
-    cfg = ModelConfig(**shape, loop_conditioning=False)
+    # all six unrolled layers MoE in both models (prelude and coda MoE here), same experts, same tokens
+    cfg = ModelConfig(**shape, loop_conditioning=False, edge_mlp="moe")
     looped = build_model(cfg, par)
     unrolled = cfg.prelude_layers + cfg.core_layers_built * cfg.max_loops + cfg.coda_layers
-    # Same unrolled depth, every layer MoE with the same experts (prelude/coda MoE too: an upper bound
-    # on GPT's cost; the looped model's prelude/coda are dense).
     gcfg = ModelConfig(**{**shape, "flatten": 1, "core_layers": unrolled, "num_experts": cfg.experts_built})
     tconf = transformer_config(gcfg, par)
     gpt = GPTModel(config=tconf, transformer_layer_spec=layer_specs(gcfg).moe,
                    vocab_size=padded_vocab_size(257, 1), max_sequence_length=128, position_embedding_type="rope")
     t_loop = timed(step(looped, loops=cfg.max_loops), args.repeats)
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()  # sized by the first model's layer count
     t_gpt = timed(lambda: (gpt.zero_grad(set_to_none=True),
                            gpt(inputs, None, None, labels=labels).mean().backward()), args.repeats)
     n_loop = sum(p.numel() for p in looped.parameters())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 from elastic_pretrain.errors import UserError
 
@@ -24,7 +25,7 @@ COMMAND_MODULES = (
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line + exit 2, like every other user error
+    def error(self, message: str) -> NoReturn:  # one line + exit 2, like every other user error
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 

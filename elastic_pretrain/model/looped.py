@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from megatron.core import tensor_parallel
@@ -26,7 +27,6 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import Tensor
 
 from elastic_pretrain.model.config import ModelConfig
@@ -67,10 +67,15 @@ class CoreLayer(MegatronModule):
         self.passes = LayerList(layers)
 
     @property
-    def shared_mlp(self) -> torch.nn.Module:
-        return self.passes[0].mlp
+    def full_layer(self) -> Any:
+        """``passes[0]``: attention of pass 0 + the shared MLP half (megatron ``TransformerLayer``)."""
+        return self.passes[0]
 
-    def attention_for(self, pass_idx: int) -> TransformerLayer:
+    @property
+    def shared_mlp(self) -> Any:
+        return self.full_layer.mlp
+
+    def attention_for(self, pass_idx: int) -> Any:
         return self.passes[min(pass_idx, len(self.passes) - 1)]
 
     def forward(self, h_TBD: Tensor, *, pass_idx: int, rotary_pos_emb: Tensor | None, replay: bool = False) -> Tensor:
@@ -89,7 +94,7 @@ class CoreLayer(MegatronModule):
                 rr.target_topk_idx = rr.recorded_topk_idx  # not set_target_indices: no backward list
                 rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         try:
-            return self.passes[0]._forward_mlp(h_TBD)
+            return self.full_layer._forward_mlp(h_TBD)
         finally:
             if rr is not None:
                 rr.clear_router_replay_action()
@@ -190,10 +195,13 @@ class LoopedMoEModel(LanguageModule):
     def set_input_tensor(self, input_tensor: Tensor | None) -> None:  # megatron schedule hook (PP=1: unused)
         self.input_tensor = input_tensor
 
+    def core_layers(self) -> list[CoreLayer]:
+        return [c for c in self.core if isinstance(c, CoreLayer)]
+
     def start_routing_probe(self) -> RoutingProbe:
         """Collect routing health during the next forward passes (until :meth:`stop_routing_probe`)."""
         self.routing_probe = RoutingProbe(len(self.core), self.cfg.max_loops, self.cfg.moe_top_k)
-        self.routing_probe.attach([core.shared_mlp.router for core in self.core])
+        self.routing_probe.attach([core.shared_mlp.router for core in self.core_layers()])
         return self.routing_probe
 
     def stop_routing_probe(self) -> RoutingProbe | None:
@@ -232,7 +240,7 @@ class LoopedMoEModel(LanguageModule):
         if self.routing_probe is not None:
             self.routing_probe.at(None)
         for _ in range(loops, sync_loops or loops):
-            for core in self.core:
+            for core in self.core_layers():
                 g = core.ghost_pass(h_TBD)
                 ghost = g if ghost is None else ghost + g
         return out, ghost

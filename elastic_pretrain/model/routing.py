@@ -47,7 +47,7 @@ class RoutingProbe:
         """The pass the next router calls belong to (None: ghost calls, not observed)."""
         self._where = None if pass_idx is None else (-1, pass_idx)
 
-    def _hook(self, layer: int, router: torch.nn.Module) -> Any:
+    def _hook(self, layer: int, router: Any) -> Any:
         def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
             if self._where is None:
                 return

@@ -42,7 +42,7 @@ class StepResult:
 def _loss_func(plan: DepthPlan, losses_BT: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Objective = Σ over supervised exits of the per-token mean CE (all tokens count; packed data)."""
     n = next(iter(losses_BT.values())).numel()
-    objective = sum(losses_BT[e].sum() for e in plan.exits)
+    objective = torch.stack([losses_BT[e].sum() for e in plan.exits]).sum()
     report = {e: (losses_BT[e].detach().sum(), n) for e in plan.exits}
     # megatron divides the returned loss by num_tokens and by the number of micro-batches.
     return objective, torch.tensor(n, dtype=torch.int), {"by_exit": report, "exits": len(plan.exits)}
@@ -102,7 +102,7 @@ def reduce_routing(probe: RoutingProbe | None) -> dict[tuple[int, int], dict[str
 class TrainStep:
     """Owns the numerics: forward/backward over micro-batches, optimizer step, LR schedule."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, scheduler: Any, *, seq_len: int,
+    def __init__(self, model: Any, optimizer: Any, scheduler: Any, *, seq_len: int,
                  micro_batch_size: int, max_loops: int) -> None:
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.max_loops = max_loops
@@ -110,7 +110,7 @@ class TrainStep:
         self.forward_backward = get_forward_backward_func()
 
     def __call__(self, micro_batches: list[MicroBatch], *, probe_routing: bool = False) -> StepResult:
-        net = self.model.module
+        net: Any = self.model.module
         if probe_routing:
             net.start_routing_probe()
         try:

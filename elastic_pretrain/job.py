@@ -10,6 +10,7 @@ from typing import Any
 
 import yaml
 
+from elastic_pretrain.checkpoint.config import CheckpointConfig
 from elastic_pretrain.config import (
     ConfigError,
     apply_overrides,
@@ -42,6 +43,7 @@ class JobConfig:
     train: TrainConfig = field(doc="Optimisation and cadence.")
     schedule: ScheduleConfig = field(factory=ScheduleConfig, doc="Depth during training.")
     tracking: TrackingConfig = field(factory=TrackingConfig, doc="MLflow tracking (local store under run_dir).")
+    checkpoint: CheckpointConfig = field(factory=CheckpointConfig, doc="Checkpoint cadence, retention, resume.")
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:

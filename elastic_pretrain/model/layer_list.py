@@ -21,7 +21,10 @@ class LayerList(torch.nn.ModuleList):
     """``torch.nn.ModuleList`` + megatron ``sharded_state_dict`` (same state-dict keys)."""
 
     def sharded_state_dict(
-        self, prefix: str = "", sharded_offsets: tuple[tuple[int, int, int], ...] = (), metadata: dict[str, Any] | None = None
+        self,
+        prefix: str = "",
+        sharded_offsets: tuple[tuple[int, int, int], ...] = (),
+        metadata: dict[str, Any] | None = None,
     ) -> ShardedStateDict:
         out: ShardedStateDict = {}
         for name, module in self.named_children():

@@ -13,8 +13,11 @@ from pathlib import Path
 
 def _quiet_logs() -> None:
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     # megatron-core warns at import time that TE/Apex are absent; the CPU path is deliberate.
     warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
     warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
@@ -29,8 +32,20 @@ def _quiet_logs() -> None:
 def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
     """Validate the job here (one-line errors), then start torchrun with one rank per process."""
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--nproc-per-node", str(args.nproc_per_node), "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", "127.0.0.1:0", "-m", "elastic_pretrain.cli", "train", args.job, *overrides]
+    cmd = [
+        str(torchrun),
+        "--nproc-per-node",
+        str(args.nproc_per_node),
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:0",
+        "-m",
+        "elastic_pretrain.cli",
+        "train",
+        args.job,
+        *overrides,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     return subprocess.run(cmd, env=env, check=False).returncode
 
@@ -42,6 +57,8 @@ def _train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.run_dir:
         overrides.append(f"run_dir={args.run_dir}")
+    if args.resume_from:
+        overrides.append(f"checkpoint.resume_from={Path(args.resume_from).resolve()}")
     job = load_job(args.job, overrides)
     if args.nproc_per_node and "RANK" not in os.environ:
         return _launch(args, overrides)
@@ -59,13 +76,25 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train a job (run under torchrun for several ranks)",
-                       description="Train jobs/<run>.yaml; presets by name, key.path=value overrides.")
+    p = sub.add_parser(
+        "train",
+        help="train a job (run under torchrun for several ranks)",
+        description="Train jobs/<run>.yaml; presets by name, key.path=value overrides.",
+    )
     p.add_argument("job", help="job YAML, e.g. jobs/tiny-cpu.yaml")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. model.loops=4")
     p.add_argument("--run-dir", help="run directory (default runs/<name>)")
-    p.add_argument("--nproc-per-node", type=int, metavar="N",
-                   help="start torchrun with N local ranks (validates the job first); omit under torchrun/srun")
+    p.add_argument(
+        "--resume-from",
+        metavar="CKPT",
+        help="continue from this checkpoint (a checkpoints/step_<N> folder, possibly of another run)",
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        metavar="N",
+        help="start torchrun with N local ranks (validates the job first); omit under torchrun/srun",
+    )
     p.set_defaults(handler=_train)
     c = sub.add_parser("config", help="print the resolved job config (presets and overrides applied)")
     c.add_argument("job")

@@ -15,8 +15,11 @@ from typing import Any, Protocol
 
 import torch
 
+from elastic_pretrain.checkpoint.manager import Checkpointer
+from elastic_pretrain.checkpoint.preempt import StopRequest
 from elastic_pretrain.job import JobConfig, write_resolved
-from elastic_pretrain.parallel.mesh import Mesh, describe, init_mesh, teardown
+from elastic_pretrain.launch.layout import RunFiles
+from elastic_pretrain.parallel.mesh import Mesh, any_rank, describe, init_mesh, teardown
 from elastic_pretrain.train.schedule import ScheduleController
 from elastic_pretrain.train.session import Session, build_session
 from elastic_pretrain.train.step import MicroBatch, StepResult, evaluate
@@ -43,22 +46,33 @@ class Callback(Protocol):
     def on_step(self, state: TrainState, result: StepResult, step_s: float) -> None: ...
     def on_eval(self, state: TrainState, val: dict[int, float]) -> None: ...
     def on_end(self, state: TrainState, val: dict[int, float]) -> None: ...
+    def on_stop(self, state: TrainState, reason: str) -> None: ...
 
 
 class Trainer:
-    def __init__(self, job: JobConfig, mesh: Mesh, session: Session, callbacks: list[Callback]) -> None:
+    def __init__(
+        self,
+        job: JobConfig,
+        mesh: Mesh,
+        session: Session,
+        callbacks: list[Callback],
+        ckpt: Checkpointer,
+        stop: StopRequest,
+        state: TrainState | None = None,
+    ) -> None:
         self.job, self.mesh, self.s, self.callbacks = job, mesh, session, callbacks
-        self.state = TrainState()
+        self.ckpt, self.stop = ckpt, stop
+        self.state = state or TrainState()
 
-    def fit(self) -> dict[int, float]:
+    def fit(self) -> dict[int, float] | None:
+        """Train to ``train.steps`` (returns validation loss per ℓ), or save and return None when stopped."""
         job, s, state = self.job, self.s, self.state
         while state.step < job.train.steps:
             if s.controller.update(step=state.step, tokens_seen=state.tokens):
                 s.on_switch_to_mixed(state.step)
             t0 = time.perf_counter()
             tokens = s.batches.next_step()
-            plans = [s.controller.plan(step=state.step, micro=i, replica=self.mesh.replica)
-                     for i in range(len(tokens))]
+            plans = [s.controller.plan(step=state.step, micro=i, replica=self.mesh.replica) for i in range(len(tokens))]
             probe = bool(job.train.routing_interval) and (state.step + 1) % job.train.routing_interval == 0
             result = s.step([MicroBatch(t, p) for t, p in zip(tokens, plans)], probe_routing=probe)
             step_s = time.perf_counter() - t0
@@ -67,20 +81,42 @@ class Trainer:
             state.elapsed_s += step_s
             for cb in self.callbacks:
                 cb.on_step(state, result, step_s)
+            if self.step_boundary():
+                for cb in self.callbacks:
+                    cb.on_stop(state, self.stop.name)
+                return None
             interval = job.train.eval_interval
             if interval and state.step % interval == 0 and state.step < job.train.steps:
                 val = self.validate()
                 for cb in self.callbacks:
                     cb.on_eval(state, val)
+        if self.ckpt.last_saved != state.step:
+            self.ckpt.save(state, blocking=True)
+        self.ckpt.wait()
         val = self.validate()
         for cb in self.callbacks:
             cb.on_end(state, val)
         return val
 
+    def step_boundary(self) -> bool:
+        """Commit a finished async save, agree on a stop (signal on any rank, or checkpoint.stop_at), save
+        if due. True: every rank saved this step and stops now."""
+        c, step = self.ckpt, self.state.step
+        stop = any_rank(self.stop.requested) or 0 < c.cfg.stop_at <= step
+        c.poll()
+        if stop or (c.due(step) and step < self.job.train.steps):
+            c.save(self.state, blocking=stop)
+        return stop
+
     def validate(self) -> dict[int, float]:
         loops = list(range(1, self.job.model.max_loops + 1))
-        return evaluate(self.s.model, self.s.val_tokens, loops=loops, batch_size=self.job.train.micro_batch_size,
-                        separate_runs=self.s.net.conditioning_active)
+        return evaluate(
+            self.s.model,
+            self.s.val_tokens,
+            loops=loops,
+            batch_size=self.job.train.micro_batch_size,
+            separate_runs=self.s.net.conditioning_active,
+        )
 
 
 class ProgressPrinter:
@@ -125,6 +161,12 @@ class ProgressPrinter:
             print(print_routing(self.routing))
         print(f"trained {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.1f}s", flush=True)
 
+    def on_stop(self, state: TrainState, reason: str) -> None:
+        if self.enabled:
+            print(
+                f"stopped ({reason}) at step {state.step}/{self.job.train.steps}: checkpoint saved, exiting", flush=True
+            )
+
 
 def print_routing(routing: dict[tuple[int, int], dict[str, float]]) -> str:
     from elastic_pretrain.model.routing import STATS
@@ -138,41 +180,60 @@ def print_routing(routing: dict[tuple[int, int], dict[str, float]]) -> str:
 class SummaryWriter:
     """``summary.json`` in the run directory: final validation loss per ℓ and counters."""
 
-    def __init__(self, run_dir: Path, mesh: Mesh) -> None:
+    def __init__(self, run_dir: Path, mesh: Mesh, resumed_step: int = 0) -> None:
         self.path, self.enabled, self.mesh = run_dir / "summary.json", mesh.is_logging_rank, mesh
         self.history: list[dict[str, Any]] = []
+        if resumed_step and self.path.is_file():  # the steps before the checkpoint, from the earlier attempt
+            earlier = json.loads(self.path.read_text()).get("history", [])
+            self.history = [h for h in earlier if h["step"] <= resumed_step]
         self.routing: dict[str, dict[str, float]] = {}
 
     def on_step(self, state: TrainState, result: StepResult, step_s: float) -> None:
-        self.history.append({"step": state.step, "loss": result.loss,
-                             "loss_by_loops": {str(k): v for k, v in result.loss_by_loops.items()}})
+        self.history.append(
+            {
+                "step": state.step,
+                "loss": result.loss,
+                "loss_by_loops": {str(k): v for k, v in result.loss_by_loops.items()},
+            }
+        )
         if result.routing:
             self.routing = {f"{layer}/{p}": stats for (layer, p), stats in result.routing.items()}
 
     def on_eval(self, state: TrainState, val: dict[int, float]) -> None: ...
 
-    def on_end(self, state: TrainState, val: dict[int, float]) -> None:
+    def on_stop(self, state: TrainState, reason: str) -> None:
+        self.on_end(state, {}, stopped=reason)
+
+    def on_end(self, state: TrainState, val: dict[int, float], stopped: str | None = None) -> None:
         if self.enabled:
-            summary = {"steps": state.step, "tokens": state.tokens, "elapsed_s": state.elapsed_s,
-                       "val_loss_by_loops": {str(k): v for k, v in val.items()}, "layout": describe(self.mesh),
-                       "routing": self.routing, "history": self.history}
+            summary = {
+                "steps": state.step,
+                "stopped": stopped,
+                "tokens": state.tokens,
+                "elapsed_s": state.elapsed_s,
+                "val_loss_by_loops": {str(k): v for k, v in val.items()},
+                "layout": describe(self.mesh),
+                "routing": self.routing,
+                "history": self.history,
+            }
             self.path.write_text(json.dumps(summary, indent=1))
 
 
 class TrackingCallback:
     """Metrics, validation curves and the quality-budget plot to MLflow (rank 0; never fatal)."""
 
-    def __init__(self, job: JobConfig, mesh: Mesh, run_dir: Path) -> None:
+    def __init__(self, job: JobConfig, mesh: Mesh, run_dir: Path, resume_run_id: str | None = None) -> None:
         from elastic_pretrain.config import flatten, to_dict
         from elastic_pretrain.tracking import names
         from elastic_pretrain.tracking.tracker import create_tracker, default_tags
 
         self.job, self.names, self.run_dir = job, names, run_dir
-        self.tracker = create_tracker(job.tracking, run_dir=run_dir, job_name=job.name, rank=mesh.rank)
+        self.tracker = create_tracker(
+            job.tracking, run_dir=run_dir, job_name=job.name, rank=mesh.rank, resume_run_id=resume_run_id
+        )
         self.tracker.log_params(flatten(to_dict(job)))
         if mesh.is_logging_rank:
-            self.tracker.set_tags({**default_tags(world_size=mesh.world_size),
-                                   "layout": json.dumps(describe(mesh))})
+            self.tracker.set_tags({**default_tags(world_size=mesh.world_size), "layout": json.dumps(describe(mesh))})
         self._window: list[float] = []
 
     def on_step(self, state: TrainState, result: StepResult, step_s: float) -> None:
@@ -180,8 +241,12 @@ class TrackingCallback:
         if state.step % self.job.train.log_interval and state.step != self.job.train.steps:
             return
         n = self.names
-        metrics = {n.LOSS: result.loss, n.LR: result.lr, n.GRAD_NORM: result.grad_norm,
-                   n.TOKENS_PER_S: self.job.tokens_per_step * len(self._window) / sum(self._window)}
+        metrics = {
+            n.LOSS: result.loss,
+            n.LR: result.lr,
+            n.GRAD_NORM: result.grad_norm,
+            n.TOKENS_PER_S: self.job.tokens_per_step * len(self._window) / sum(self._window),
+        }
         metrics.update({n.loss_loops(k): v for k, v in result.loss_by_loops.items()})
         metrics.update({n.sanitize(k): v for k, v in result.aux.items()})
         for (layer, p), stats in result.routing.items():
@@ -200,9 +265,18 @@ class TrackingCallback:
             (self.run_dir / "mlflow_run_id").write_text(self.tracker.run_id)
         self.tracker.close(self.job.tracking.close_timeout_s)
 
+    def on_stop(self, state: TrainState, reason: str) -> None:
+        if self.tracker.run_id:
+            (self.run_dir / "mlflow_run_id").write_text(self.tracker.run_id)
+        self.tracker.close(self.job.tracking.close_timeout_s, status="KILLED")  # a resume reopens the run
 
-def train(job: JobConfig) -> dict[int, float]:
-    """Run a job in this process (one rank of a torchrun launch, or a single process)."""
+
+def train(job: JobConfig) -> dict[int, float] | None:
+    """Run a job in this process (one rank of a torchrun launch, or a single process).
+
+    Resumes from the run directory's newest committed checkpoint (or ``checkpoint.resume_from``);
+    returns None when a stop signal (or ``checkpoint.stop_at``) ended it after a save — exit code 0,
+    no ``FINISHED`` marker, so the sbatch script requeues it."""
     torch.set_num_threads(job.train.threads_per_rank)
     mesh = init_mesh(job.parallel, seed=job.train.seed)
     try:
@@ -213,8 +287,21 @@ def train(job: JobConfig) -> dict[int, float]:
         session = build_session(job, mesh)
         if mesh.is_logging_rank:
             print(session.describe(), flush=True)
-        callbacks: list[Callback] = [ProgressPrinter(job, mesh, session.controller), SummaryWriter(run_dir, mesh),
-                                     TrackingCallback(job, mesh, run_dir)]
-        return Trainer(job, mesh, session, callbacks).fit()
+        ckpt, state = Checkpointer(job, mesh, session, run_dir), TrainState()
+        source = ckpt.resume_source()
+        meta = ckpt.restore(source, state) if source else {}
+        tracking = TrackingCallback(job, mesh, run_dir, resume_run_id=meta.get("mlflow_run_id"))
+        ckpt.run_id = lambda: tracking.tracker.run_id
+        callbacks: list[Callback] = [
+            ProgressPrinter(job, mesh, session.controller),
+            SummaryWriter(run_dir, mesh, resumed_step=state.step),
+            tracking,
+        ]
+        with StopRequest() as stop:
+            val = Trainer(job, mesh, session, callbacks, ckpt, stop, state).fit()
+        ckpt.close()
+        if val is not None and mesh.is_logging_rank:
+            RunFiles(run_dir).finished.write_text(json.dumps({"step": state.step, "tokens": state.tokens}) + "\n")
+        return val
     finally:
         teardown()

@@ -1,0 +1,266 @@
+"""Save and restore everything a resumed run needs; the Trainer calls :class:`Checkpointer`.
+
+What a checkpoint holds (docs/checkpoints.md): the model and the Adam state through megatron-core
+``dist_checkpointing`` (sharded, layout-independent keys: loads at another TP/EP/DP layout), the
+LR schedule, the schedule controller, the data position, the loop counters, the MLflow run id,
+the resolved config and layout (``trainer.json``), and every rank's RNG states (``rng/``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+from elastic_pretrain.checkpoint import optim_state, rng
+from elastic_pretrain.checkpoint.safe_load import restricted_unpickling
+from elastic_pretrain.checkpoint.store import (
+    MODEL_DIR,
+    RNG_DIR,
+    TRAINER_FILE,
+    CheckpointStore,
+    fault_point,
+    rank_records,
+    read_trainer_state,
+    verify,
+    write_atomic,
+)
+from elastic_pretrain.config import flatten, to_dict
+from elastic_pretrain.errors import UserError
+from elastic_pretrain.job import JobConfig
+from elastic_pretrain.parallel.mesh import Mesh, describe
+
+log = logging.getLogger(__name__)
+
+# Model keys whose change makes saved tensors meaningless for the new model: refuse to resume.
+SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_heads",
+    "ffn_hidden_size",
+    "prelude_layers",
+    "core_layers",
+    "coda_layers",
+    "loops",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "flatten",
+    "attention",
+    "edge_mlp",
+    "normalization",
+    "tie_embeddings",
+    "loop_conditioning",
+)
+
+
+def shape_changes(saved: dict[str, Any], job: JobConfig) -> list[str]:
+    """``model.<key>: old -> new`` for every shape key that differs between a saved config and ``job``."""
+    now, old = to_dict(job)["model"], saved.get("model", {})
+    return [f"model.{k}: {old.get(k)!r} -> {now.get(k)!r}" for k in SHAPE_KEYS if old.get(k) != now.get(k)]
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def _from_rank0(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (small picklable objects of our own making only)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class Checkpointer:
+    """Owns ``<run_dir>/checkpoints``: periodic/final/preemption saves (sync or async) and resume."""
+
+    def __init__(self, job: JobConfig, mesh: Mesh, session: Any, run_dir: Path) -> None:
+        self.job, self.mesh, self.s, self.cfg = job, mesh, session, job.checkpoint
+        self.store = CheckpointStore(run_dir / "checkpoints")
+        self.run_id: Callable[[], str | None] = lambda: None
+        self.strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+        self.queue = AsyncCallsQueue() if self.cfg.async_save else None
+        self.pending: int | None = None  # step of the async save in flight
+        self.last_saved: int | None = None
+        self.stale_cleaned = False
+
+    # --- resume ------------------------------------------------------------------------------------
+    def resume_source(self) -> Path | None:
+        """The checkpoint this run continues from, or None for a fresh start (same answer on every rank)."""
+        if self.cfg.resume_from:
+            return Path(self.cfg.resume_from)
+        newest = self.store.newest()
+        if self.cfg.resume == "never":
+            if newest is not None:
+                raise UserError(
+                    f"checkpoint.resume=never but {newest.path} exists: use a new run directory, or resume=auto"
+                )
+            return None
+        return newest.path if newest else None
+
+    def restore(self, ckpt: Path, state: Any) -> dict[str, Any]:
+        """Load ``ckpt`` into the session and ``state``; returns its ``trainer.json``. Collective."""
+        error = None
+        if self.mesh.rank == 0:
+            try:
+                verify(ckpt)
+            except UserError as err:
+                error = str(err)
+        error = _from_rank0(error)
+        if error:
+            raise UserError(error)
+        meta = read_trainer_state(ckpt)
+        changes = shape_changes(meta.get("config", {}), self.job)
+        if changes:
+            raise UserError(
+                f"cannot resume from {ckpt}: the model shape changed ({'; '.join(changes)}); "
+                "restore those values or start a new run directory"
+            )
+        self._load_tensors(ckpt, meta)
+        s = self.s
+        s.scheduler.load_state_dict(meta["scheduler"])
+        s.controller.load_state_dict(meta["controller"])
+        s.batches.load_state_dict(meta["data"])
+        state.load_state_dict(meta["trainer"])
+        same_layout = meta.get("layout") == describe(self.mesh)
+        if same_layout:
+            rng.restore(rng.load(ckpt / RNG_DIR / f"rank_{self.mesh.rank:05d}.pt"))
+        elif self.mesh.rank == 0:
+            log.warning(
+                "layout changed %s -> %s: RNG states start from the seed", meta.get("layout"), describe(self.mesh)
+            )
+        if hasattr(s, "sync_phase"):
+            s.sync_phase()
+        self.last_saved = state.step if ckpt.parent == self.store.root else None
+        if self.mesh.rank == 0:
+            self._log_changes(meta.get("config", {}))
+            print(f"resumed from {ckpt} (step {state.step}, {state.tokens:,} tokens)", flush=True)
+        return meta
+
+    def _load_tensors(self, ckpt: Path, meta: dict[str, Any]) -> None:
+        net, optimizer = self.s.net, self.s.optimizer
+        model_sd = net.sharded_state_dict()
+        optim_state.ensure_state(optimizer)
+        template = optim_state.loading_template(optimizer, model_sd)
+        try:
+            with torch.no_grad(), restricted_unpickling():
+                loaded = dist_checkpointing.load({"model": model_sd, "optimizer": template}, str(ckpt / MODEL_DIR))
+        except UserError:
+            raise
+        except Exception as err:  # megatron/DCP wrap the cause; name the checkpoint, keep one line
+            first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+            raise UserError(f"{ckpt / MODEL_DIR}: cannot load model/optimizer tensors ({first})") from err
+        with torch.no_grad():
+            net.load_state_dict(loaded["model"], strict=True)
+            # a fresh sharded view: megatron's load rewrites the one it was given in place
+            fresh = net.sharded_state_dict()
+            optim_state.load_optimizer_state(optimizer, fresh, loaded["optimizer"], float(meta["adam_step"]))
+
+    def _log_changes(self, saved: dict[str, Any]) -> None:
+        old, new = flatten(saved), flatten(to_dict(self.job))
+        diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k != "run_dir")
+        if diff:
+            log.info("config changed since the checkpoint: %s", ", ".join(f"{k}={new.get(k)!r}" for k in diff))
+
+    # --- saving --------------------------------------------------------------------------------------
+    def due(self, step: int) -> bool:
+        return bool(self.cfg.interval) and step % self.cfg.interval == 0
+
+    def save(self, state: Any, *, blocking: bool = False) -> None:
+        """Save at ``state.step`` (collective). Async: returns once tensors are staged in a forked writer."""
+        self.wait()  # one save in flight at a time
+        step, rank = state.step, self.mesh.rank
+        if rank == 0:
+            if not self.stale_cleaned:
+                self.store.clean_stale()
+                self.stale_cleaned = True
+            self.store.prepare(step)
+        _barrier()
+        tmp = self.store.tmp_dir(step)
+        fault_point("before_tensors", rank)
+        rng.save(tmp / RNG_DIR / f"rank_{rank:05d}.pt")
+        model_sd = self.s.net.sharded_state_dict()
+        optim_sd, adam_step = optim_state.sharded_optimizer_state(self.s.optimizer, model_sd)
+        if rank == 0:
+            write_atomic(tmp / TRAINER_FILE, json.dumps(self._trainer_state(state, adam_step), indent=1))
+        use_async = self.queue is not None and not blocking
+        request = dist_checkpointing.save(
+            {"model": model_sd, "optimizer": optim_sd},
+            str(tmp / MODEL_DIR),
+            sharded_strategy=self.strategy,
+            async_sharded_save=use_async,
+        )
+        if use_async:
+            assert self.queue is not None and request is not None
+            request.add_finalize_fn(functools.partial(self._commit, step))
+            self.queue.schedule_async_request(request)
+            self.pending = step
+        else:
+            self._commit(step)
+        self.last_saved = step
+
+    def _trainer_state(self, state: Any, adam_step: float) -> dict[str, Any]:
+        s = self.s
+        return {
+            "trainer": state.state_dict(),
+            "adam_step": adam_step,
+            "scheduler": s.scheduler.state_dict(),
+            "controller": s.controller.state_dict(),
+            "data": s.batches.state_dict(),
+            "mlflow_run_id": self.run_id(),
+            "layout": describe(self.mesh),
+            "config": to_dict(self.job),
+        }
+
+    def _commit(self, step: int) -> None:
+        """After every rank's writer finished: marker, rename, ``latest``, retention (rank 0). Collective."""
+        rank = self.mesh.rank
+        fault_point("before_marker", rank)
+        records = rank_records(self.store.tmp_dir(step), rank)
+        gathered: list[Any] = [records]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, records)
+        if rank == 0:
+            merged = {k: v for r in gathered for k, v in r.items()}
+            self.store.commit(step, merged, rank=rank)
+            removed = self.store.retain(self.cfg.keep_last, self.cfg.keep_every)
+            print(
+                f"checkpoint step {step} committed -> {self.store.step_dir(step)}"
+                + (f" (removed {', '.join(f'step_{r}' for r in removed)})" if removed else ""),
+                flush=True,
+            )
+        _barrier()
+
+    def poll(self) -> None:
+        """Commit a finished async save (a cheap all-reduce while one is in flight). Every rank, every step."""
+        if self.queue is not None and self.pending is not None:
+            self.queue.maybe_finalize_async_calls(blocking=False)
+            if self.queue.get_num_unfinalized_calls() == 0:
+                self.pending = None
+
+    def wait(self) -> None:
+        """Block until an async save in flight is written and committed."""
+        if self.queue is not None and self.pending is not None:
+            self.queue.maybe_finalize_async_calls(blocking=True)
+            self.pending = None
+
+    def close(self) -> None:
+        self.wait()
+        if self.queue is not None:
+            self.queue.close()

@@ -1,0 +1,54 @@
+"""Per-rank RNG states (python, numpy, torch, megatron's TP RNG tracker) as plain tensors.
+
+Saved with ``torch.save`` and loaded with ``torch.load(weights_only=True)``: only tensors, ints,
+strings, lists and dicts, so loading cannot instantiate arbitrary objects.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from megatron.core import tensor_parallel
+
+from elastic_pretrain.errors import UserError
+
+
+def capture() -> dict[str, Any]:
+    version, mt, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
+        "numpy": {
+            "name": name,
+            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached": float(cached),
+        },
+        "torch": torch.get_rng_state(),
+        "tracker": {k: v.clone() for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()},
+    }
+
+
+def restore(state: dict[str, Any]) -> None:
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached"]))
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["tracker"]))
+
+
+def save(path: Path) -> None:
+    torch.save(capture(), path)
+
+
+def load(path: Path) -> dict[str, Any]:
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as err:  # truncated zip, bad pickle opcode, disallowed global...
+        raise UserError(f"{path}: unreadable RNG state ({type(err).__name__}: {str(err).splitlines()[0]})") from None

@@ -1,0 +1,234 @@
+"""The checkpoint folder of a run: step directories, commit markers, ``latest``, retention, checks.
+
+Layout (the contract with ``launch/layout.py`` and the sbatch script)::
+
+    <run_dir>/checkpoints/
+        .tmp-step_<N>/            being written (every rank writes its part here)
+        step_<N>/                 committed: renamed from .tmp-step_<N> after COMMITTED was written
+            model_optim/          megatron-core dist_checkpointing (torch_dist): model + optimizer, sharded
+            trainer.json          counters, schedule controller, data position, run id, config, layout
+            rng/rank_<R>.pt       RNG states of rank R (plain tensors; loaded with weights_only=True)
+            COMMITTED             JSON: step, size and CRC32 of every file above; written last
+        latest                    text ``step_<N>``, replaced atomically (write + rename) after the commit
+
+A step directory counts only if it is named ``step_<N>`` *and* holds ``COMMITTED``: the marker is
+written after every rank's files are complete (a barrier), and the rename that makes the
+directory visible comes after it, so a crash at any moment leaves either the old or the new
+checkpoint committed, never a half-written one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import zlib
+from pathlib import Path
+from typing import Any
+
+from elastic_pretrain.errors import UserError
+
+log = logging.getLogger(__name__)
+
+COMMIT_FILE = "COMMITTED"
+TRAINER_FILE = "trainer.json"
+MODEL_DIR = "model_optim"
+RNG_DIR = "rng"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+FAULT_ENV = "ELASTIC_PRETRAIN_CKPT_FAULT"  # tests: "<point>:<rank>" -> SIGKILL that rank at that point
+
+
+def step_name(step: int) -> str:
+    return f"step_{step}"
+
+
+def fault_point(point: str, rank: int) -> None:
+    """Crash-safety tests: ``ELASTIC_PRETRAIN_CKPT_FAULT=<point>:<rank>`` kills this rank right here."""
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec and spec.split(":")[0] == point and int(spec.split(":")[1]) == rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write + fsync a temporary file beside ``path``, then rename it over ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def crc32_file(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def file_records(root: Path, paths: list[Path]) -> dict[str, list[int]]:
+    """``{relative path: [size, crc32]}`` for the given files under ``root``."""
+    return {str(p.relative_to(root)): [p.stat().st_size, crc32_file(p)] for p in sorted(paths)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Committed:
+    """One committed checkpoint."""
+
+    step: int
+    path: Path
+    marker: dict[str, Any]
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(size for size, _ in self.marker["files"].values())
+
+
+class CheckpointStore:
+    """The ``checkpoints/`` folder of one run directory (all file-system decisions live here)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @property
+    def latest_file(self) -> Path:
+        return self.root / "latest"
+
+    def tmp_dir(self, step: int) -> Path:
+        return self.root / f".tmp-{step_name(step)}"
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / step_name(step)
+
+    # --- reading ---------------------------------------------------------------------------------
+    def committed(self) -> list[Committed]:
+        """Committed checkpoints, oldest first (directories without a readable marker are skipped)."""
+        out = []
+        if not self.root.is_dir():
+            return out
+        for d in self.root.iterdir():
+            m = _STEP_DIR.match(d.name)
+            if m and d.is_dir() and (d / COMMIT_FILE).is_file():
+                try:
+                    marker = json.loads((d / COMMIT_FILE).read_text())
+                except (OSError, ValueError):
+                    log.warning("%s: unreadable commit marker, ignoring this checkpoint", d / COMMIT_FILE)
+                    continue
+                out.append(Committed(int(m.group(1)), d, marker))
+        return sorted(out, key=lambda c: c.step)
+
+    def newest(self) -> Committed | None:
+        found = self.committed()
+        return found[-1] if found else None
+
+    # --- writing (rank 0 only) -------------------------------------------------------------------------
+    def prepare(self, step: int) -> Path:
+        """A fresh, empty ``.tmp-step_<N>/`` (a leftover of a crashed save is removed first)."""
+        tmp = self.tmp_dir(step)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / MODEL_DIR).mkdir(parents=True)
+        (tmp / RNG_DIR).mkdir()
+        return tmp
+
+    def commit(self, step: int, extra_records: dict[str, list[int]], rank: int = 0) -> Path:
+        """Write the marker (after every rank finished), rename into place, then update ``latest``."""
+        tmp = self.tmp_dir(step)
+        own = [p for p in tmp.rglob("*") if p.is_file() and not _rank_written(p)]
+        files = {**file_records(tmp, own), **extra_records}
+        marker = {"version": FORMAT_VERSION, "step": step, "files": dict(sorted(files.items()))}
+        write_atomic(tmp / COMMIT_FILE, json.dumps(marker, indent=1))
+        fault_point("after_marker", rank)
+        final = self.step_dir(step)
+        if final.exists():  # the same step saved again (e.g. a resumed run stopped at once): replace it
+            self._remove(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        fault_point("after_rename", rank)
+        write_atomic(self.latest_file, step_name(step) + "\n")
+        return final
+
+    def retain(self, keep_last: int, keep_every: int) -> list[int]:
+        """Delete committed checkpoints outside (last ``keep_last``) ∪ (multiples of ``keep_every``)."""
+        found = self.committed()
+        keep = {c.step for c in found[-keep_last:]}
+        keep |= {c.step for c in found if keep_every and c.step % keep_every == 0}
+        removed = []
+        for c in found:
+            if c.step not in keep:
+                self._remove(c.path)
+                removed.append(c.step)
+        return removed
+
+    def clean_stale(self) -> None:
+        """Remove ``.tmp-*``/``.trash-*`` leftovers of a crashed save (call before the first save)."""
+        if self.root.is_dir():
+            for d in self.root.iterdir():
+                if d.name.startswith((".tmp-", ".trash-")) and d.is_dir():
+                    shutil.rmtree(d, ignore_errors=True)
+
+    def _remove(self, path: Path) -> None:
+        # Rename first: a crash mid-delete must not leave a step_<N> with COMMITTED but missing files.
+        trash = path.with_name(f".trash-{path.name}")
+        if trash.exists():
+            shutil.rmtree(trash)
+        os.replace(path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def _rank_written(path: Path) -> bool:
+    """Files whose records the writing rank computed itself (``__<rank>_<i>.distcp``, ``rank_<R>.pt``)."""
+    return path.suffix == ".distcp" or (path.parent.name == RNG_DIR and path.name.startswith("rank_"))
+
+
+def rank_records(tmp: Path, rank: int) -> dict[str, list[int]]:
+    """Size + CRC32 of the files this rank wrote (its tensor files and its RNG file)."""
+    mine = [*list((tmp / MODEL_DIR).glob(f"__{rank}_*.distcp")), tmp / RNG_DIR / f"rank_{rank:05d}.pt"]
+    return file_records(tmp, [p for p in mine if p.is_file()])
+
+
+def verify(ckpt: Path) -> dict[str, Any]:
+    """Check every file listed in ``COMMITTED`` (size, CRC32); raise a one-line UserError naming the file."""
+    marker_path = ckpt / COMMIT_FILE
+    try:
+        marker = json.loads(marker_path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{ckpt}: not a committed checkpoint (no {COMMIT_FILE}; it was never finished)") from None
+    except (OSError, ValueError) as err:
+        raise UserError(f"{marker_path}: unreadable commit marker ({err})") from None
+    if marker.get("version") != FORMAT_VERSION:
+        raise UserError(f"{marker_path}: checkpoint format {marker.get('version')} is not {FORMAT_VERSION}")
+    for rel, (size, crc) in marker["files"].items():
+        path = ckpt / rel
+        if not path.is_file():
+            raise UserError(f"{path}: missing from the checkpoint")
+        if path.stat().st_size != size:
+            raise UserError(f"{path}: truncated or corrupt ({path.stat().st_size} bytes, {size} were written)")
+        if crc32_file(path) != crc:
+            raise UserError(f"{path}: corrupt (checksum differs from the one written at save time)")
+    return marker
+
+
+def read_trainer_state(ckpt: Path) -> dict[str, Any]:
+    path = ckpt / TRAINER_FILE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{path}: missing; {ckpt} is not an elastic-pretrain checkpoint") from None
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path}: unreadable ({err})") from None

@@ -5,6 +5,8 @@ usage: mixed_depth.py MODE OUT_DIR [replay]
           at their ℓ values (gradient accumulation) and writes loss/gradients.
   ep2   — 4 processes, expert parallel 2 (data parallel 4): replica r runs its micro-batch at ℓ_r,
           so the two members of each EP group run different numbers of passes.
+  ref2 / tp2ep2 — the same with 2 replicas of tensor parallel 2 × expert parallel 2 (4 processes;
+          each EP group pairs the two replicas' ranks of one TP rank).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 from elastic_pretrain.train.schedule import DepthPlan
 from elastic_pretrain.train.step import MicroBatch, _forward_step, _reduce_by_loops
-from tests.dist.equivalence import wrap_ddp_for_test
+from tests.dist.equivalence import tp_shard, wrap_ddp_for_test
 
 LOOPS = [1, 3, 2, 4]  # ℓ of replica 0..3; EP groups pair replicas (0,1) and (2,3)
 
@@ -31,26 +33,31 @@ def model_cfg(replay: bool) -> ModelConfig:
 
 
 def main(mode: str, out: Path, replay: bool) -> None:
-    par = ParallelConfig(expert=2) if mode == "ep2" else ParallelConfig()
+    par = {"ep2": ParallelConfig(expert=2), "tp2ep2": ParallelConfig(tensor=2, expert=2)}.get(mode, ParallelConfig())
+    replicas = 2 if mode in ("ref2", "tp2ep2") else 4
     mesh = init_mesh(par, seed=11)
     torch.set_num_threads(1)
     cfg = model_cfg(replay)
     net = build_model(cfg, par)
     tag = "replay" if replay else "plain"
-    if mode == "ref":
+    if mode.startswith("ref"):
         batches = torch.randint(0, cfg.vocab_size, (4, 2, 17), generator=torch.Generator().manual_seed(5))
         torch.save({"state": net.state_dict(), "batches": batches}, out / f"inputs_{tag}.pt")
-        micro = [MicroBatch(batches[r], DepthPlan(LOOPS[r], (LOOPS[r],))) for r in range(4)]
+        micro = [MicroBatch(batches[r], DepthPlan(LOOPS[r], (LOOPS[r],))) for r in range(replicas)]
     else:
         saved = torch.load(out / f"inputs_{tag}.pt", weights_only=True)
         n_local = cfg.experts_built // mesh.ep_size
         with torch.no_grad():
             for name, p in net.named_parameters():
+                full_name = name
                 if ".local_experts." in name:
                     head, rest = name.split(".local_experts.")
                     k, tail = rest.split(".", 1)
-                    name = f"{head}.local_experts.{mesh.ep_rank * n_local + int(k)}.{tail}"
-                p.copy_(saved["state"][name])
+                    full_name = f"{head}.local_experts.{mesh.ep_rank * n_local + int(k)}.{tail}"
+                full = saved["state"][full_name]
+                if getattr(p, "tensor_model_parallel", False) and full.shape != p.shape:
+                    full = tp_shard(name, full, p.partition_dim, mesh.tp_size, mesh.tp_rank)
+                p.copy_(full)
         r = mesh.dp_rank
         micro = [MicroBatch(saved["batches"][r], DepthPlan(LOOPS[r], (LOOPS[r],)))]
     model = wrap_ddp_for_test(net)
@@ -61,7 +68,8 @@ def main(mode: str, out: Path, replay: bool) -> None:
         seq_length=16, micro_batch_size=2, forward_only=False)
     loss, by_loops = _reduce_by_loops(reports, cfg.max_loops)
     grads = {n: p.main_grad.detach().clone() for n, p in net.named_parameters()}
-    torch.save({"loss": loss, "by_loops": by_loops, "grads": grads, "ep": mesh.ep_rank, "dp": mesh.dp_rank},
+    torch.save({"loss": loss, "by_loops": by_loops, "grads": grads, "ep": mesh.ep_rank, "dp": mesh.dp_rank,
+                "tp": mesh.tp_rank},
                out / f"{mode}_{tag}_rank{mesh.rank}.pt")
     teardown()
 

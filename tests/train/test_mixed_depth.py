@@ -1,5 +1,5 @@
-"""EP-safe mixed depth on 4 gloo processes (data parallel 4 × expert parallel 2): the two members
-of each expert-parallel group run different loop counts. No hang (test timeout), finite loss, and
+"""EP-safe mixed depth on 4 gloo processes (data parallel 4 × expert parallel 2, and tensor parallel
+2 × expert parallel 2): the members of each expert-parallel group run different loop counts. No hang (test timeout), finite loss, and
 loss/gradients equal to one process running the same micro-batches at the same ℓ values.
 
 Tolerance: fp32, rtol=1e-4 / atol=1e-6 (sums reassociated across ranks; nothing else differs).
@@ -15,30 +15,42 @@ import pytest
 import torch
 
 from tests.conftest import REPO, torchrun
+from tests.dist.equivalence import tp_shard
 
 SCRIPT = REPO / "tests" / "dist" / "mixed_depth.py"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
-@pytest.mark.parametrize("replay", [False, True], ids=["plain", "route-replay"])
-def test_mixed_depth_across_an_expert_group_matches_one_process(tmp_path, replay):
+@pytest.mark.parametrize(
+    ("layout", "replay"),
+    [("ep2", False), ("ep2", True), ("tp2ep2", True)],
+    ids=["dp4xep2", "dp4xep2-route-replay", "tp2xep2-route-replay"],
+)
+def test_mixed_depth_across_an_expert_group_matches_one_process(tmp_path, layout, replay):
     extra = ["replay"] if replay else []
+    ref_mode = "ref" if layout == "ep2" else "ref2"
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
-    subprocess.run([sys.executable, str(SCRIPT), "ref", str(tmp_path), *extra], check=True, cwd=REPO, timeout=300,
+    subprocess.run([sys.executable, str(SCRIPT), ref_mode, str(tmp_path), *extra], check=True, cwd=REPO, timeout=300,
                    capture_output=True, env=env)
-    torchrun(SCRIPT, "ep2", str(tmp_path), *extra, nproc=4, timeout=300, env={"PYTHONPATH": str(REPO)})
+    torchrun(SCRIPT, layout, str(tmp_path), *extra, nproc=4, timeout=300, env={"PYTHONPATH": str(REPO)})
     tag = "replay" if replay else "plain"
-    ref = torch.load(tmp_path / f"ref_{tag}_rank0.pt", weights_only=True)
-    assert math.isfinite(ref["loss"]) and sorted(ref["by_loops"]) == [1, 2, 3, 4]
+    ref = torch.load(tmp_path / f"{ref_mode}_{tag}_rank0.pt", weights_only=True)
+    assert math.isfinite(ref["loss"])
+    assert sorted(ref["by_loops"]) == ([1, 2, 3, 4] if layout == "ep2" else [1, 3])
     for rank in range(4):
-        res = torch.load(tmp_path / f"ep2_{tag}_rank{rank}.pt", weights_only=True)
+        res = torch.load(tmp_path / f"{layout}_{tag}_rank{rank}.pt", weights_only=True)
         assert res["loss"] == pytest.approx(ref["loss"], rel=1e-5)
         for k, v in ref["by_loops"].items():
             assert res["by_loops"][k] == pytest.approx(v, rel=1e-5)
         for name, got in res["grads"].items():
+            full_name = name
             if ".local_experts." in name:
                 head, rest = name.split(".local_experts.")
                 k, tail = rest.split(".", 1)
-                name = f"{head}.local_experts.{res['ep'] * 4 + int(k)}.{tail}"
-            torch.testing.assert_close(got, ref["grads"][name], rtol=1e-4, atol=1e-6,
+                full_name = f"{head}.local_experts.{res['ep'] * 4 + int(k)}.{tail}"
+            want = ref["grads"][full_name]
+            if want.shape != got.shape:  # TP shard
+                dim = next(d for d in range(want.dim()) if want.shape[d] != got.shape[d])
+                want = tp_shard(name, want, dim, 2, res["tp"])
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6,
                                        msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")

@@ -1,5 +1,6 @@
 """EP-safe mixed depth on 4 gloo processes (data parallel 4 × expert parallel 2, and tensor parallel
-2 × expert parallel 2): the members of each expert-parallel group run different loop counts. No hang (test timeout), finite loss, and
+2 × expert parallel 2): the members of each expert-parallel group run different loop counts.
+No hang (test timeout), finite loss, and
 loss/gradients equal to one process running the same micro-batches at the same ℓ values.
 
 Tolerance: fp32, rtol=1e-4 / atol=1e-6 (sums reassociated across ranks; nothing else differs).

@@ -315,6 +315,12 @@ class LoopEval:
         return math.exp(self.loss)
 
 
+def token_ce(logits_BTV: torch.Tensor, labels_BT: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy ``[B, T]`` over the real vocabulary, in fp32."""
+    ce = torch.nn.functional.cross_entropy(logits_BTV.float().flatten(0, 1), labels_BT.flatten(), reduction="none")
+    return ce.view_as(labels_BT)
+
+
 @torch.no_grad()
 def evaluate_loops(
     model: LoopedMoEModel, tokens_NT1: torch.Tensor, loops: Sequence[int] | None = None, *, batch_size: int = 8
@@ -324,6 +330,10 @@ def evaluate_loops(
     ``tokens_NT1`` holds N sequences of T+1 tokens (inputs ``[:, :-1]``, labels ``[:, 1:]``). Without
     active loop conditioning the exits of one L_max run share its prefix, so one forward gives every
     ℓ; with it each ℓ is conditioned on itself (ELR) and needs its own run.
+
+    The loss is the cross-entropy over the *real* vocabulary (the distribution ``generate`` samples
+    from). The model's training loss (megatron's vocab-parallel CE) normalises over the padded
+    vocabulary too, which adds up to log(V_padded / V) nats (0.40 for bytes at init).
     """
     cfg = model.cfg
     wanted = sorted(set(range(1, cfg.max_loops + 1) if loops is None else loops))
@@ -338,11 +348,11 @@ def evaluate_loops(
             chunk = tokens_NT1[start : start + batch_size]
             ids, labels = chunk[:, :-1], chunk[:, 1:]
             if model.conditioning_active:
-                per = {ell: model(ids, labels=labels, loops=ell)[ell] for ell in wanted}
+                per = {ell: model(ids, loops=ell)[ell] for ell in wanted}
             else:
-                per = model(ids, labels=labels, loops=wanted[-1], exits=wanted)
+                per = model(ids, loops=wanted[-1], exits=wanted)
             for ell in wanted:
-                sums[ell] += float(per[ell].double().sum())
+                sums[ell] += float(token_ce(per[ell], labels).double().sum())
             count += labels.numel()
     finally:
         model.train(was_training)

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from elastic_pretrain.eval.quality import (
@@ -18,6 +19,7 @@ from elastic_pretrain.eval.quality import (
     markdown_table,
     quality_curve,
     relative_compute,
+    token_ce,
 )
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.parallel.megatron import build_model
@@ -141,19 +143,23 @@ def test_evaluate_loops_matches_the_model_and_separates_conditioned_runs(mesh1, 
     model = build_model(cfg, PAR)
     tokens = torch.randint(0, cfg.vocab_size, (3, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        ref = model.eval()(tokens[:, :-1], labels=tokens[:, 1:], loops=4, exits=[1, 2, 3])
+        logits = model.eval()(tokens[:, :-1], loops=4, exits=[1, 2, 3])
+        padded = model(tokens[:, :-1], labels=tokens[:, 1:], loops=4)[4].double().mean()
     got = evaluate_loops(model, tokens, batch_size=2)  # two batches: 2 + 1 sequences
     assert sorted(got) == [1, 2, 3, 4]
     for ell, e in got.items():
         assert e.tokens == 30
-        assert e.loss == pytest.approx(float(ref[ell].double().mean()), abs=1e-6)
+        ref = F.cross_entropy(logits[ell].flatten(0, 1).double(), tokens[:, 1:].flatten())
+        assert e.loss == pytest.approx(float(ref), abs=1e-6)
         assert e.perplexity == pytest.approx(math.exp(e.loss))
+    # the model's own loss also normalises over the 127 padded vocabulary entries: higher, at most log(384/257)
+    assert 0 < float(padded) - got[4].loss <= math.log(384 / 257) + 1e-6
     # with active conditioning each ℓ is conditioned on itself: ℓ=1 must be its own run, not the L_max exit
     model.conditioning_active = True
     with torch.no_grad():
         model.loop_conditioning.out.weight.normal_(0, 0.5)
-        own = model(tokens[:, :-1], labels=tokens[:, 1:], loops=1)[1].double().mean()
-        exit_of_4 = model(tokens[:, :-1], labels=tokens[:, 1:], loops=4, exits=[1])[1].double().mean()
+        own = token_ce(model(tokens[:, :-1], loops=1)[1], tokens[:, 1:]).double().mean()
+        exit_of_4 = token_ce(model(tokens[:, :-1], loops=4, exits=[1])[1], tokens[:, 1:]).double().mean()
     cond = evaluate_loops(model, tokens, loops=[1])
     assert cond[1].loss == pytest.approx(float(own), abs=1e-6)
     assert abs(float(own) - float(exit_of_4)) > 1e-4

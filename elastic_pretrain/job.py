@@ -21,6 +21,7 @@ from elastic_pretrain.config import (
     to_dict,
 )
 from elastic_pretrain.data.config import DataConfig
+from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.parallel.mesh import ParallelConfig
 from elastic_pretrain.tracking.config import TrackingConfig
@@ -44,6 +45,7 @@ class JobConfig:
     schedule: ScheduleConfig = field(factory=ScheduleConfig, doc="Depth during training.")
     tracking: TrackingConfig = field(factory=TrackingConfig, doc="MLflow tracking (local store under run_dir).")
     checkpoint: CheckpointConfig = field(factory=CheckpointConfig, doc="Checkpoint cadence, retention, resume.")
+    slurm: SlurmConfig = field(factory=SlurmConfig, doc="Slurm resources and preemption policy (used by submit).")
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from elastic_pretrain.config import ConfigError, apply_overrides, build, load_yaml
 from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.launch.layout import RunFiles, read_text_or_none
 from elastic_pretrain.launch.render import LaunchSpec, render
@@ -68,17 +67,17 @@ class SubmitPlan:
 
 
 def plan_submit(args: argparse.Namespace) -> SubmitPlan:
+    from elastic_pretrain.job import load_job
+
     job_path: Path = args.job.expanduser().absolute()
-    data = apply_overrides(load_yaml(job_path), list(args.overrides))
-    section = data.get("slurm") or {}
-    if not isinstance(section, dict):
-        raise ConfigError(f"{job_path}: 'slurm' must be a mapping of SlurmConfig keys")
-    cfg = build(SlurmConfig, section, prefix="slurm.")
+    # Validate the whole job here: a config error must not first surface on the compute nodes.
+    job = load_job(job_path, list(args.overrides))
+    cfg = job.slurm
     flags = {k: getattr(args, k) for k in _FLAG_FIELDS if getattr(args, k, None) is not None}
     if flags:
         cfg = dataclasses.replace(cfg, **flags)  # re-validates
-    name = str(data.get("name") or job_path.stem)
-    run_dir = args.run_dir or Path(str(data.get("run_dir") or Path("runs") / name))
+    name = job.name
+    run_dir = args.run_dir or job.run_path
     run_dir = run_dir.expanduser().absolute()
     trainer = trainer_command(job_path, list(args.overrides), run_dir)
     return SubmitPlan(cfg, LaunchSpec(job_name=name, run_dir=run_dir, workdir=Path.cwd(), trainer=trainer))

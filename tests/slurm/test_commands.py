@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,12 +14,20 @@ from elastic_pretrain.launch.layout import RunFiles, last_committed_step
 from elastic_pretrain.launch.slurm import check_can_submit, explain_sbatch_error
 
 
+REPO = Path(__file__).resolve().parents[2]
+# The default job without its name (submit validates the whole job before calling sbatch).
+BASE = "".join(line for line in (REPO / "jobs" / "tiny-cpu.yaml").read_text().splitlines(True)
+               if not line.startswith("name:"))
+
+
 @pytest.fixture
 def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.chdir(tmp_path)
+    for preset in ("parallel", "data"):
+        shutil.copytree(REPO / preset, tmp_path / preset)
     path = tmp_path / "jobs" / "tiny job.yaml"
     path.parent.mkdir()
-    path.write_text("name: tiny\nslurm:\n  nodes: 2\n  retries: 5\n  partition: cpu\n")
+    path.write_text(BASE + "name: tiny\nslurm:\n  nodes: 2\n  retries: 5\n  partition: cpu\n")
     return path
 
 
@@ -29,19 +38,19 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
 
 
 def test_dry_run_prints_the_script_and_writes_nothing(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run_cli(["submit", str(job), "train.steps=7", "--nodes", "3", "--time", "30", "--dry-run"], capsys)
+    code, out, err = run_cli(["submit", str(job), "train.steps=70", "--nodes", "3", "--time", "30", "--dry-run"], capsys)
     assert code == 0, err
     run_dir = Path.cwd() / "runs" / "tiny"  # default: runs/<name> under the working directory
     assert "#SBATCH --nodes=3" in out and "#SBATCH --partition=cpu" in out and "#SBATCH --time=30" in out
     assert "RETRIES=5" in out  # from the YAML's slurm: section; flags override it key by key
-    assert f"TRAINER=(-m elastic_pretrain.cli train '{job}' train.steps=7 --run-dir {run_dir})" in out
+    assert f"TRAINER=(-m elastic_pretrain.cli train '{job}' train.steps=70 --run-dir {run_dir})" in out
     assert "dry run" in err and not run_dir.exists()
 
 
 def test_run_dir_from_flag_or_yaml(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(["submit", str(job), "--run-dir", "elsewhere/r 1", "--dry-run"], capsys)
     assert code == 0 and f"RUN_DIR='{Path.cwd() / 'elsewhere' / 'r 1'}'" in out
-    job.write_text("run_dir: /scratch/x\n")
+    job.write_text(BASE + "run_dir: /scratch/x\n")
     code, out, _ = run_cli(["submit", str(job), "--dry-run"], capsys)
     assert code == 0 and "RUN_DIR=/scratch/x" in out and '#SBATCH --job-name="tiny job"' in out
 

@@ -13,7 +13,6 @@ from elastic_pretrain.errors import UserError
 from elastic_pretrain.launch.layout import RunFiles, last_committed_step
 from elastic_pretrain.launch.slurm import check_can_submit, explain_sbatch_error
 
-
 REPO = Path(__file__).resolve().parents[2]
 # The default job without its name (submit validates the whole job before calling sbatch).
 BASE = "".join(line for line in (REPO / "jobs" / "tiny-cpu.yaml").read_text().splitlines(True)

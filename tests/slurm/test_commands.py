@@ -37,7 +37,8 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
 
 
 def test_dry_run_prints_the_script_and_writes_nothing(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = run_cli(["submit", str(job), "train.steps=70", "--nodes", "3", "--time", "30", "--dry-run"], capsys)
+    argv = ["submit", str(job), "train.steps=70", "--nodes", "3", "--time", "30", "--dry-run"]
+    code, out, err = run_cli(argv, capsys)
     assert code == 0, err
     run_dir = Path.cwd() / "runs" / "tiny"  # default: runs/<name> under the working directory
     assert "#SBATCH --nodes=3" in out and "#SBATCH --partition=cpu" in out and "#SBATCH --time=30" in out

@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -104,7 +104,7 @@ class KVCache:
 # ---------------------------------------------------------------------------------------------------
 # One attention half against a cache
 def cached_attention(
-    layer: torch.nn.Module,
+    layer: Any,
     h_SBD: Tensor,
     rope_S11d: Tensor,
     past: tuple[Tensor, Tensor] | None,
@@ -229,7 +229,7 @@ class LoopedDecoder:
         logits_SBV = model.logits(h_SBD)[..., : model.cfg.vocab_size]
         return StepOutput(logits_SBV.transpose(0, 1).contiguous(), passes_SB.t().contiguous())
 
-    def _edge(self, layers: torch.nn.Module, name: str, h_SBD: Tensor, rope: Tensor) -> Tensor:
+    def _edge(self, layers: Iterable[Any], name: str, h_SBD: Tensor, rope: Tensor) -> Tensor:
         for i, layer in enumerate(layers):
             h_SBD, k, v = cached_attention(layer, h_SBD, rope, self.cache.get((name, i)))
             self.cache.append((name, i), k, v)

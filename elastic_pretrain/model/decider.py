@@ -1,0 +1,262 @@
+"""The iteration decider (TaH2): after pass j, should this token run another pass?
+
+Shape legend: B batch, T sequence, D hidden, L passes, N tokens (flattened), S new tokens.
+
+A small head reads (hidden state after pass j, the token's input embedding, the pass index) and
+outputs a *continue* probability. It is trained in a post-training stage with **lookahead labels**
+(TaH2): run L_max passes with an exit at every pass, take each token's cross-entropy CE_j at exit j
+and the gain g_j = CE_j − CE_{j+1} of one more pass; among the tokens of the batch with positive
+gain, sorted by gain (largest first), the smallest prefix that covers ``coverage`` of the total
+positive gain is labelled "continue", every other token "stop". A coverage below 1 drops the long
+tail of tokens that gain almost nothing, which is where the compute saving comes from. The loss is
+a weighted binary cross-entropy (``pos_weight`` on "continue") added to the LM loss with
+``loss_weight``.
+
+Adaptive-depth inference: a token stops at the first pass whose continue probability is below
+``threshold`` (or at L_max); its hidden state is frozen and its K/V of the last pass it ran keep
+serving the later passes of other tokens (``model/inference.py``). Threshold 0 runs every token to
+L_max (the fixed-depth model); a threshold above 1 stops every token after one pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from elastic_pretrain.config import ConfigError, field
+from elastic_pretrain.model.inference import KVPolicy, StopFn, teacher_forced_loss
+
+if TYPE_CHECKING:
+    from elastic_pretrain.eval.quality import QualityCurve
+    from elastic_pretrain.model.looped import LoopedMoEModel
+
+
+@dataclasses.dataclass(kw_only=True)
+class DeciderConfig:
+    """The TaH2 iteration decider: head shape, lookahead labels, loss weighting, inference threshold."""
+
+    hidden_size: int = field(64, doc="Width of the decider's hidden layer.")
+    coverage: float = field(
+        0.9, doc="Fraction of the total positive gain CE_j - CE_{j+1} the 'continue' tokens must cover (0, 1]."
+    )
+    pos_weight: float = field(1.0, doc="BCE weight of 'continue' labels (> 1 favours running more passes).")
+    loss_weight: float = field(0.1, doc="Weight of the decider BCE added to the LM loss.")
+    backbone: Literal["frozen", "joint"] = field(
+        "frozen", doc="'frozen': the BCE does not reach the LM (inputs detached); 'joint': it does."
+    )
+    threshold: float = field(0.5, doc="Inference: a token stops at the first pass whose continue prob < threshold.")
+
+    def __post_init__(self) -> None:
+        if self.hidden_size < 1:
+            raise ConfigError(f"decider.hidden_size: must be >= 1, got {self.hidden_size}")
+        if not 0.0 < self.coverage <= 1.0:
+            raise ConfigError(
+                f"decider.coverage: must be in (0, 1], got {self.coverage} (0.9 labels the tokens "
+                "covering 90% of the gain)"
+            )
+        if self.pos_weight <= 0:
+            raise ConfigError(f"decider.pos_weight: must be > 0, got {self.pos_weight}")
+        if self.loss_weight < 0:
+            raise ConfigError(f"decider.loss_weight: must be >= 0, got {self.loss_weight}")
+        if self.threshold < 0:
+            raise ConfigError(f"decider.threshold: must be >= 0 (0 = always run L_max), got {self.threshold}")
+
+
+class IterationDecider(torch.nn.Module):
+    """(h after pass j, token embedding, j) → continue logit. Plain torch: replicated, tiny."""
+
+    def __init__(self, cfg: DeciderConfig, *, hidden_size: int, max_loops: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.max_loops = max_loops
+        self.norm_h = torch.nn.LayerNorm(hidden_size)
+        self.norm_e = torch.nn.LayerNorm(hidden_size)
+        self.fc1 = torch.nn.Linear(2 * hidden_size, cfg.hidden_size)
+        self.pass_emb = torch.nn.Embedding(max_loops, cfg.hidden_size)
+        self.fc2 = torch.nn.Linear(cfg.hidden_size, 1)
+        with torch.no_grad():
+            self.pass_emb.weight.normal_(0.0, 0.02)
+            self.fc2.weight.normal_(0.0, 0.02)
+            self.fc2.bias.zero_()  # starts at p = 0.5 everywhere
+
+    def forward(self, h_SBD: Tensor, emb_SBD: Tensor, pass_idx: int) -> Tensor:
+        """Continue logits ``[S, B]``."""
+        if not 0 <= pass_idx < self.max_loops:
+            raise ValueError(f"pass_idx {pass_idx} outside [0, {self.max_loops})")
+        z = torch.cat([self.norm_h(h_SBD.float()), self.norm_e(emb_SBD.float())], dim=-1)
+        z = F.silu(self.fc1(z) + self.pass_emb.weight[pass_idx])
+        return self.fc2(z)[..., 0]
+
+    def continue_prob(self, h_SBD: Tensor, emb_SBD: Tensor, pass_idx: int) -> Tensor:
+        return torch.sigmoid(self(h_SBD, emb_SBD, pass_idx))
+
+    def stopper(self, threshold: float | None = None) -> StopFn:
+        """The stop rule for adaptive decoding: continue probability < threshold."""
+        thr = self.cfg.threshold if threshold is None else threshold
+
+        def stop(h_SBD: Tensor, emb_SBD: Tensor, pass_idx: int) -> Tensor:
+            return self.continue_prob(h_SBD, emb_SBD, pass_idx) < thr
+
+        return stop
+
+
+# ---------------------------------------------------------------------------------------------------
+# Lookahead labels (TaH2)
+def lookahead_labels(ce_L_N: Tensor, coverage: float) -> Tensor:
+    """Continue labels ``[L-1, ...]`` from per-token CE at each pass ``[L, ...]`` (TaH2 lookahead).
+
+    Per pass j: gain = CE_j − CE_{j+1}; tokens with positive gain are sorted by gain (largest first,
+    ties in token order) and the shortest prefix whose gain sum reaches ``coverage`` × the total
+    positive gain is labelled True. No positive gain → no True label at that pass.
+    """
+    if ce_L_N.shape[0] < 2:
+        raise ValueError("lookahead labels need the CE of at least two passes")
+    gain = (ce_L_N[:-1] - ce_L_N[1:]).double().flatten(1)  # [L-1, N]
+    pos = gain.clamp(min=0)
+    sorted_g, order = torch.sort(pos, dim=1, descending=True, stable=True)
+    csum = torch.cumsum(sorted_g, dim=1)
+    before = torch.cat([torch.zeros_like(csum[:, :1]), csum[:, :-1]], dim=1)
+    need = coverage * csum[:, -1:]
+    take = (sorted_g > 0) & (before < need)
+    labels = torch.zeros_like(take).scatter(1, order, take)
+    return labels.reshape(ce_L_N[:-1].shape)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Training signal
+def pass_states(model: LoopedMoEModel, ids_BT: Tensor, loops: int) -> tuple[Tensor, list[Tensor], Tensor]:
+    """(token embedding, hidden state after each pass j < loops, rope) — the model's own modules, as in
+    ``run_loops`` with target ``loops`` for the conditioning head."""
+    model.cfg.check_loops(loops)
+    rope = model.rotary_pos_emb(ids_BT.shape[1])
+    emb_TBD = model.embedding(input_ids=ids_BT, position_ids=None)
+    h_TBD = emb_TBD
+    for layer in model.prelude:
+        h_TBD, _ = layer(h_TBD, attention_mask=None, rotary_pos_emb=rope)
+    conditioning = model.loop_conditioning if model.conditioning_active else None
+    states = []
+    for j in range(loops):
+        if conditioning is not None:
+            h_TBD = h_TBD + conditioning(loops, j).to(h_TBD.dtype)
+        for core in model.core:
+            h_TBD = core(h_TBD, pass_idx=j, rotary_pos_emb=rope, replay=model.cfg.route_replay)
+        states.append(h_TBD)
+    return emb_TBD, states, rope
+
+
+def exit_loss(model: LoopedMoEModel, h_TBD: Tensor, labels_BT: Tensor, rope: Tensor) -> Tensor:
+    """Per-token CE ``[B, T]`` over the real vocabulary of an exit: coda, final norm, output layer."""
+    from elastic_pretrain.eval.quality import token_ce
+
+    for layer in model.coda:
+        h_TBD, _ = layer(h_TBD, attention_mask=None, rotary_pos_emb=rope)
+    logits_TBV = model.logits(model.final_layernorm(h_TBD))[..., : model.cfg.vocab_size]
+    return token_ce(logits_TBV.transpose(0, 1), labels_BT)
+
+
+@dataclasses.dataclass
+class DeciderLoss:
+    """One batch of decider training. ``total`` = ``lm`` + loss_weight · ``bce``."""
+
+    total: Tensor
+    lm: Tensor  # mean CE of the L_max exit
+    bce: Tensor
+    ce_per_pass: list[float]
+    continue_fraction: float  # share of (token, pass) labels that are "continue"
+    accuracy: float  # decisions at threshold 0.5 that match the labels
+
+
+def decider_loss(model: LoopedMoEModel, decider: IterationDecider, ids_BT: Tensor, labels_BT: Tensor) -> DeciderLoss:
+    """LM loss at L_max + weighted BCE of the decider against lookahead labels from this batch.
+
+    One L_max forward with an exit at every pass gives CE_j for all j (with active conditioning its
+    target is L_max, the same target adaptive inference uses).
+    """
+    cfg = decider.cfg
+    loops = model.cfg.max_loops
+    emb_TBD, states, rope = pass_states(model, ids_BT, loops)
+    ce_L_BT = torch.stack([exit_loss(model, h, labels_BT, rope) for h in states])
+    targets_L_BT = lookahead_labels(ce_L_BT.detach(), cfg.coverage).float()  # [L-1, B, T]
+    logits = []
+    for j, h_TBD in enumerate(states[:-1]):
+        h_in, e_in = (h_TBD.detach(), emb_TBD.detach()) if cfg.backbone == "frozen" else (h_TBD, emb_TBD)
+        logits.append(decider(h_in, e_in, j).t())  # [B, T]
+    logit_L_BT = torch.stack(logits)
+    bce = F.binary_cross_entropy_with_logits(
+        logit_L_BT, targets_L_BT, pos_weight=torch.tensor(cfg.pos_weight, device=logit_L_BT.device)
+    )
+    lm = ce_L_BT[-1].mean()
+    with torch.no_grad():
+        acc = float(((logit_L_BT > 0).float() == targets_L_BT).float().mean())
+    return DeciderLoss(
+        total=lm + cfg.loss_weight * bce,
+        lm=lm,
+        bce=bce,
+        ce_per_pass=[float(c.mean()) for c in ce_L_BT.detach()],
+        continue_fraction=float(targets_L_BT.mean()),
+        accuracy=acc,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Adaptive-depth evaluation
+@dataclasses.dataclass(frozen=True)
+class AdaptiveResult:
+    threshold: float
+    loss: float
+    mean_passes: float
+    relative_compute: float
+    policy: KVPolicy
+
+
+def adaptive_eval(
+    model: LoopedMoEModel,
+    decider: IterationDecider,
+    tokens_NT1: Tensor,
+    threshold: float,
+    *,
+    kv_cache: KVPolicy = "per-loop",
+    batch_size: int = 8,
+) -> AdaptiveResult:
+    """Teacher-forced loss and mean passes per token with per-token early exit at ``threshold``.
+
+    ``per-loop``: the whole sequence in one step (tokens see each other's pass-j K/V while both run,
+    a stopped token's frozen K/V after) — at threshold 0 exactly the fixed L_max model.
+    ``last-loop``: token by token against the last-pass cache (what ``generate(loops="auto")`` does).
+    """
+    from elastic_pretrain.eval.quality import relative_compute
+
+    was_training = decider.training
+    decider.eval()
+    try:
+        tf = teacher_forced_loss(
+            model, tokens_NT1, kv_cache=kv_cache, stop=decider.stopper(threshold), batch_size=batch_size
+        )
+    finally:
+        decider.train(was_training)
+    rel = relative_compute(model.cfg, tf.mean_passes, seq_len=tokens_NT1.shape[1] - 1)
+    return AdaptiveResult(
+        threshold=threshold, loss=tf.loss, mean_passes=tf.mean_passes, relative_compute=rel, policy=kv_cache
+    )
+
+
+def threshold_sweep(
+    model: LoopedMoEModel,
+    decider: IterationDecider,
+    tokens_NT1: Tensor,
+    thresholds: Sequence[float],
+    *,
+    kv_cache: KVPolicy = "per-loop",
+    name: str = "adaptive (decider)",
+) -> tuple[QualityCurve, list[AdaptiveResult]]:
+    """Loss against relative compute over decider thresholds (a curve comparable with fixed depth)."""
+    from elastic_pretrain.eval.quality import CurvePoint, QualityCurve
+
+    results = [adaptive_eval(model, decider, tokens_NT1, t, kv_cache=kv_cache) for t in thresholds]
+    points = tuple(CurvePoint(loops=r.mean_passes, relative_compute=r.relative_compute, loss=r.loss) for r in results)
+    return QualityCurve(name=name, points=points), results

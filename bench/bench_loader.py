@@ -77,6 +77,37 @@ def _memmap_baseline(cfg: DataConfig, root: Path, batch: int, steps: int) -> tup
     return clock.rates(steps * batch * (SEQ_LEN + 1))
 
 
+def _training_tokens_per_s(steps: int = 8) -> float:
+    """Tokens/s one process of the default job consumes (model of jobs/tiny-cpu.yaml, fwd+bwd+AdamW
+    of one 4 x 128 micro-batch, 1 thread) — what the loader has to keep up with per rank."""
+    import torch
+
+    from elastic_pretrain.job import load_job
+    from elastic_pretrain.parallel.megatron import build_model
+    from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
+
+    torch.set_num_threads(1)
+    job = load_job(Path(__file__).resolve().parent.parent / "jobs" / "tiny-cpu.yaml")
+    init_mesh(ParallelConfig(), seed=0)
+    try:
+        model = build_model(job.model, ParallelConfig())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        tokens = torch.randint(0, 257, (job.train.micro_batch_size, SEQ_LEN + 1))
+
+        def step() -> None:
+            opt.zero_grad()
+            model(tokens[:, :-1], labels=tokens[:, 1:])[job.model.max_loops].mean().backward()
+            opt.step()
+
+        step()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return steps * tokens[:, 1:].numel() / (time.perf_counter() - start)
+    finally:
+        teardown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=float, default=4e6, help="training tokens to prepare per format")
@@ -101,9 +132,16 @@ def main() -> None:
         base = _memmap_baseline(cfgs["mds"], root, args.batch, args.steps)
         print(f"{'reader':18s} {'wall M tok/s':>13s} {'CPU M tok/s':>12s} {'CPU ratio':>10s}")
         print(f"{'np.memmap gather':18s} {base[0] / 1e6:13.2f} {base[1] / 1e6:12.2f} {1:10.4f}")
+        walls = {}
         for fmt, cfg in cfgs.items():
             wall, cpu = _time_loader(cfg, args.batch, args.steps)
+            walls[fmt] = wall
             print(f"{'TokenBatches ' + fmt:18s} {wall / 1e6:13.2f} {cpu / 1e6:12.2f} {cpu / base[1]:10.4f}")
+        train = _training_tokens_per_s()
+        print(f"\ntiny training step (1 process): {train:,.0f} tok/s")
+        for fmt, wall in walls.items():
+            print(f"  loader {fmt} / training consumption: {wall / train:,.0f}x (the loader is not the bottleneck"
+                  f" while this is >> 1)")
 
 
 if __name__ == "__main__":

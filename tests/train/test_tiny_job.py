@@ -41,3 +41,24 @@ def test_tiny_job_trains_and_reports_every_loop_count(tmp_path):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [10, 20, 30]
     assert {f"val_loss_loops_{k}" for k in range(1, 5)} <= set(run.data.metrics)
     assert run.data.params["model.flatten"] == "2"
+
+
+def test_tiny_model_trains_from_webdataset_shards(tmp_path):
+    """The other shard format end to end (one process): prepare WDS shards, train, loss decreases."""
+    cli = str(VENV_BIN / "elastic-pretrain")
+    out = tmp_path / "shards"
+    subprocess.run([cli, "prepare-data", "stdlib-code-wds", "prepare.max_tokens=1000000", f"prepare.output={out}"],
+                   cwd=REPO, check=True, capture_output=True, timeout=300)
+    run_dir = tmp_path / "wds"
+    streams = f"data.streams=[{{path: {out}, split: train}}]"
+    validation = f"data.validation={{path: {out}, split: val}}"
+    proc = subprocess.run(
+        [cli, "train", "jobs/tiny-cpu.yaml", "data=stdlib-code-wds", streams, validation, "parallel=single",
+         "--run-dir", str(run_dir),
+         "train.steps=12", "train.warmup_steps=2", "train.lr=1e-2", "train.global_batch_size=4",
+         "train.eval_interval=0", "train.eval_sequences=4", "checkpoint.interval=0", "tracking.backend=none"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    losses = [h["loss"] for h in json.loads((run_dir / "summary.json").read_text())["history"]]
+    assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3]) - 1.0

@@ -30,6 +30,9 @@ class TrainConfig:
     eval_interval: int = field(100, doc="Steps between validation runs (0: only at the end).")
     eval_sequences: int = field(64, doc="Held-out sequences evaluated at every loop count.")
     routing_interval: int = field(50, doc="Steps between routing-health probes (0: never).")
+    peak_flops_per_s: float | None = field(
+        None, doc="Peak FLOP/s of one device for MFU; None: known GPUs by name (bf16 dense), no MFU on CPU."
+    )
     distributed_optimizer: bool = field(True, doc="Shard optimizer state over data-parallel ranks (ZeRO-1).")
     threads_per_rank: int = field(1, doc="torch intra-op threads per process (CPU runs).")
 

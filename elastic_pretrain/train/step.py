@@ -37,6 +37,7 @@ class StepResult:
     skipped: bool
     aux: dict[str, float]
     routing: dict[tuple[int, int], dict[str, float]] = dataclasses.field(default_factory=dict)
+    mean_loops: float = 0.0  # passes per micro-batch on this rank (for FLOPs / MFU)
 
 
 def _loss_func(plan: DepthPlan, losses_BT: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -118,6 +119,7 @@ class TrainStep:
         finally:
             probe = net.stop_routing_probe()
         result.routing = reduce_routing(probe) if probe_routing else {}
+        result.mean_loops = sum(mb.plan.loops for mb in micro_batches) / len(micro_batches)
         return result
 
     def _step(self, micro_batches: list[MicroBatch]) -> StepResult:

@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
 command -v "$PY" >/dev/null || { echo "setup: $PY not found: install Python 3.11 (e.g. apt-get install python3.11-venv)" >&2; exit 1; }
-stamp=.venv/.setup-$(cat pyproject.toml requirements/constraints-cpu.txt scripts/setup.sh | sha1sum | cut -c1-12)
+stamp=.venv/.setup-$(cat pyproject.toml requirements/*.txt scripts/setup.sh | sha1sum | cut -c1-12)
 if [ -f "$stamp" ]; then exit 0; fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check -c requirements/constraints-cpu.txt)
@@ -13,8 +13,10 @@ echo "setup: installing into .venv (torch CPU wheel, megatron-core, streaming, m
 # torch first, from the local CPU wheel; the constraints file keeps it there for everything after.
 # mosaicml-streaming pulls PyPI's torchvision (a CUDA build that cannot import beside CPU torch; it
 # is never imported: elastic_pretrain/data/streaming_compat.py stands in for the two names used).
-"${PIP[@]}" "torch==2.13.0" 2>&1 | grep -v "is ignored: it is neither" || true
-"${PIP[@]}" -e ".[dev]" 2>&1 | grep -v "is ignored: it is neither" || true
+"${PIP[@]}" "torch==2.13.0" 2>&1 | { grep -v "is ignored: it is neither" || true; }
+# Exact pins (requirements/lock-cpu.txt), then the package itself without resolving again.
+"${PIP[@]}" -r requirements/lock-cpu.txt 2>&1 | { grep -v "is ignored: it is neither" || true; }
+"${PIP[@]}" --no-deps -e . 2>&1 | { grep -v "is ignored: it is neither" || true; }
 .venv/bin/python -c "import torch, megatron.core; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
   || { echo "setup: the venv is broken (torch/megatron import failed): rm -rf .venv and rerun" >&2; exit 1; }
 rm -f .venv/.setup-*

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -260,3 +261,26 @@ def threshold_sweep(
     results = [adaptive_eval(model, decider, tokens_NT1, t, kv_cache=kv_cache) for t in thresholds]
     points = tuple(CurvePoint(loops=r.mean_passes, relative_compute=r.relative_compute, loss=r.loss) for r in results)
     return QualityCurve(name=name, points=points), results
+
+
+# ---------------------------------------------------------------------------------------------------
+def save_decider(path: Path, decider: IterationDecider) -> None:
+    """A trained decider as plain tensors + config (loads with ``weights_only``)."""
+    torch.save(
+        {
+            "config": dataclasses.asdict(decider.cfg),
+            "hidden_size": decider.norm_h.normalized_shape[0],
+            "max_loops": decider.max_loops,
+            "state": decider.state_dict(),
+        },
+        path,
+    )
+
+
+def load_decider(path: Path) -> IterationDecider:
+    blob = torch.load(path, map_location="cpu", weights_only=True)
+    decider = IterationDecider(
+        DeciderConfig(**blob["config"]), hidden_size=int(blob["hidden_size"]), max_loops=int(blob["max_loops"])
+    )
+    decider.load_state_dict(blob["state"])
+    return decider.eval()

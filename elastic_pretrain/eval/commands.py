@@ -1,0 +1,150 @@
+"""``elastic-pretrain eval <ckpt>`` and ``elastic-pretrain generate <ckpt>`` (one process, CPU or one GPU).
+
+A checkpoint saved at any TP/EP/DP layout loads into a one-process model: the model tensors of
+megatron-core ``dist_checkpointing`` are layout-independent (docs/checkpoints.md); only the model part
+of the checkpoint is read (not the optimizer state), with the same restricted unpickling as resume.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastic_pretrain.errors import UserError
+
+
+def load_model(ckpt: Path) -> tuple[Any, Any]:
+    """(JobConfig, LoopedMoEModel in eval mode) from a committed checkpoint directory ``step_<N>``.
+
+    Needs an initialised one-process mesh (``init_mesh(ParallelConfig(), seed=...)``).
+    """
+    from megatron.core import dist_checkpointing
+
+    from elastic_pretrain.checkpoint.safe_load import restricted_unpickling
+    from elastic_pretrain.checkpoint.store import MODEL_DIR, read_trainer_state, verify
+    from elastic_pretrain.config import build
+    from elastic_pretrain.job import JobConfig
+    from elastic_pretrain.parallel.megatron import build_model
+    from elastic_pretrain.parallel.mesh import ParallelConfig
+
+    ckpt = resolve_checkpoint(Path(ckpt))
+    verify(ckpt)
+    meta = read_trainer_state(ckpt)
+    job = build(JobConfig, meta["config"])
+    net = build_model(job.model, ParallelConfig())
+    try:
+        with torch.no_grad(), restricted_unpickling():
+            loaded = dist_checkpointing.load({"model": net.sharded_state_dict()}, str(ckpt / MODEL_DIR))
+    except Exception as err:  # name the checkpoint, keep one line
+        first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise UserError(f"{ckpt / MODEL_DIR}: cannot load model tensors ({first})") from err
+    net.load_state_dict(loaded["model"], strict=True)
+    # the ELR conditioning heads are on exactly in the mixed phase (as in the trainer's session)
+    net.conditioning_active = meta.get("controller", {}).get("phase") == "mixed" and net.loop_conditioning is not None
+    return job, net.eval()
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A step directory, or a run directory / its ``checkpoints`` folder (→ the newest committed step)."""
+    from elastic_pretrain.checkpoint.store import TRAINER_FILE, CheckpointStore
+
+    if (path / TRAINER_FILE).exists():
+        return path
+    for root in (path / "checkpoints", path):
+        if root.is_dir():
+            newest = CheckpointStore(root).newest()
+            if newest is not None:
+                return newest.path
+    raise UserError(f"{path}: no committed checkpoint here (give a step_<N> directory or a run directory)")
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from elastic_pretrain.data.loader import load_validation
+    from elastic_pretrain.eval.quality import markdown_table, plot, quality_curve
+    from elastic_pretrain.model.inference import KV_POLICIES, teacher_forced_loss
+    from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
+
+    init_mesh(ParallelConfig(), seed=0)
+    try:
+        ckpt = resolve_checkpoint(Path(args.checkpoint))
+        job, model = load_model(ckpt)
+        tokens = load_validation(job.data, num_sequences=args.sequences)
+        curve = quality_curve(model, tokens, name=job.name, batch_size=args.batch_size)
+        lines = [markdown_table(curve)]
+        if args.kv_gap:
+            lines.append(f"| KV cache at ℓ={model.cfg.max_loops} | KV bytes/token | teacher-forced loss |")
+            lines.append("|---|---|---|")
+            for policy in KV_POLICIES:
+                tf = teacher_forced_loss(model, tokens, kv_cache=policy, batch_size=args.batch_size)
+                lines.append(f"| {policy} | {tf.kv_bytes_per_token:.0f} | {tf.loss:.4f} |")
+        out = Path(args.out) if args.out else ckpt / "eval"
+        out.mkdir(parents=True, exist_ok=True)
+        report = "\n".join(lines) + "\n"
+        (out / "eval.md").write_text(report)
+        png = plot([curve], out / "quality.png")
+        print(report + f"\nwritten: {out / 'eval.md'}, {png}")
+    finally:
+        teardown()
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from elastic_pretrain.data.tokenizer import load_tokenizer
+    from elastic_pretrain.model.decider import load_decider
+    from elastic_pretrain.model.inference import generate
+    from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
+
+    loops: int | str = args.loops if args.loops == "auto" else _int_loops(args.loops)
+    if loops == "auto" and not args.decider:
+        raise UserError("--loops auto needs --decider <file> (a trained iteration decider)")
+    init_mesh(ParallelConfig(), seed=args.seed)
+    try:
+        job, model = load_model(Path(args.checkpoint))
+        tok = load_tokenizer(job.data.tokenizer)
+        stop = load_decider(Path(args.decider)).stopper(args.threshold) if loops == "auto" else None
+        prompt = tok.encode(args.prompt) or [tok.eos_id]
+        out = generate(
+            model, prompt, loops=loops, max_new_tokens=args.max_new_tokens, kv_cache=args.kv_cache,  # type: ignore[arg-type]
+            temperature=args.temperature, stop=stop, eos_id=tok.eos_id,
+            generator=torch.Generator().manual_seed(args.seed),
+        )  # fmt: skip
+        print(tok.decode(out.tokens_BT[0].tolist()))
+        passes = out.passes_BN.float()
+        mean = f"{passes.mean().item():.2f}" if passes.numel() else "-"
+        print(f"\n[{out.tokens_BT.shape[1] - len(prompt)} tokens, mean passes/token {mean}, "
+              f"KV cache {args.kv_cache}: {out.kv_bytes_per_token:.0f} bytes/token]")  # fmt: skip
+    finally:
+        teardown()
+    return 0
+
+
+def _int_loops(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise UserError(f"--loops: {text!r} is neither a loop count nor 'auto'") from None
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("eval", help="loss/perplexity per loop count, quality-budget AUC and plot of a checkpoint")
+    p.add_argument("checkpoint", help="step_<N> directory, or a run directory (its newest committed step)")
+    p.add_argument("--sequences", type=int, default=64, help="held-out sequences (data.validation of the job)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--kv-gap", action="store_true", help="also teacher-forced loss with per-loop vs last-loop KV")
+    p.add_argument("--out", help="output folder for eval.md and quality.png (default <checkpoint>/eval)")
+    p.set_defaults(handler=_eval)
+
+    g = sub.add_parser("generate", help="sample from a checkpoint at a fixed loop count or with adaptive depth")
+    g.add_argument("checkpoint", help="step_<N> directory, or a run directory (its newest committed step)")
+    g.add_argument("--prompt", default="def ", help="prompt text")
+    g.add_argument("--loops", default="auto", help="passes per token, or 'auto' (the iteration decider)")
+    g.add_argument("--decider", help="trained decider file (save_decider) for --loops auto")
+    g.add_argument("--threshold", type=float, default=None, help="decider threshold (default: its config)")
+    g.add_argument("--kv-cache", choices=["last-loop", "per-loop"], default="last-loop")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(handler=_generate)

@@ -86,6 +86,79 @@ def _from_rank0(value: Any) -> Any:
     return box[0]
 
 
+def resume_source(job: JobConfig, store: CheckpointStore) -> Path | None:
+    """The checkpoint a run continues from, or None for a fresh start (reads the file system only).
+
+    The newest *committed* ``step_<N>`` wins, not ``latest``: a crash between the rename and the
+    ``latest`` update leaves a complete newer checkpoint that ``latest`` does not name yet."""
+    cfg = job.checkpoint
+    if cfg.resume_from:
+        return Path(cfg.resume_from)
+    newest = store.newest()
+    if cfg.resume == "never":
+        if newest is not None:
+            raise UserError(
+                f"checkpoint.resume=never but {newest.path} exists: use a new run directory, or resume=auto"
+            )
+        return None
+    return newest.path if newest else None
+
+
+def check_resumable(ckpt: Path, job: JobConfig) -> dict[str, Any]:
+    """Verify ``ckpt`` (rank 0: size + CRC32 of every file), refuse a changed model shape; returns its
+    ``trainer.json``. Collective; runs before the model is built, so a refusal costs no build time."""
+    error = None
+    if _rank() == 0:
+        try:
+            verify(ckpt)
+        except UserError as err:
+            error = str(err)
+    error = _from_rank0(error)
+    if error:
+        raise UserError(error)
+    meta = read_trainer_state(ckpt)
+    changes = shape_changes(meta.get("config", {}), job)
+    if changes:
+        raise UserError(
+            f"cannot resume from {ckpt}: the model shape changed ({'; '.join(changes)}); "
+            "restore those values or start a new run directory"
+        )
+    return meta
+
+
+def save_tensors(
+    net: Any, optimizer: Any, path: Path, strategy: TorchDistSaveShardedStrategy, use_async: bool = False
+) -> tuple[Any, float]:
+    """Model + Adam state (model space) to ``path`` through dist_checkpointing; returns (the async request,
+    or None when synchronous; Adam's step count). Collective."""
+    model_sd = net.sharded_state_dict()
+    optim_sd, adam_step = optim_state.sharded_optimizer_state(optimizer, model_sd)
+    request = dist_checkpointing.save(
+        {"model": model_sd, "optimizer": optim_sd}, str(path), sharded_strategy=strategy, async_sharded_save=use_async
+    )
+    return request, adam_step
+
+
+def load_tensors(net: Any, optimizer: Any, path: Path, *, adam_step: float) -> None:
+    """Load model + Adam state from ``path`` at this process's layout (reshards over TP/EP/DP). Collective."""
+    model_sd = net.sharded_state_dict()
+    optim_state.ensure_state(optimizer)
+    template = optim_state.loading_template(optimizer, model_sd)
+    try:
+        with torch.no_grad(), restricted_unpickling():
+            loaded = dist_checkpointing.load({"model": model_sd, "optimizer": template}, str(path))
+    except UserError:
+        raise
+    except Exception as err:  # megatron/DCP wrap the cause; name the checkpoint, keep one line
+        first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise UserError(f"{path}: cannot load model/optimizer tensors ({first})") from err
+    with torch.no_grad():
+        net.load_state_dict(loaded["model"], strict=True)
+        # a fresh sharded view: megatron's load rewrites the one it was given in place
+        fresh = net.sharded_state_dict()
+        optim_state.load_optimizer_state(optimizer, fresh, loaded["optimizer"], adam_step)
+
+
 class Checkpointer:
     """Owns ``<run_dir>/checkpoints``: periodic/final/preemption saves (sync or async) and resume."""
 
@@ -100,39 +173,11 @@ class Checkpointer:
         self.stale_cleaned = False
 
     # --- resume ------------------------------------------------------------------------------------
-    def resume_source(self) -> Path | None:
-        """The checkpoint this run continues from, or None for a fresh start (same answer on every rank)."""
-        if self.cfg.resume_from:
-            return Path(self.cfg.resume_from)
-        newest = self.store.newest()
-        if self.cfg.resume == "never":
-            if newest is not None:
-                raise UserError(
-                    f"checkpoint.resume=never but {newest.path} exists: use a new run directory, or resume=auto"
-                )
-            return None
-        return newest.path if newest else None
-
-    def restore(self, ckpt: Path, state: Any) -> dict[str, Any]:
-        """Load ``ckpt`` into the session and ``state``; returns its ``trainer.json``. Collective."""
-        error = None
-        if self.mesh.rank == 0:
-            try:
-                verify(ckpt)
-            except UserError as err:
-                error = str(err)
-        error = _from_rank0(error)
-        if error:
-            raise UserError(error)
-        meta = read_trainer_state(ckpt)
-        changes = shape_changes(meta.get("config", {}), self.job)
-        if changes:
-            raise UserError(
-                f"cannot resume from {ckpt}: the model shape changed ({'; '.join(changes)}); "
-                "restore those values or start a new run directory"
-            )
-        self._load_tensors(ckpt, meta)
+    def restore(self, ckpt: Path, meta: dict[str, Any], state: Any) -> None:
+        """Load ``ckpt`` (already checked by :func:`check_resumable`, which returned ``meta``) into the
+        session and ``state``. Collective."""
         s = self.s
+        load_tensors(s.net, s.optimizer, ckpt / MODEL_DIR, adam_step=float(meta["adam_step"]))
         s.scheduler.load_state_dict(meta["scheduler"])
         s.controller.load_state_dict(meta["controller"])
         s.batches.load_state_dict(meta["data"])
@@ -150,26 +195,6 @@ class Checkpointer:
         if self.mesh.rank == 0:
             self._log_changes(meta.get("config", {}))
             print(f"resumed from {ckpt} (step {state.step}, {state.tokens:,} tokens)", flush=True)
-        return meta
-
-    def _load_tensors(self, ckpt: Path, meta: dict[str, Any]) -> None:
-        net, optimizer = self.s.net, self.s.optimizer
-        model_sd = net.sharded_state_dict()
-        optim_state.ensure_state(optimizer)
-        template = optim_state.loading_template(optimizer, model_sd)
-        try:
-            with torch.no_grad(), restricted_unpickling():
-                loaded = dist_checkpointing.load({"model": model_sd, "optimizer": template}, str(ckpt / MODEL_DIR))
-        except UserError:
-            raise
-        except Exception as err:  # megatron/DCP wrap the cause; name the checkpoint, keep one line
-            first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-            raise UserError(f"{ckpt / MODEL_DIR}: cannot load model/optimizer tensors ({first})") from err
-        with torch.no_grad():
-            net.load_state_dict(loaded["model"], strict=True)
-            # a fresh sharded view: megatron's load rewrites the one it was given in place
-            fresh = net.sharded_state_dict()
-            optim_state.load_optimizer_state(optimizer, fresh, loaded["optimizer"], float(meta["adam_step"]))
 
     def _log_changes(self, saved: dict[str, Any]) -> None:
         old, new = flatten(saved), flatten(to_dict(self.job))
@@ -192,19 +217,12 @@ class Checkpointer:
             self.store.prepare(step)
         _barrier()
         tmp = self.store.tmp_dir(step)
-        fault_point("before_tensors", rank)
+        fault_point("before_tensors", rank, step)
         rng.save(tmp / RNG_DIR / f"rank_{rank:05d}.pt")
-        model_sd = self.s.net.sharded_state_dict()
-        optim_sd, adam_step = optim_state.sharded_optimizer_state(self.s.optimizer, model_sd)
+        use_async = self.queue is not None and not blocking
+        request, adam_step = save_tensors(self.s.net, self.s.optimizer, tmp / MODEL_DIR, self.strategy, use_async)
         if rank == 0:
             write_atomic(tmp / TRAINER_FILE, json.dumps(self._trainer_state(state, adam_step), indent=1))
-        use_async = self.queue is not None and not blocking
-        request = dist_checkpointing.save(
-            {"model": model_sd, "optimizer": optim_sd},
-            str(tmp / MODEL_DIR),
-            sharded_strategy=self.strategy,
-            async_sharded_save=use_async,
-        )
         if use_async:
             assert self.queue is not None and request is not None
             request.add_finalize_fn(functools.partial(self._commit, step))
@@ -230,7 +248,7 @@ class Checkpointer:
     def _commit(self, step: int) -> None:
         """After every rank's writer finished: marker, rename, ``latest``, retention (rank 0). Collective."""
         rank = self.mesh.rank
-        fault_point("before_marker", rank)
+        fault_point("before_marker", rank, step)
         records = rank_records(self.store.tmp_dir(step), rank)
         gathered: list[Any] = [records]
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -19,12 +19,12 @@ from elastic_pretrain.errors import UserError
 
 def capture() -> dict[str, Any]:
     version, mt, gauss = random.getstate()
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # the 5-tuple form
     return {
         "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
         "numpy": {
             "name": name,
-            "keys": torch.from_numpy(keys.astype(np.int64)),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
             "pos": int(pos),
             "has_gauss": int(has_gauss),
             "cached": float(cached),

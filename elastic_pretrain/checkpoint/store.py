@@ -40,17 +40,29 @@ MODEL_DIR = "model_optim"
 RNG_DIR = "rng"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-FAULT_ENV = "ELASTIC_PRETRAIN_CKPT_FAULT"  # tests: "<point>:<rank>" -> SIGKILL that rank at that point
+# Crash-safety tests: "<point>:<rank>[:<step>]" -> SIGKILL that rank at that point (of that step's save).
+FAULT_ENV = "ELASTIC_PRETRAIN_CKPT_FAULT"
+FAULT_POINTS = ("before_tensors", "before_marker", "after_marker", "after_rename")
 
 
 def step_name(step: int) -> str:
     return f"step_{step}"
 
 
-def fault_point(point: str, rank: int) -> None:
-    """Crash-safety tests: ``ELASTIC_PRETRAIN_CKPT_FAULT=<point>:<rank>`` kills this rank right here."""
+def fault_point(point: str, rank: int, step: int) -> None:
+    """``ELASTIC_PRETRAIN_CKPT_FAULT=<point>:<rank>[:<step>]`` kills this rank (SIGKILL, no clean-up) here.
+
+    Points, in save order: ``before_tensors`` (step directory prepared, nothing written),
+    ``before_marker`` (this rank's files written, no marker), ``after_marker`` (marker written inside
+    ``.tmp-step_<N>``, not renamed; rank 0), ``after_rename`` (``step_<N>`` in place, ``latest`` still
+    names the previous one; rank 0). Without ``<step>`` the first save that reaches the point dies."""
     spec = os.environ.get(FAULT_ENV, "")
-    if spec and spec.split(":")[0] == point and int(spec.split(":")[1]) == rank:
+    if not spec:
+        return
+    parts = spec.split(":")
+    if parts[0] not in FAULT_POINTS:
+        raise UserError(f"{FAULT_ENV}={spec}: the point must be one of {', '.join(FAULT_POINTS)}")
+    if parts[0] == point and int(parts[1]) == rank and (len(parts) < 3 or int(parts[2]) == step):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -118,7 +130,7 @@ class CheckpointStore:
     # --- reading ---------------------------------------------------------------------------------
     def committed(self) -> list[Committed]:
         """Committed checkpoints, oldest first (directories without a readable marker are skipped)."""
-        out = []
+        out: list[Committed] = []
         if not self.root.is_dir():
             return out
         for d in self.root.iterdir():
@@ -153,13 +165,13 @@ class CheckpointStore:
         files = {**file_records(tmp, own), **extra_records}
         marker = {"version": FORMAT_VERSION, "step": step, "files": dict(sorted(files.items()))}
         write_atomic(tmp / COMMIT_FILE, json.dumps(marker, indent=1))
-        fault_point("after_marker", rank)
+        fault_point("after_marker", rank, step)
         final = self.step_dir(step)
         if final.exists():  # the same step saved again (e.g. a resumed run stopped at once): replace it
             self._remove(final)
         os.replace(tmp, final)
         _fsync_dir(self.root)
-        fault_point("after_rename", rank)
+        fault_point("after_rename", rank, step)
         write_atomic(self.latest_file, step_name(step) + "\n")
         return final
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import logging
 import os
+import signal
 import subprocess
 import sys
 import warnings
@@ -30,7 +33,15 @@ def _quiet_logs() -> None:
 
 
 def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Validate the job here (one-line errors), then start torchrun with one rank per process."""
+    """Validate the job here (one-line errors), then start torchrun with one rank per process.
+
+    Stop signals (SIGTERM, SIGUSR1/2, SIGINT) sent to this process go to every trainer, which saves at
+    the next step boundary and exits 0 — the same contract as under Slurm (slurm/train.sbatch): torchrun
+    runs in its own session with those signals ignored and not handled (its workers inherit that until
+    the trainer installs its handler); this process signals each worker. A second SIGINT (Ctrl-C
+    twice) kills the trainers at once."""
+    from elastic_pretrain.checkpoint.preempt import STOP_SIGNALS
+
     torchrun = Path(sys.executable).with_name("torchrun")
     cmd = [
         str(torchrun),
@@ -40,6 +51,8 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
         "c10d",
         "--rdzv-endpoint",
         "127.0.0.1:0",
+        "--signals-to-handle",
+        "SIGHUP,SIGQUIT",
         "-m",
         "elastic_pretrain.cli",
         "train",
@@ -47,7 +60,42 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
         *overrides,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.run(cmd, env=env, check=False).returncode
+
+    def ignore_stop_signals() -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        # if this process dies (even SIGKILL), torchrun gets SIGHUP, which it handles by ending its workers
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGHUP))  # PR_SET_PDEATHSIG
+
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=ignore_stop_signals)
+    interrupts = 0
+
+    def forward(signum: int, frame: object) -> None:
+        nonlocal interrupts
+        interrupts += signum == signal.SIGINT
+        sig = signal.SIGKILL if interrupts > 1 else signum
+        # torchrun starts each worker in a session of its own: signal them by pid
+        for pid in [*_children(proc.pid), *([proc.pid] if sig == signal.SIGKILL else [])]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+    try:
+        return proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -15,8 +15,9 @@ from typing import Any, Protocol
 
 import torch
 
-from elastic_pretrain.checkpoint.manager import Checkpointer
+from elastic_pretrain.checkpoint.manager import Checkpointer, check_resumable, resume_source
 from elastic_pretrain.checkpoint.preempt import StopRequest
+from elastic_pretrain.checkpoint.store import CheckpointStore
 from elastic_pretrain.job import JobConfig, write_resolved
 from elastic_pretrain.launch.layout import RunFiles
 from elastic_pretrain.parallel.mesh import Mesh, any_rank, describe, init_mesh, teardown
@@ -284,14 +285,25 @@ def train(job: JobConfig) -> dict[int, float] | None:
         if mesh.is_logging_rank:
             write_resolved(job, run_dir)
             print(f"run {job.name}: {describe(mesh)} -> {run_dir}", flush=True)
+        # refuse a corrupt checkpoint or a changed model shape before building anything
+        source = resume_source(job, CheckpointStore(run_dir / "checkpoints"))
+        meta = check_resumable(source, job) if source else {}
         session = build_session(job, mesh)
         if mesh.is_logging_rank:
             print(session.describe(), flush=True)
         ckpt, state = Checkpointer(job, mesh, session, run_dir), TrainState()
-        source = ckpt.resume_source()
-        meta = ckpt.restore(source, state) if source else {}
-        tracking = TrackingCallback(job, mesh, run_dir, resume_run_id=meta.get("mlflow_run_id"))
-        ckpt.run_id = lambda: tracking.tracker.run_id
+        if source:
+            ckpt.restore(source, meta, state)
+        # the MLflow run continues: its id is in the checkpoint (or, if MLflow had not answered by the
+        # time that save was taken, in the run directory's mlflow_run_id file)
+        run_id_file = RunFiles(run_dir).mlflow_run_id
+        resume_id = meta.get("mlflow_run_id") or (
+            run_id_file.read_text().strip()
+            if source and source.parent == ckpt.store.root and run_id_file.is_file()
+            else None
+        )
+        tracking = TrackingCallback(job, mesh, run_dir, resume_run_id=resume_id)
+        ckpt.run_id = lambda: tracking.tracker.run_id or resume_id
         callbacks: list[Callback] = [
             ProgressPrinter(job, mesh, session.controller),
             SummaryWriter(run_dir, mesh, resumed_step=state.step),

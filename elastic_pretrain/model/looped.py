@@ -154,6 +154,7 @@ class LoopedMoEModel(LanguageModule):
         self.padded_vocab = padded_vocab
         self.share_embeddings_and_output_weights = cfg.tie_embeddings
         self.pre_process = self.post_process = True
+        self.set_vocab_shard(0, padded_vocab)  # single-rank default; build_model sets this rank's slice
         self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
         self.embedding = LanguageModelEmbedding(
             config=config, vocab_size=padded_vocab, max_sequence_length=0, position_embedding_type="rope",
@@ -250,10 +251,21 @@ class LoopedMoEModel(LanguageModule):
             h_TBD, _ = layer(h_TBD, attention_mask=None, rotary_pos_emb=rope)
         return self.final_layernorm(h_TBD)
 
+    def set_vocab_shard(self, start: int, end: int) -> None:
+        """This rank's slice [start, end) of the padded vocabulary (set by ``parallel/``): ids at or
+        beyond ``cfg.vocab_size`` are padding and get -inf logits, so they take no probability mass
+        (otherwise the loss at init carries log(padded/real) extra nats and training must learn to
+        push them down)."""
+        ids = torch.arange(start, end)
+        self.register_buffer("pad_mask_V", ids >= self.cfg.vocab_size, persistent=False)
+
     def logits(self, h_TBD: Tensor) -> Tensor:
         """Vocab-parallel logits ``[T, B, V/tp]`` (sequence gathered under sequence parallelism)."""
         weight = self.shared_embedding_or_output_weight() if self.cfg.tie_embeddings else None
         logits_TBV, _ = self.output_layer(h_TBD, weight=weight)
+        mask = getattr(self, "pad_mask_V", None)
+        if mask is not None and bool(mask.any()):
+            logits_TBV = logits_TBV.masked_fill(mask.to(logits_TBV.device), float("-inf"))
         return logits_TBV
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask: Tensor | None = None,

@@ -111,6 +111,11 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, **kwargs: Any) -> 
     net = LoopedMoEModel(model, tconfig, layer_specs(model), padded_vocab=padded_vocab_size(model.vocab_size,
                                                                                               parallel.tensor))
     mark_tp_replicated_experts(net, parallel)
+    from megatron.core import parallel_state
+
+    shard = net.padded_vocab // parallel.tensor
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    net.set_vocab_shard(rank * shard, (rank + 1) * shard)
     if torch.cuda.is_available():
         net.cuda(torch.cuda.current_device())
     return net

@@ -262,14 +262,18 @@ class TrackingCallback:
         self.on_eval(state, val)
         if (self.run_dir / "config.yaml").is_file():
             self.tracker.log_artifact(self.run_dir / "config.yaml")
-        if self.tracker.run_id:
-            (self.run_dir / "mlflow_run_id").write_text(self.tracker.run_id)
         self.tracker.close(self.job.tracking.close_timeout_s)
+        self._write_run_id()
 
     def on_stop(self, state: TrainState, reason: str) -> None:
+        self.tracker.close(self.job.tracking.close_timeout_s, status="KILLED")  # a resume reopens the run
+        self._write_run_id()
+
+    def _write_run_id(self) -> None:
+        # after close: a run stopped early may have saved its checkpoint before MLflow answered, and
+        # then this file is how the resumed run finds its MLflow run (train())
         if self.tracker.run_id:
             (self.run_dir / "mlflow_run_id").write_text(self.tracker.run_id)
-        self.tracker.close(self.job.tracking.close_timeout_s, status="KILLED")  # a resume reopens the run
 
 
 def train(job: JobConfig) -> dict[int, float] | None:

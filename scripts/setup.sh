@@ -17,7 +17,7 @@ echo "setup: installing into .venv (torch CPU wheel, megatron-core, streaming, m
 # Exact pins (requirements/lock-cpu.txt), then the package itself without resolving again.
 "${PIP[@]}" -r requirements/lock-cpu.txt 2>&1 | { grep -v "is ignored: it is neither" || true; }
 "${PIP[@]}" --no-deps -e . 2>&1 | { grep -v "is ignored: it is neither" || true; }
-.venv/bin/python -c "import torch, megatron.core; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
+.venv/bin/python -W ignore -c "import torch, megatron.core; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
   || { echo "setup: the venv is broken (torch/megatron import failed): rm -rf .venv and rerun" >&2; exit 1; }
 rm -f .venv/.setup-*
 touch "$stamp"

@@ -25,6 +25,7 @@ from slurm_helpers import (
     CLUSTER_SCRIPTS,
     CPUS_PER_NODE,
     PREEMPT_NODES,
+    REPO,
     SAVE_EVERY,
     STEPS,
     Cluster,
@@ -236,8 +237,8 @@ def test_cancel_stops_the_job_for_good(jobs: dict[str, Job], capsys: pytest.Capt
 def test_bad_slurm_options_are_one_line_user_errors(
     slurm_cluster: Cluster, tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], hint: str
 ) -> None:
-    job = tmp_path / "job.yaml"
-    job.write_text("name: tiny\n")
+    # a valid job (submit validates the whole job before sbatch), bad Slurm options only
+    job = REPO / "jobs" / "tiny-cpu.yaml"
     argv = ["submit", str(job), "--nodes", "2", *flags, "--run-dir", str(tmp_path / "run")]
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()

@@ -15,8 +15,9 @@ from elastic_pretrain.launch.slurm import check_can_submit, explain_sbatch_error
 
 REPO = Path(__file__).resolve().parents[2]
 # The default job without its name (submit validates the whole job before calling sbatch).
-BASE = "".join(line for line in (REPO / "jobs" / "tiny-cpu.yaml").read_text().splitlines(True)
-               if not line.startswith("name:"))
+BASE = "".join(
+    line for line in (REPO / "jobs" / "tiny-cpu.yaml").read_text().splitlines(True) if not line.startswith("name:")
+)
 
 
 @pytest.fixture

@@ -18,10 +18,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 from elastic_pretrain.checkpoint import optim_state, rng
+from elastic_pretrain.checkpoint.preempt import stop_signals_ignored
 from elastic_pretrain.checkpoint.safe_load import restricted_unpickling
 from elastic_pretrain.checkpoint.store import (
     MODEL_DIR,
@@ -171,6 +173,11 @@ class Checkpointer:
         self.pending: int | None = None  # step of the async save in flight
         self.last_saved: int | None = None
         self.stale_cleaned = False
+        # megatron's writer reports through a Manager process it spawns on first use; start it now, before
+        # the stop handlers exist, with the stop signals ignored: the forwarded signal reaches every
+        # process of the job step and would otherwise kill it, failing the preemption save.
+        with stop_signals_ignored():
+            filesystem_async._get_write_results_queue()
 
     # --- resume ------------------------------------------------------------------------------------
     def restore(self, ckpt: Path, meta: dict[str, Any], state: Any) -> None:

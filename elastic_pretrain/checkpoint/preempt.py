@@ -3,7 +3,9 @@ every rank saves the same step and exits 0 together (the Slurm contract, launch/
 
 from __future__ import annotations
 
+import contextlib
 import signal
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
@@ -35,3 +37,18 @@ class StopRequest:
     @property
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum else "stop_at"
+
+
+@contextlib.contextmanager
+def stop_signals_ignored() -> Iterator[None]:
+    """Ignore the stop signals while starting helper processes that must outlive them.
+
+    The batch script forwards the stop signal to every process of the job step, helpers included.
+    A spawned helper execs a fresh interpreter, which resets a handler to the default action
+    (terminate) but keeps SIG_IGN. Use it before StopRequest is installed (nothing is lost)."""
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

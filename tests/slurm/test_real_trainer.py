@@ -130,13 +130,6 @@ def test_two_node_real_trainer_trains_checkpoints_and_finishes(jobs: dict[str, J
     assert run.info.status == "FINISHED" and run.info.run_id == files.mlflow_run_id.read_text().strip()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="trainer bug: the forwarded signal (scancel --signal reaches every process of the job step) kills "
-    "megatron's spawn-context results Manager (spawned children reset our handler to SIG_DFL), so the preemption "
-    "save fails with BrokenPipeError (exit 1) and the run resumes from the previous periodic checkpoint; fix: start "
-    "that Manager with the stop signals ignored (docs/slurm.md, 'Contract with the trainer')",
-)
 def test_preempted_real_run_resumes_same_mlflow_run_and_matches_reference_bitwise(jobs: dict[str, Job]) -> None:
     job_id, run_dir = jobs["preempted"]
     state = wait_job_end(job_id, run_dir, timeout=END_TIMEOUT_S)

@@ -18,9 +18,11 @@ import torch
 from elastic_pretrain.checkpoint.manager import Checkpointer, check_resumable, resume_source
 from elastic_pretrain.checkpoint.preempt import StopRequest
 from elastic_pretrain.checkpoint.store import CheckpointStore
+from elastic_pretrain.eval.quality import flops_per_token
 from elastic_pretrain.job import JobConfig, write_resolved
 from elastic_pretrain.launch.layout import RunFiles
 from elastic_pretrain.parallel.mesh import Mesh, any_rank, describe, init_mesh, teardown
+from elastic_pretrain.train.mfu import device_peak, training_flops_per_token
 from elastic_pretrain.train.schedule import ScheduleController
 from elastic_pretrain.train.session import Session, build_session
 from elastic_pretrain.train.step import MicroBatch, StepResult, evaluate
@@ -236,18 +238,21 @@ class TrackingCallback:
         if mesh.is_logging_rank:
             self.tracker.set_tags({**default_tags(world_size=mesh.world_size), "layout": json.dumps(describe(mesh))})
         self._window: list[float] = []
+        self.world_size = mesh.world_size
+        self.peak = device_peak(job.train.peak_flops_per_s)
+        if self.peak and mesh.is_logging_rank:
+            self.tracker.set_tags({names.MFU_PEAK_TAG: self.peak[1]})
 
     def on_step(self, state: TrainState, result: StepResult, step_s: float) -> None:
         self._window.append(step_s)
         if state.step % self.job.train.log_interval and state.step != self.job.train.steps:
             return
         n = self.names
-        metrics = {
-            n.LOSS: result.loss,
-            n.LR: result.lr,
-            n.GRAD_NORM: result.grad_norm,
-            n.TOKENS_PER_S: self.job.tokens_per_step * len(self._window) / sum(self._window),
-        }
+        tokens_per_s = self.job.tokens_per_step * len(self._window) / sum(self._window)
+        metrics = {n.LOSS: result.loss, n.LR: result.lr, n.GRAD_NORM: result.grad_norm, n.TOKENS_PER_S: tokens_per_s}
+        if self.peak:  # model FLOPs at this rank's mean depth; forward + backward = 3 x forward
+            fwd = flops_per_token(self.job.model, result.mean_loops, seq_len=self.job.data.seq_len)
+            metrics[n.MFU] = tokens_per_s / self.world_size * training_flops_per_token(fwd) / self.peak[0]
         metrics.update({n.loss_loops(k): v for k, v in result.loss_by_loops.items()})
         metrics.update({n.sanitize(k): v for k, v in result.aux.items()})
         for (layer, p), stats in result.routing.items():

@@ -104,17 +104,16 @@ def init_mesh(cfg: ParallelConfig, *, seed: int) -> Mesh:
     if backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError("parallel.backend: nccl needs CUDA; use gloo (or auto) on CPU machines")
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
         rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
         if backend == "nccl":
             torch.cuda.set_device(_env_int("LOCAL_RANK", 0))
-        dist.init_process_group(
-            backend=backend,
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(minutes=cfg.timeout_minutes),
-        )
+        timeout = datetime.timedelta(minutes=cfg.timeout_minutes)
+        if world == 1 and "MASTER_ADDR" not in os.environ:
+            # One process outside torchrun: an in-process store, no TCP port (a "free" port picked
+            # up front can be taken by another process before the store binds it).
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
     world = dist.get_world_size()
     dp = cfg.data_parallel_size(world)
     parallel_state.initialize_model_parallel(
@@ -199,14 +198,6 @@ def teardown() -> None:
         dist.barrier()
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def describe(mesh: Mesh) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from elastic_pretrain.checkpoint.store import CheckpointStore, read_trainer_state, verify
 from elastic_pretrain.errors import UserError
@@ -23,17 +24,17 @@ def _layout(layout: dict[str, int]) -> str:
     return " ".join(f"{k}{layout[k]}" for k in ("tp", "ep", "pp", "dp") if k in layout)
 
 
-def _list(args: argparse.Namespace) -> int:
-    run_dir = Path(args.run_dir)
+def checkpoint_index(run_dir: Path, *, check: bool = False) -> list[dict[str, Any]]:
+    """One row per committed checkpoint (step, path, bytes, tokens, layout, latest) — the
+    ``checkpoints`` listing, also logged to MLflow as ``checkpoints/index.json``."""
     store = CheckpointStore(run_dir / "checkpoints")
     if not run_dir.is_dir():
         raise UserError(f"{run_dir}: no such run directory")
-    found = store.committed()
     latest = store.latest_file.read_text().strip() if store.latest_file.is_file() else None
     rows = []
-    for c in found:
+    for c in store.committed():
         meta = read_trainer_state(c.path)
-        if args.verify:
+        if check:
             verify(c.path)
         rows.append(
             {
@@ -45,6 +46,12 @@ def _list(args: argparse.Namespace) -> int:
                 "latest": c.path.name == latest,
             }
         )
+    return rows
+
+
+def _list(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    rows = checkpoint_index(run_dir, check=args.verify)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0

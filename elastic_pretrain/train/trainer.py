@@ -238,7 +238,7 @@ class TrackingCallback:
         if mesh.is_logging_rank:
             self.tracker.set_tags({**default_tags(world_size=mesh.world_size), "layout": json.dumps(describe(mesh))})
         self._window: list[float] = []
-        self.world_size = mesh.world_size
+        self.world_size, self.is_logging_rank = mesh.world_size, mesh.is_logging_rank
         self.peak = device_peak(job.train.peak_flops_per_s)
         if self.peak and mesh.is_logging_rank:
             self.tracker.set_tags({names.MFU_PEAK_TAG: self.peak[1]})
@@ -267,6 +267,13 @@ class TrackingCallback:
         self.on_eval(state, val)
         if (self.run_dir / "config.yaml").is_file():
             self.tracker.log_artifact(self.run_dir / "config.yaml")
+        if self.is_logging_rank:
+            from elastic_pretrain.checkpoint.commands import checkpoint_index
+
+            index = self.run_dir / "checkpoints" / "index.json"
+            if index.parent.is_dir():
+                index.write_text(json.dumps(checkpoint_index(self.run_dir), indent=1))
+                self.tracker.log_artifact(index, "checkpoints")
         self.tracker.close(self.job.tracking.close_timeout_s)
         self._write_run_id()
 

@@ -42,6 +42,8 @@ def test_tiny_job_trains_and_reports_every_loop_count(tmp_path):
     assert {f"val_loss_loops_{k}" for k in range(1, 5)} <= set(run.data.metrics)
     assert run.data.params["model.flatten"] == "2"
     # MFU against the named peak (1e11 FLOP/s given on the command line: CPUs have no known peak)
+    index = [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")]
+    assert index == ["checkpoints/index.json"]  # the checkpoint index, logged at the end
     assert 0 < run.data.metrics["mfu"] < 1 and "train.peak_flops_per_s" in run.data.tags["mfu.peak_flops_per_s"]
 
 

@@ -27,13 +27,27 @@ MODEL = ModelConfig(hidden_size=32, num_heads=4, ffn_hidden_size=64, prelude_lay
 def shard_for_rank(name: str, full: torch.Tensor, param: torch.Tensor, mesh) -> torch.Tensor:
     """The slice of a full (1-process) tensor that this rank holds under TP/EP."""
     if ".local_experts." in name:
-        head, rest = name.split(".local_experts.")
-        k, tail = rest.split(".", 1)
-        n_local = MODEL.experts_built // mesh.ep_size
-        return REF[f"{head}.local_experts.{mesh.ep_rank * n_local + int(k)}.{tail}"]
+        return REF[global_name(name, mesh.ep_rank, MODEL.experts_built // mesh.ep_size)]
     if getattr(param, "tensor_model_parallel", False):
         return tp_shard(name, full, param.partition_dim, mesh.tp_size, mesh.tp_rank)
     return full
+
+
+def global_name(name: str, ep_rank: int, n_local: int) -> str:
+    """A parameter's name in the 1-process model: local expert k on EP rank r is global r*n_local+k."""
+    if ".local_experts." not in name:
+        return name
+    head, rest = name.split(".local_experts.")
+    k, tail = rest.split(".", 1)
+    return f"{head}.local_experts.{ep_rank * n_local + int(k)}.{tail}"
+
+
+def local_view(name: str, full: torch.Tensor, local_shape: torch.Size, tp: int, tp_rank: int) -> torch.Tensor:
+    """The part of a 1-process tensor that a rank holding ``local_shape`` corresponds to (TP shard)."""
+    if full.shape == local_shape:
+        return full
+    dim = next(d for d in range(full.dim()) if full.shape[d] != local_shape[d])
+    return tp_shard(name, full, dim, tp, tp_rank)
 
 
 def tp_shard(name: str, full: torch.Tensor, dim: int, tp: int, rank: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 from elastic_pretrain.train.schedule import DepthPlan
 from elastic_pretrain.train.step import MicroBatch, _forward_step, _reduce_by_loops
-from tests.dist.equivalence import tp_shard, wrap_ddp_for_test
+from tests.dist.equivalence import global_name, local_view, wrap_ddp_for_test
 
 LOOPS = [1, 3, 2, 4]  # ℓ of replica 0..3; EP groups pair replicas (0,1) and (2,3)
 
@@ -49,15 +49,8 @@ def main(mode: str, out: Path, replay: bool) -> None:
         n_local = cfg.experts_built // mesh.ep_size
         with torch.no_grad():
             for name, p in net.named_parameters():
-                full_name = name
-                if ".local_experts." in name:
-                    head, rest = name.split(".local_experts.")
-                    k, tail = rest.split(".", 1)
-                    full_name = f"{head}.local_experts.{mesh.ep_rank * n_local + int(k)}.{tail}"
-                full = saved["state"][full_name]
-                if getattr(p, "tensor_model_parallel", False) and full.shape != p.shape:
-                    full = tp_shard(name, full, p.partition_dim, mesh.tp_size, mesh.tp_rank)
-                p.copy_(full)
+                full = saved["state"][global_name(name, mesh.ep_rank, n_local)]
+                p.copy_(local_view(name, full, p.shape, mesh.tp_size, mesh.tp_rank))
         r = mesh.dp_rank
         micro = [MicroBatch(saved["batches"][r], DepthPlan(LOOPS[r], (LOOPS[r],)))]
     model = wrap_ddp_for_test(net)

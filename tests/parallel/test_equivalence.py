@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, torchrun
-from tests.dist.equivalence import tp_shard
+from tests.dist.equivalence import global_name, local_view
 
 SCRIPT = REPO / "tests" / "dist" / "equivalence.py"
 pytestmark = pytest.mark.slow
@@ -30,17 +30,8 @@ def reference(tmp_path_factory) -> Path:
 
 def _reference_view(name: str, got: torch.Tensor, ref_grads: dict, res: dict) -> torch.Tensor:
     """The part of the 1-process gradient that this rank's parameter corresponds to."""
-    if ".local_experts." in name:
-        head, rest = name.split(".local_experts.")
-        k, tail = rest.split(".", 1)
-        n_local = got_experts = 4 // (2 if res["mode"] == "ep2" else 1)
-        del got_experts
-        return ref_grads[f"{head}.local_experts.{res['ep'] * n_local + int(k)}.{tail}"]
-    full = ref_grads[name]
-    if full.shape == got.shape:
-        return full
-    dim = next(d for d in range(full.dim()) if full.shape[d] != got.shape[d])
-    return tp_shard(name, full, dim, 2, res["tp"])
+    n_local = 4 // (2 if res["mode"] == "ep2" else 1)
+    return local_view(name, ref_grads[global_name(name, res["ep"], n_local)], got.shape, 2, res["tp"])
 
 
 @pytest.mark.parametrize("mode", ["tp2", "ep2"])

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO, torchrun
-from tests.dist.equivalence import tp_shard
+from tests.dist.equivalence import global_name, local_view
 
 SCRIPT = REPO / "tests" / "dist" / "mixed_depth.py"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
@@ -44,14 +44,6 @@ def test_mixed_depth_across_an_expert_group_matches_one_process(tmp_path, layout
         for k, v in ref["by_loops"].items():
             assert res["by_loops"][k] == pytest.approx(v, rel=1e-5)
         for name, got in res["grads"].items():
-            full_name = name
-            if ".local_experts." in name:
-                head, rest = name.split(".local_experts.")
-                k, tail = rest.split(".", 1)
-                full_name = f"{head}.local_experts.{res['ep'] * 4 + int(k)}.{tail}"
-            want = ref["grads"][full_name]
-            if want.shape != got.shape:  # TP shard
-                dim = next(d for d in range(want.dim()) if want.shape[d] != got.shape[d])
-                want = tp_shard(name, want, dim, 2, res["tp"])
+            want = local_view(name, ref["grads"][global_name(name, res["ep"], 4)], got.shape, 2, res["tp"])
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6,
                                        msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")

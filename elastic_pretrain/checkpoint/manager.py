@@ -23,7 +23,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQu
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
 from elastic_pretrain.checkpoint import optim_state, rng
-from elastic_pretrain.checkpoint.preempt import stop_signals_ignored
+from elastic_pretrain.checkpoint.preempt import start_helper_manager
 from elastic_pretrain.checkpoint.safe_load import restricted_unpickling
 from elastic_pretrain.checkpoint.store import (
     MODEL_DIR,
@@ -86,6 +86,23 @@ def _from_rank0(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+_results_manager: Any = None
+
+
+def start_write_results_queue() -> None:
+    """Start the Manager process through which megatron's checkpoint writers report, our way.
+
+    megatron (``filesystem_async._get_write_results_queue``) spawns it lazily on the first save, in
+    a module global. We fill that global first with a Manager that (1) ignores the stop signals —
+    the batch script forwards SIGTERM to every process of the job step, and a dead Manager fails
+    the preemption save — and (2) is SIGKILLed when this rank dies, so ``kill -9`` of a rank does
+    not leave it orphaned (``checkpoint/preempt.py``)."""
+    global _results_manager
+    if filesystem_async._results_queue is None:
+        _results_manager = start_helper_manager()
+        filesystem_async._results_queue = _results_manager.Queue()
 
 
 def resume_source(job: JobConfig, store: CheckpointStore) -> Path | None:
@@ -173,11 +190,7 @@ class Checkpointer:
         self.pending: int | None = None  # step of the async save in flight
         self.last_saved: int | None = None
         self.stale_cleaned = False
-        # megatron's writer reports through a Manager process it spawns on first use; start it now, before
-        # the stop handlers exist, with the stop signals ignored: the forwarded signal reaches every
-        # process of the job step and would otherwise kill it, failing the preemption save.
-        with stop_signals_ignored():
-            filesystem_async._get_write_results_queue()
+        start_write_results_queue()
 
     # --- resume ------------------------------------------------------------------------------------
     def restore(self, ckpt: Path, meta: dict[str, Any], state: Any) -> None:

@@ -4,8 +4,13 @@ every rank saves the same step and exits 0 together (the Slurm contract, launch/
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import multiprocessing as mp
+import os
 import signal
+import sys
 from collections.abc import Iterator
+from multiprocessing.managers import SyncManager
 from types import FrameType
 from typing import Any
 
@@ -52,3 +57,27 @@ def stop_signals_ignored() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Initializer of a helper process: SIGKILL it when the process that started it dies.
+
+    SIGKILL, not SIGTERM: helpers run with the stop signals ignored (above). Without this, a rank
+    killed with ``kill -9`` (OOM killer, a lost node's watchdog) leaves its helper running forever,
+    holding the launcher's output pipes open."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+def start_helper_manager() -> SyncManager:
+    """A multiprocessing Manager (spawned, as megatron's own) that ignores the stop signals and dies with
+    this process. The caller keeps the returned object alive for as long as it uses the manager."""
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    with stop_signals_ignored():
+        manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
+    return manager

@@ -181,24 +181,37 @@ def print_routing(routing: dict[tuple[int, int], dict[str, float]]) -> str:
 
 
 class SummaryWriter:
-    """``summary.json`` in the run directory: final validation loss per ℓ and counters."""
+    """``summary.json`` in the run directory: final validation loss per ℓ and counters; and
+    ``history.jsonl``, one line per step, appended as the run goes, so a ``kill -9`` loses no step that
+    a checkpoint kept. A resumed run keeps the lines up to its checkpoint's step and drops the rest
+    (steps trained after the checkpoint are trained again)."""
 
     def __init__(self, run_dir: Path, mesh: Mesh, resumed_step: int = 0) -> None:
         self.path, self.enabled, self.mesh = run_dir / "summary.json", mesh.is_logging_rank, mesh
+        self.history_path = run_dir / "history.jsonl"
         self.history: list[dict[str, Any]] = []
-        if resumed_step and self.path.is_file():  # the steps before the checkpoint, from the earlier attempt
-            earlier = json.loads(self.path.read_text()).get("history", [])
-            self.history = [h for h in earlier if h["step"] <= resumed_step]
+        if resumed_step and self.history_path.is_file():  # the steps before the checkpoint, from earlier attempts
+            for line in self.history_path.read_text().splitlines():
+                try:
+                    entry = json.loads(line)
+                except json.JSONDecodeError:  # a line torn by a kill
+                    continue
+                if entry["step"] <= resumed_step:
+                    self.history.append(entry)
+        if self.enabled:
+            self.history_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
         self.routing: dict[str, dict[str, float]] = {}
 
     def on_step(self, state: TrainState, result: StepResult, step_s: float) -> None:
-        self.history.append(
-            {
-                "step": state.step,
-                "loss": result.loss,
-                "loss_by_loops": {str(k): v for k, v in result.loss_by_loops.items()},
-            }
-        )
+        entry = {
+            "step": state.step,
+            "loss": result.loss,
+            "loss_by_loops": {str(k): v for k, v in result.loss_by_loops.items()},
+        }
+        self.history.append(entry)
+        if self.enabled:
+            with self.history_path.open("a") as f:
+                f.write(json.dumps(entry) + "\n")
         if result.routing:
             self.routing = {f"{layer}/{p}": stats for (layer, p), stats in result.routing.items()}
 

@@ -1,0 +1,90 @@
+"""The decider job end to end: post-train a decider on a base checkpoint (2 ranks, EP=2), stop, resume at
+another layout (1 rank), then `eval --adaptive` and `generate --loops auto` read the decider inside the
+checkpoint. Plus the job's one-line config errors (in-process, no training)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_pretrain.config import ConfigError
+from elastic_pretrain.job import load_job
+from tests.conftest import REPO
+from tests.eval.conftest import cli
+
+JOB = REPO / "jobs" / "tiny-decider.yaml"
+COMMON = ["train.warmup_steps=1", "train.log_interval=1", "train.eval_sequences=4", "train.global_batch_size=8",
+          "checkpoint.interval=0", "tracking.backend=none"]  # fmt: skip
+
+
+def _decider_tensors(step: Path, out: Path) -> dict[str, torch.Tensor]:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(step / "model_optim", out)
+    return {k: v for k, v in torch.load(out, weights_only=False).items() if "decider." in k}
+
+
+@pytest.mark.slow
+def test_decider_job_trains_resumes_and_drives_eval_and_generate(run_dir: Path, tmp_path: Path, mesh1) -> None:
+    run = tmp_path / "decider"
+    first = cli("train", str(JOB), "--nproc-per-node", "2", "--run-dir", str(run), f"decider.init_from={run_dir}",
+                "train.steps=3", "checkpoint.stop_at=2", *COMMON)  # fmt: skip
+    assert "decider job: base model from" in first.stdout and "(frozen)" in first.stdout
+    assert "stopped (stop_at) at step 2" in first.stdout
+    line = next(ln for ln in first.stdout.splitlines() if ln.startswith("step     2/3"))
+    assert "decider bce" in line and "ℓ1=" in line and "ℓ4=" in line  # labels need the CE of every pass
+    saved = _decider_tensors(run / "checkpoints" / "step_2", tmp_path / "s2.pt")
+    assert {"decider.fc1.weight", "optimizer.exp_avg.decider.fc1.weight"} <= set(saved)
+    adam = [k for k in _all_keys(run / "checkpoints" / "step_2") if k.startswith("optimizer.")]
+    assert adam and all("decider." in k for k in adam)  # frozen backbone: Adam state only for the decider
+
+    second = cli("train", str(JOB), "parallel=single", "--run-dir", str(run), f"decider.init_from={run_dir}",
+                 "train.steps=3", *COMMON)  # fmt: skip
+    assert "resumed from" in second.stdout and "(step 2," in second.stdout
+    meta = json.loads((run / "checkpoints" / "step_3" / "trainer.json").read_text())
+    assert meta["adam_step"] == 3 and meta["config"]["decider"]["init_from"].endswith("step_2")
+    assert len(json.loads((run / "summary.json").read_text())["history"]) == 3
+
+    out = tmp_path / "eval"
+    cli("eval", str(run), "--adaptive", "--threshold", "0", "0.5", "1.01", "--sequences", "2", "--out", str(out))
+    report = (out / "eval.md").read_text()
+    assert "| 0 | 4.000 | 1.000 |" in report and "| 1.01 | 1.000 |" in report and "Δ loss" in report
+    assert "| adaptive (decider) |" in report and (out / "adaptive.png").read_bytes()[:4] == b"\x89PNG"
+    # generate --loops auto takes the same path in this process (the command's own launch is tested
+    # with --decider FILE in test_eval_commands.py): the decider rides inside the checkpoint
+    from elastic_pretrain.eval.commands import _decider, load_model
+    from elastic_pretrain.model.inference import generate
+
+    _, model = load_model(run / "checkpoints" / "step_3")
+    decider = _decider(model, run, None)
+    for key, value in _decider_tensors(run / "checkpoints" / "step_3", tmp_path / "s3.pt").items():
+        if not key.startswith("optimizer."):
+            torch.testing.assert_close(decider.state_dict()[key.removeprefix("decider.")], value, rtol=0, atol=0)
+    deep = generate(model, [1, 2, 3], loops="auto", stop=decider.stopper(0.0), max_new_tokens=4)
+    assert torch.equal(deep.tokens_BT, generate(model, [1, 2, 3], loops=4, max_new_tokens=4).tokens_BT)
+    some = generate(model, [1, 2, 3], loops="auto", stop=decider.stopper(), max_new_tokens=4)
+    assert some.passes_BN.min() >= 1 and some.passes_BN.max() <= 4
+
+
+def _all_keys(step: Path) -> list[str]:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    return list(FileSystemReader(str(step / "model_optim")).read_metadata().state_dict_metadata)
+
+
+def test_decider_job_config_errors(run_dir: Path) -> None:
+    job = load_job(JOB, [f"decider.init_from={run_dir}"])
+    assert job.model.hidden_size == 96 and job.schedule.switch_at == 1.0  # from the base (fixed phase)
+    assert job.decider is not None and Path(job.decider.init_from or "").name == "step_2"
+    for overrides, message in (
+        ([f"decider.init_from={run_dir}/nope"], "decider.init_from: .*no committed checkpoint.*train the base job"),
+        (["decider.init_from=null"], "decider.init_from: missing"),
+        ([f"decider.init_from={run_dir}", "schedule.sampler=fixed"], "schedule: a decider job .*drop the schedule"),
+        ([f"decider.init_from={run_dir}", "model.hidden_size=64"], "model.hidden_size: 96 -> 64"),
+    ):
+        with pytest.raises(ConfigError, match=message) as err:
+            load_job(JOB, overrides)
+        assert "\n" not in str(err.value)

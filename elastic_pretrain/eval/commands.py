@@ -72,7 +72,7 @@ def _eval(args: argparse.Namespace) -> int:
     try:
         ckpt = resolve_checkpoint(Path(args.checkpoint))
         job, model = load_model(ckpt)
-        decider = _decider(model, ckpt, args.decider) if args.adaptive else None
+        decider = pick_decider(model, ckpt, args.decider) if args.adaptive else None
         tokens = load_validation(job.data, num_sequences=args.sequences)
         curve = quality_curve(model, tokens, name=job.name, batch_size=args.batch_size)
         lines = [markdown_table(curve)]
@@ -99,7 +99,7 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
-def _decider(model: Any, ckpt: Path, override: str | None) -> Any:
+def pick_decider(model: Any, ckpt: Path, override: str | None) -> Any:
     """The iteration decider: ``--decider FILE`` if given, else the one inside the checkpoint."""
     from elastic_pretrain.model.decider import load_decider
 
@@ -124,7 +124,7 @@ def _generate(args: argparse.Namespace) -> int:
         ckpt = resolve_checkpoint(Path(args.checkpoint))
         job, model = load_model(ckpt)
         tok = load_tokenizer(job.data.tokenizer)
-        stop = _decider(model, ckpt, args.decider).stopper(args.threshold) if loops == "auto" else None
+        stop = pick_decider(model, ckpt, args.decider).stopper(args.threshold) if loops == "auto" else None
         prompt = tok.encode(args.prompt) or [tok.eos_id]
         out = generate(
             model, prompt, loops=loops, max_new_tokens=args.max_new_tokens, kv_cache=args.kv_cache,  # type: ignore[arg-type]

@@ -55,11 +55,11 @@ def test_decider_job_trains_resumes_and_drives_eval_and_generate(run_dir: Path, 
     assert "| adaptive (decider) |" in report and (out / "adaptive.png").read_bytes()[:4] == b"\x89PNG"
     # generate --loops auto takes the same path in this process (the command's own launch is tested
     # with --decider FILE in test_eval_commands.py): the decider rides inside the checkpoint
-    from elastic_pretrain.eval.commands import _decider, load_model
+    from elastic_pretrain.eval.commands import load_model, pick_decider
     from elastic_pretrain.model.inference import generate
 
     _, model = load_model(run / "checkpoints" / "step_3")
-    decider = _decider(model, run, None)
+    decider = pick_decider(model, run, None)
     for key, value in _decider_tensors(run / "checkpoints" / "step_3", tmp_path / "s3.pt").items():
         if not key.startswith("optimizer."):
             torch.testing.assert_close(decider.state_dict()[key.removeprefix("decider.")], value, rtol=0, atol=0)

@@ -106,22 +106,29 @@ def pick_decider(model: Any, ckpt: Path, override: str | None) -> Any:
     if override:
         return load_decider(Path(override))
     if model.decider is None:
-        raise UserError(
-            f"{ckpt}: this checkpoint has no iteration decider: train a decider job on it "
-            f"(elastic-pretrain train jobs/tiny-decider.yaml decider.init_from={ckpt}) or pass --decider FILE"
-        )
+        raise _no_decider(ckpt)
     return model.decider.eval()
 
 
+def _no_decider(ckpt: Path) -> UserError:
+    return UserError(
+        f"{ckpt}: this checkpoint has no iteration decider: train a decider job on it "
+        f"(elastic-pretrain train jobs/tiny-decider.yaml decider.init_from={ckpt}) or pass --decider FILE"
+    )
+
+
 def _generate(args: argparse.Namespace) -> int:
+    from elastic_pretrain.checkpoint.store import read_trainer_state
     from elastic_pretrain.data.tokenizer import load_tokenizer
     from elastic_pretrain.model.inference import generate
     from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 
     loops: int | str = args.loops if args.loops == "auto" else _int_loops(args.loops)
+    ckpt = resolve_checkpoint(Path(args.checkpoint))
+    if loops == "auto" and not args.decider and read_trainer_state(ckpt).get("config", {}).get("decider") is None:
+        raise _no_decider(ckpt)  # before building anything
     init_mesh(ParallelConfig(), seed=args.seed)
     try:
-        ckpt = resolve_checkpoint(Path(args.checkpoint))
         job, model = load_model(ckpt)
         tok = load_tokenizer(job.data.tokenizer)
         stop = pick_decider(model, ckpt, args.decider).stopper(args.threshold) if loops == "auto" else None

@@ -88,3 +88,33 @@ def test_decider_job_config_errors(run_dir: Path) -> None:
         with pytest.raises(ConfigError, match=message) as err:
             load_job(JOB, overrides)
         assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("backbone", ["frozen", "joint"])
+def test_job_loss_equals_the_one_process_reference(mesh1, backbone: str) -> None:
+    """The decider job's forward + loss (train/decider.py) against ``decider_loss``: the same objective
+    and the same decider gradient; frozen, the backbone gets none."""
+    from elastic_pretrain.model.decider import DeciderConfig, decider_loss
+    from elastic_pretrain.parallel.megatron import build_model
+    from elastic_pretrain.train.decider import _loss_func, freeze_backbone
+    from tests.eval.conftest import PAR, tiny
+
+    cfg = DeciderConfig(backbone=backbone, pos_weight=2.0, loss_weight=0.5, coverage=0.8)  # type: ignore[arg-type]
+    torch.manual_seed(0)
+    net = build_model(tiny(), PAR, decider=cfg)
+    if backbone == "frozen":
+        freeze_backbone(net)
+    x = torch.randint(0, 257, (2, 17), generator=torch.Generator().manual_seed(3))
+    ids, labels = x[:, :-1], x[:, 1:]
+    objective, n, report = _loss_func(cfg, net.forward_decider(ids, labels))
+    (objective / n).backward()
+    got = {k: p.grad.clone() for k, p in net.decider.named_parameters()}
+    backbone_grads = [p.grad for name, p in net.named_parameters() if not name.startswith("decider.")]
+    net.zero_grad(set_to_none=True)
+    ref = decider_loss(net, net.decider, ids, labels)
+    ref.total.backward()
+    torch.testing.assert_close(objective / n, ref.total, rtol=1e-5, atol=1e-6)
+    for k, p in net.decider.named_parameters():
+        torch.testing.assert_close(got[k], p.grad, rtol=1e-4, atol=1e-7)
+    assert float(report["decider"][2]) / float(report["decider"][1]) == pytest.approx(ref.continue_fraction)
+    assert all(g is None for g in backbone_grads) == (backbone == "frozen")

@@ -1,6 +1,7 @@
 """The decider job end to end: post-train a decider on a base checkpoint (2 ranks, EP=2), stop, resume at
-another layout (1 rank), then `eval --adaptive` and `generate --loops auto` read the decider inside the
-checkpoint. Plus the job's one-line config errors (in-process, no training)."""
+another layout (1 rank); the checkpoint's decider drives the adaptive sweep (`eval --adaptive`) and
+`generate --loops auto` (in this process: the commands' own launches are in test_eval_commands.py).
+Plus the job's loss against the one-process reference and its one-line config errors."""
 
 from __future__ import annotations
 
@@ -48,21 +49,21 @@ def test_decider_job_trains_resumes_and_drives_eval_and_generate(run_dir: Path, 
     assert meta["adam_step"] == 3 and meta["config"]["decider"]["init_from"].endswith("step_2")
     assert len(json.loads((run / "summary.json").read_text())["history"]) == 3
 
-    out = tmp_path / "eval"
-    cli("eval", str(run), "--adaptive", "--threshold", "0", "0.5", "1.01", "--sequences", "2", "--out", str(out))
-    report = (out / "eval.md").read_text()
-    assert "| 0 | 4.000 | 1.000 |" in report and "| 1.01 | 1.000 |" in report and "Δ loss" in report
-    assert "| adaptive (decider) |" in report and (out / "adaptive.png").read_bytes()[:4] == b"\x89PNG"
-    # generate --loops auto takes the same path in this process (the command's own launch is tested
-    # with --decider FILE in test_eval_commands.py): the decider rides inside the checkpoint
+    # what eval --adaptive and generate --loops auto run, with the decider inside the checkpoint
+    from elastic_pretrain.data.loader import load_validation
+    from elastic_pretrain.eval.adaptive import adaptive_sweep, plot_sweep
     from elastic_pretrain.eval.commands import load_model, pick_decider
     from elastic_pretrain.model.inference import generate
 
-    _, model = load_model(run / "checkpoints" / "step_3")
+    job, model = load_model(run / "checkpoints" / "step_3")
     decider = pick_decider(model, run, None)
     for key, value in _decider_tensors(run / "checkpoints" / "step_3", tmp_path / "s3.pt").items():
         if not key.startswith("optimizer."):
             torch.testing.assert_close(decider.state_dict()[key.removeprefix("decider.")], value, rtol=0, atol=0)
+    sweep = adaptive_sweep(model, decider, load_validation(job.data, num_sequences=1), [0.0, 0.5, 1.01])
+    assert [r.mean_passes for r in sweep.adaptive][::2] == [4.0, 1.0] and len(sweep.fixed) == 4
+    assert sweep.adaptive[0].loss == pytest.approx(sweep.fixed[-1].loss, abs=1e-5)
+    assert "| 0.5 |" in sweep.markdown() and plot_sweep(sweep, tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
     deep = generate(model, [1, 2, 3], loops="auto", stop=decider.stopper(0.0), max_new_tokens=4)
     assert torch.equal(deep.tokens_BT, generate(model, [1, 2, 3], loops=4, max_new_tokens=4).tokens_BT)
     some = generate(model, [1, 2, 3], loops="auto", stop=decider.stopper(), max_new_tokens=4)

@@ -76,7 +76,13 @@ def _all_keys(step: Path) -> list[str]:
     return list(FileSystemReader(str(step / "model_optim")).read_metadata().state_dict_metadata)
 
 
-def test_decider_job_config_errors(run_dir: Path) -> None:
+def test_decider_job_config_errors(tmp_path: Path) -> None:
+    from elastic_pretrain.config import to_dict
+
+    run_dir = tmp_path / "step_2"  # a stand-in base checkpoint: load_job reads only its trainer.json
+    run_dir.mkdir()
+    meta = {"config": to_dict(load_job(REPO / "jobs" / "tiny-cpu.yaml")), "controller": {"phase": "fixed"}}
+    (run_dir / "trainer.json").write_text(json.dumps(meta))
     job = load_job(JOB, [f"decider.init_from={run_dir}"])
     assert job.model.hidden_size == 96 and job.schedule.switch_at == 1.0  # from the base (fixed phase)
     assert job.decider is not None and Path(job.decider.init_from or "").name == "step_2"

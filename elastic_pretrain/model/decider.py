@@ -50,7 +50,11 @@ class DeciderConfig:
     backbone: Literal["frozen", "joint"] = field(
         "frozen", doc="'frozen': the BCE does not reach the LM (inputs detached); 'joint': it does."
     )
-    threshold: float = field(0.5, doc="Inference: a token stops at the first pass whose continue prob < threshold.")
+    threshold: float = field(
+        0.5,
+        doc="Inference: a token stops at the first pass whose continue prob < threshold (a decider job logs the "
+        "mean passes at it).",
+    )
     init_from: str | None = field(
         None,
         doc="Decider job: the base run directory or checkpoints/step_<N> to post-train (its newest committed step; "

@@ -1,0 +1,124 @@
+"""The markdown report of an experiment (``<out>/<name>.md``), its plot and its numbers as JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from elastic_pretrain.eval.quality import flops_per_token
+from elastic_pretrain.experiments.runner import Context, Experiment, Findings, Run, ensure_trained, job_diff, load_jobs
+from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
+
+
+def run_experiment(
+    experiment: Experiment, *, runs_root: Path, out_dir: Path, overrides: list[str], quick: bool, command: str
+) -> Path:
+    """Train or reuse every job, analyse, write ``<out_dir>/<name>.{md,png,json}``; returns the .md path."""
+    jobs = load_jobs(experiment.name, runs_root, overrides)
+    runs = [ensure_trained(path, job, runs_root) for path, job in jobs]
+    init_mesh(ParallelConfig(), seed=0)  # one process, for loading and evaluating the checkpoints
+    try:
+        ctx = Context(experiment, runs, quick=quick)
+        findings = experiment.analyse(ctx)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        png = out_dir / f"{experiment.name}.png"
+        findings.plot(png)
+        md = out_dir / f"{experiment.name}.md"
+        md.write_text(render(ctx, findings, command=command, png=png.name))
+        numbers = {
+            "experiment": experiment.name,
+            "command": command,
+            "quick": quick,
+            "runs": _run_rows(ctx),
+            **findings.numbers,
+        }
+        (out_dir / f"{experiment.name}.json").write_text(json.dumps(numbers, indent=1) + "\n")
+    finally:
+        teardown()
+    print(f"written: {md}, {png}, {out_dir / (experiment.name + '.json')}", flush=True)
+    return md
+
+
+def parameters(ctx: Context, run: Run) -> int:
+    return sum(p.numel() for p in ctx.model(run.name).parameters())
+
+
+def max_flops(run: Run) -> float:
+    cfg = run.job.model
+    return flops_per_token(cfg, cfg.max_loops, seq_len=run.job.data.seq_len)
+
+
+def _run_rows(ctx: Context) -> list[dict[str, Any]]:
+    return [
+        {
+            "job": r.name,
+            "file": str(r.job_path),
+            "run_dir": str(r.run_dir),
+            "status": r.status,
+            "steps": r.steps,
+            "tokens": r.tokens,
+            "seed": r.job.train.seed,
+            "parameters": parameters(ctx, r),
+            "flops_per_token_at_max_loops": max_flops(r),
+            "max_loops": r.job.model.max_loops,
+            "train_seconds": r.summary["elapsed_s"],
+        }
+        for r in ctx.runs
+    ]
+
+
+def render(ctx: Context, findings: Findings, *, command: str, png: str) -> str:
+    e, runs = ctx.experiment, ctx.runs
+    seeds = sorted({r.job.train.seed for r in runs})
+    tokens = sorted({r.tokens for r in runs})
+    first = runs[0].job
+    lines = [
+        f"# {e.title}",
+        "",
+        e.question,
+        "",
+        "```",
+        command,
+        "```",
+        "",
+        f"Reproduce with the command above from the repository root (after `elastic-pretrain prepare-data "
+        f"stdlib-code`). It trains every job of `jobs/experiments/{e.name}/` in one process, one after the other "
+        f"(a finished run whose config is unchanged is reused, also from another experiment), evaluates the final "
+        f"checkpoints and rewrites this page, `{png}` and `{e.name}.json` (all numbers).",
+        "",
+        "## Setup",
+        "",
+        f"- **Seed** {', '.join(map(str, seeds))} in every job (initialisation, data order, depth draws): all jobs "
+        f"see the same training sequences in the same order.",
+        f"- **Training tokens** {', '.join(f'{t:,}' for t in tokens)} per job ({runs[0].steps} steps x "
+        f"{first.train.global_batch_size} sequences x {first.data.seq_len} tokens), byte-level CPython standard "
+        f"library (`data: stdlib-code`), one process (`parallel: single`).",
+        f"- **Held-out tokens**: the first {ctx.eval_sequences} sequences of the validation split "
+        f"({ctx.eval_sequences * first.data.seq_len:,} predicted tokens, files never trained on); losses are "
+        f"cross-entropy in nats/token over the real 257-token vocabulary.",
+        "- **Scale**: far smaller and shorter than a real run (hidden 64, a few hundred thousand parameters, "
+        "minutes on 2 CPU cores); differences of a few hundredths of a nat are within what another seed could "
+        "change (one seed only).",
+    ]
+    if ctx.quick:
+        lines.append("- **--quick**: a smoke test of the pipeline (2 steps per job); the numbers mean nothing.")
+    diff = job_diff([r.job for r in runs])
+    lines += [
+        "",
+        "| job | file | parameters | FLOPs/token at L_max | L_max | steps | tokens | train time | run |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        lines.append(
+            f"| {r.name} | `{r.job_path}` | {parameters(ctx, r):,} | {max_flops(r):,.0f} | {r.job.model.max_loops} "
+            f"| {r.steps} | {r.tokens:,} | {r.summary['elapsed_s']:.0f} s | {r.status} |"
+        )
+    lines += ["", "Jobs differ only in: " + (", ".join(f"`{k}`" for k in diff) or "nothing") + "."]
+    if findings.method:
+        lines += ["", "## Method", "", *[f"- {m}" for m in findings.method]]
+    lines += ["", "## Results", ""]
+    for table in findings.tables:
+        lines += [table.rstrip(), ""]
+    lines += [f"![{e.name}]({png})", "", "## Reading", "", *[f"- {s}" for s in findings.reading], ""]
+    return "\n".join(lines)

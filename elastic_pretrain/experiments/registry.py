@@ -94,11 +94,10 @@ def exit_schedules(ctx: Context) -> Findings:
     ref = cmp.names[0]
     others = [n for n in by if n != ref]
     if others:
-        gap = max(deepest[n] - deepest[ref] for n in others)
         reading.append(
-            f"Against {ref} (trained at ℓ = {max_loops} only), the elastic schedules' full-depth loss differs by "
+            f"Loss minus {ref}'s (sampler {_sampler(ctx.run(ref))}) at ℓ = {max_loops}: "
             + ", ".join(f"{n} {deepest[n] - deepest[ref]:+.4f}" for n in others)
-            + f" nats (largest {gap:+.4f}), and their ℓ = 1 loss by "
+            + "; at ℓ = 1: "
             + ", ".join(f"{n} {shallow[n] - shallow[ref]:+.4f}" for n in others)
             + "."
         )
@@ -150,23 +149,25 @@ def late_switch(ctx: Context) -> Findings:
     looped = [r for r in ctx.runs if r.job.model.max_loops > 1]
     flat = [r for r in ctx.runs if r.job.model.max_loops == 1]
     deep = {r.name: loss[r.name][r.job.model.max_loops] for r in ctx.runs}
-    reading = [f"Loss at full depth (equal compute per token within 0.5%), lowest first: {_ranked(deep)}."]
+    top_flops = [_flops(r, r.job.model.max_loops) for r in ctx.runs]
+    spread = (max(top_flops) - min(top_flops)) / max(top_flops)
+    reading = [f"Loss at full depth (FLOPs per token equal within {spread:.1%}), lowest first: {_ranked(deep)}."]
     if looped:
         reading.append("Loss at ℓ = 1: " + _ranked({r.name: loss[r.name][1] for r in looped}) + ".")
     if len(looped) >= 2:
         a, b = looped[0], looped[1]
         reading.append(
-            f"{a.name} vs {b.name}: {loss[a.name][1] - loss[b.name][1]:+.4f} nats at ℓ = 1, "
+            f"{a.name} minus {b.name}: {loss[a.name][1] - loss[b.name][1]:+.4f} nats at ℓ = 1, "
             f"{deep[a.name] - deep[b.name]:+.4f} at ℓ = L_max."
         )
     for f in flat:
         for r in looped:
             top, shallow = r.job.model.max_loops, _pct(loss[r.name][1], deep[f.name])
             reading.append(
-                f"{f.name} ({parameters(ctx, f):,} parameters) vs {r.name} ({parameters(ctx, r):,}): "
-                f"{deep[f.name] - deep[r.name]:+.4f} nats at equal compute; {r.name} at ℓ = 1 costs "
-                f"{_flops(r, 1) / _flops(f, 1):.0%} of {f.name}'s FLOPs per token at {shallow} "
-                f"loss (ℓ = {top}: {_pct(deep[r.name], deep[f.name])})."
+                f"{f.name} ({parameters(ctx, f):,} parameters) minus {r.name} ({parameters(ctx, r):,}): "
+                f"{deep[f.name] - deep[r.name]:+.4f} nats at full depth; {r.name} at ℓ = 1 costs "
+                f"{_flops(r, 1) / _flops(f, 1):.0%} of {f.name}'s FLOPs per token at {shallow} loss relative to "
+                f"{f.name} (ℓ = {top}: {_pct(deep[r.name], deep[f.name])})."
             )
     return Findings(
         tables=["\n".join(rows)],
@@ -263,7 +264,7 @@ def flattening(ctx: Context) -> Findings:
         )
         if twin:
             reading.append(
-                f"flatten {v['flatten']}: tied attention ({v['parameters']:,} parameters) vs untied "
+                f"flatten {v['flatten']}: tied attention ({v['parameters']:,} parameters) minus untied "
                 f"({numbers[twin]['parameters']:,}): {v['loss'] - numbers[twin]['loss']:+.4f} nats."
             )
 

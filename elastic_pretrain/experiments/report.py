@@ -68,6 +68,11 @@ def _run_rows(ctx: Context) -> list[dict[str, Any]]:
     ]
 
 
+def _status(run: Run) -> str:
+    own = run.run_dir.resolve() == run.job.run_path.resolve()
+    return run.status if own else f"{run.status}: `{run.run_dir}` (same config)"
+
+
 def render(ctx: Context, findings: Findings, *, command: str, png: str) -> str:
     e, runs = ctx.experiment, ctx.runs
     seeds = sorted({r.job.train.seed for r in runs})
@@ -112,7 +117,7 @@ def render(ctx: Context, findings: Findings, *, command: str, png: str) -> str:
     for r in runs:
         lines.append(
             f"| {r.name} | `{r.job_path}` | {parameters(ctx, r):,} | {max_flops(r):,.0f} | {r.job.model.max_loops} "
-            f"| {r.steps} | {r.tokens:,} | {r.summary['elapsed_s']:.0f} s | {r.status} |"
+            f"| {r.steps} | {r.tokens:,} | {r.summary['elapsed_s']:.0f} s | {_status(r)} |"
         )
     lines += ["", "Jobs differ only in: " + (", ".join(f"`{k}`" for k in diff) or "nothing") + "."]
     if findings.method:

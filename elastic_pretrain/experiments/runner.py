@@ -115,6 +115,7 @@ class Context:
 
     def model(self, name: str) -> LoopedMoEModel:
         """The run's final checkpoint as a one-process model in eval mode (cached)."""
+        forget_moe_aux_losses()  # the model asked for may have another number of layers than the last one
         if name not in self._models:
             from elastic_pretrain.eval.commands import load_model
 
@@ -199,6 +200,7 @@ def ensure_trained(path: Path, job: JobConfig, runs_root: Path) -> Run:
                 log.info("%s: config changed, training again from scratch", own)
                 shutil.rmtree(own)
         t0 = time.perf_counter()
+        forget_moe_aux_losses()
         if train(job) is None:
             raise UserError(f"{path.stem}: training stopped before the end; rerun the experiment to continue it")
         print(f"{path.stem}: {status} in {time.perf_counter() - t0:.0f}s -> {own}", flush=True)
@@ -207,6 +209,14 @@ def ensure_trained(path: Path, job: JobConfig, runs_root: Path) -> Run:
         print(f"{path.stem}: reused {found} (same config)", flush=True)
     summary = json.loads((found / "summary.json").read_text())
     return Run(name=path.stem, job=job, job_path=path, run_dir=found, summary=summary, status=status)
+
+
+def forget_moe_aux_losses() -> None:
+    """Empty megatron-core's process-global MoE aux-loss tracker. It sizes its per-layer buffers on first
+    use, so the next model in this process with more layers would index past them."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
 
 
 def job_diff(jobs: list[JobConfig]) -> list[str]:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from elastic_pretrain.eval.quality import flops_per_token
+from elastic_pretrain.eval.quality import flops_breakdown, flops_per_token
 from elastic_pretrain.experiments.runner import Context, Experiment, Findings, Run, ensure_trained, job_diff, load_jobs
 from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 
@@ -47,6 +47,33 @@ def parameters(ctx: Context, run: Run) -> int:
 def max_flops(run: Run) -> float:
     cfg = run.job.model
     return flops_per_token(cfg, cfg.max_loops, seq_len=run.job.data.seq_len)
+
+
+def training_compute(run: Run) -> tuple[float, float]:
+    """(mean passes per training micro-batch, training FLOPs = 3 x forward FLOPs summed over the tokens).
+
+    Replays the run's depth plans (a pure function of seed, step and micro-batch; train/schedule.py); an
+    extra supervised exit costs one more coda + output layer."""
+    from elastic_pretrain.train.schedule import ScheduleController
+
+    job = run.job
+    cfg, seq = job.model, job.data.seq_len
+    micro = job.train.micro_batches(1)
+    tokens_per_micro = job.train.micro_batch_size * seq
+    ctl = ScheduleController(
+        job.schedule, max_loops=cfg.max_loops, total_tokens=run.steps * job.tokens_per_step, seed=job.train.seed
+    )
+    passes, flops, n = 0.0, 0.0, 0
+    for step in range(run.steps):
+        ctl.update(step=step, tokens_seen=step * job.tokens_per_step)
+        for i in range(micro):
+            plan = ctl.plan(step=step, micro=i, replica=0)
+            b = flops_breakdown(cfg, plan.loops, seq_len=seq)
+            per_exit = b.edges * cfg.coda_layers / max(1, cfg.prelude_layers + cfg.coda_layers) + b.output
+            passes += plan.loops
+            flops += 3 * tokens_per_micro * (b.total + (len(plan.exits) - 1) * per_exit)
+            n += 1
+    return passes / max(1, n), flops
 
 
 def _run_rows(ctx: Context) -> list[dict[str, Any]]:
@@ -117,13 +144,29 @@ def render(ctx: Context, findings: Findings, *, command: str, png: str) -> str:
     for r in runs:
         lines.append(
             f"| {r.name} | `{r.job_path}` | {parameters(ctx, r):,} | {max_flops(r):,.0f} | {r.job.model.max_loops} "
-            f"| {r.steps} | {r.tokens:,} | {r.summary['elapsed_s']:.0f} s | {_status(r)} |"
+            f"| {r.steps} | {r.tokens:,} | {training_compute(r)[0]:.2f} | {training_compute(r)[1]:.3g} "
+            f"| {r.summary['elapsed_s']:.0f} s | {_status(r)} |"
         )
+    lines += [
+        "",
+        "Training FLOPs = 3 x forward matmul FLOPs (docs/evaluation.md) summed over the training tokens at "
+        "each micro-batch's depth (replayed from the seed), plus a coda and output layer per extra supervised "
+        "exit: same tokens does not mean same training compute when depth is sampled.",
+    ]
     lines += ["", "Jobs differ only in: " + (", ".join(f"`{k}`" for k in diff) or "nothing") + "."]
     if findings.method:
         lines += ["", "## Method", "", *[f"- {m}" for m in findings.method]]
     lines += ["", "## Results", ""]
     for table in findings.tables:
         lines += [table.rstrip(), ""]
-    lines += [f"![{e.name}]({png})", "", "## Reading", "", *[f"- {s}" for s in findings.reading], ""]
+    reading = list(findings.reading)
+    flops = {r.name: training_compute(r)[1] for r in runs}
+    ref = runs[0].name
+    if max(flops.values()) > 1.01 * min(flops.values()):
+        reading.append(
+            f"Training compute differs (same tokens, different depth): training FLOPs relative to {ref}: "
+            + ", ".join(f"{n} x{f / flops[ref]:.2f}" for n, f in flops.items() if n != ref)
+            + "."
+        )
+    lines += [f"![{e.name}]({png})", "", "## Reading", "", *[f"- {s}" for s in reading], ""]
     return "\n".join(lines)

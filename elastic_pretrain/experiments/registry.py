@@ -110,7 +110,7 @@ def exit_schedules(ctx: Context) -> Findings:
             "auc_vs_first": dict(zip(cmp.names, cmp.relative, strict=True)),
             "auc_range": [cmp.lo, cmp.hi],
         },
-        plot=lambda path: compare(curves, path),
+        plot=lambda path: plot(curves, path, title="held-out loss vs compute per exit schedule (same tokens, seed)"),
         method=[
             "Every ℓ is evaluated on the same held-out tokens; a model with the loop-count conditioning on "
             "(mixed-scratch) runs each ℓ separately, conditioned on that ℓ; the others read every exit off one "

@@ -12,7 +12,7 @@ from elastic_pretrain.errors import UserError
 def _experiment(args: argparse.Namespace) -> int:
     from elastic_pretrain.experiments.registry import EXPERIMENTS
 
-    args.overrides = [n for n in args.names if "=" in n]
+    args.overrides = [*args.overrides, *(n for n in args.names if "=" in n)]  # cli.main adds ones after flags
     args.names = [n for n in args.names if "=" not in n]
     if args.list:
         for e in EXPERIMENTS.values():
@@ -62,4 +62,4 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--runs", help="run directories root (default runs/experiments, --quick: runs/experiments-quick)")
     p.add_argument("--out", help="report folder (default docs/results, --quick: <runs>/results)")
     p.add_argument("--list", action="store_true", help="list the experiments and exit")
-    p.set_defaults(handler=_experiment)
+    p.set_defaults(handler=_experiment, overrides=[])

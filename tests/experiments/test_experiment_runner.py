@@ -131,3 +131,13 @@ def test_fingerprint_ignores_the_run_name_only() -> None:
 
     assert job_fingerprint(a) == job_fingerprint(b) != job_fingerprint(c)
     assert fingerprint({"name": "x", "train": {"lr": 1}}) == fingerprint({"name": "y", "train": {"lr": 1}})
+
+
+def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from elastic_pretrain.cli import main
+
+    assert main(["experiment", "nope"]) == 2
+    assert "unknown experiment 'nope' (known: exit-schedules" in capsys.readouterr().err
+    assert main(["experiment", "kv-cache", "--quick", "modle.loops=2"]) == 2
+    assert "unknown key 'modle'" in capsys.readouterr().err
+    assert main(["experiment", "--list"]) == 0 and "route-replay" in capsys.readouterr().out

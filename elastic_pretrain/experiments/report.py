@@ -138,8 +138,9 @@ def render(ctx: Context, findings: Findings, *, command: str, png: str) -> str:
     diff = job_diff([r.job for r in runs])
     lines += [
         "",
-        "| job | file | parameters | FLOPs/token at L_max | L_max | steps | tokens | train time | run |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| job | file | parameters | FLOPs/token at L_max | L_max | steps | tokens | mean passes in training "
+        "| training FLOPs | train time | run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         lines.append(

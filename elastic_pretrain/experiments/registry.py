@@ -9,6 +9,7 @@ experiment: a job set under ``jobs/experiments/<name>/``, an ``analyse`` functio
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -213,8 +214,8 @@ def held_out_routing(ctx: Context, run: Run) -> dict[str, float]:
 def flattening(ctx: Context) -> Findings:
     rows = [
         "| job | flatten | attention | layers x experts x passes | parameters | expert parameters | "
-        "FLOPs/token | loss | confidence | load CV | MaxVio | entropy |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "FLOPs/token | loss | confidence | load CV | MaxVio | entropy | entropy / ln E |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     numbers: dict[str, Any] = {}
     for r in ctx.runs:
@@ -223,9 +224,11 @@ def flattening(ctx: Context) -> Findings:
         experts = sum(p.numel() for n, p in net.named_parameters() if ".experts." in n)
         loss = losses(ctx, r, [m.max_loops])[m.max_loops]
         routing = held_out_routing(ctx, r)
+        routing["entropy_norm"] = routing["entropy"] / math.log(m.experts_built)  # 1 = uniform over the E experts
         numbers[r.name] = {
             "flatten": m.flatten,
             "attention": m.attention,
+            "experts": m.experts_built,
             "parameters": parameters(ctx, r),
             "expert_parameters": experts,
             "flops_per_token": _flops(r, m.max_loops),
@@ -235,7 +238,7 @@ def flattening(ctx: Context) -> Findings:
         rows.append(
             f"| {r.name} | {m.flatten} | {m.attention} | {m.core_layers_built} x {m.experts_built} x {m.max_loops} "
             f"| {parameters(ctx, r):,} | {experts:,} | {_flops(r, m.max_loops):,.0f} | {loss:.4f} | "
-            + " | ".join(f"{routing[s]:.3f}" for s in ROUTING_STATS)
+            + " | ".join(f"{routing[s]:.3f}" for s in (*ROUTING_STATS, "entropy_norm"))
             + " |"
         )
     reading = [f"Final held-out loss, lowest first: {_ranked({n: v['loss'] for n, v in numbers.items()})}."]
@@ -249,6 +252,10 @@ def flattening(ctx: Context) -> Findings:
                 + " → ".join(f"{numbers[n]['loss']:.4f}" for _, n in series)
                 + ", confidence "
                 + " → ".join(f"{numbers[n]['confidence']:.3f}" for _, n in series)
+                + " (uniform: "
+                + " → ".join(f"{1 / numbers[n]['experts']:.3f}" for _, n in series)
+                + "), entropy / ln E "
+                + " → ".join(f"{numbers[n]['entropy_norm']:.3f}" for _, n in series)
                 + ", load CV "
                 + " → ".join(f"{numbers[n]['load_cv']:.3f}" for _, n in series)
                 + "."
@@ -302,7 +309,9 @@ def flattening(ctx: Context) -> Findings:
             "FLOPs differ only by the router (2·D·E per call, E = 4f).",
             "Routing health is measured on the held-out tokens at ℓ = L_max with the final weights, averaged over "
             "every (layer, pass) router call: confidence = mean top-1 probability, load CV = std/mean of the tokens "
-            "per expert (0 = balanced), MaxVio = max load / mean load − 1, entropy of the router distribution.",
+            "per expert (0 = balanced), MaxVio = max load / mean load − 1, entropy of the router distribution and "
+            "entropy / ln E (1 = uniform). With more experts per layer the top-1 probability falls even at the same "
+            "sharpness (uniform = 1/E), so compare confidence with 1/E and the normalised entropy.",
         ],
     )
 
@@ -318,11 +327,11 @@ def _fwd_bwd(net: Any, inputs: torch.Tensor, labels: torch.Tensor, loops: int) -
     return run
 
 
-def interleaved_times(fns: dict[str, Callable[[], None]], repeats: int) -> dict[str, list[float]]:
+def interleaved_times(fns: dict[Any, Callable[[], None]], repeats: int) -> dict[Any, list[float]]:
     """Seconds of each call of each function, called alternately in this process (after one warm-up each)."""
     for fn in fns.values():
         fn()
-    samples: dict[str, list[float]] = {k: [] for k in fns}
+    samples: dict[Any, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
             t0 = time.perf_counter()
@@ -338,13 +347,12 @@ def route_replay(ctx: Context) -> Findings:
     batch = ctx.val_tokens()[: off.job.train.micro_batch_size]
     inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
     repeats = 2 if ctx.quick else 20
-    samples: dict[int, dict[str, list[float]]] = {}
+    ells = sorted({1, 2, max_loops})
     for r in (off, on):
         ctx.model(r.name).train()
-    try:
-        for ell in sorted({1, 2, max_loops}):
-            fns = {r.name: _fwd_bwd(ctx.model(r.name), inputs, labels, ell) for r in (off, on)}
-            samples[ell] = interleaved_times(fns, repeats)
+    try:  # every (ℓ, model) in one interleaved loop: a change of load on the machine hits all of them alike
+        fns = {(ell, r.name): _fwd_bwd(ctx.model(r.name), inputs, labels, ell) for ell in ells for r in (off, on)}
+        flat = interleaved_times(fns, repeats)
     finally:
         for r in (off, on):
             ctx.model(r.name).zero_grad(set_to_none=True)
@@ -355,25 +363,28 @@ def route_replay(ctx: Context) -> Findings:
     ]
     for r in (off, on):
         rows.append(f"| {r.name} | " + " | ".join(f"{loss[r.name][ell]:.4f}" for ell in range(1, max_loops + 1)) + " |")
+    samples = {ell: {r.name: flat[(ell, r.name)] for r in (off, on)} for ell in ells}
     times = {ell: {k: statistics.median(v) for k, v in t.items()} for ell, t in samples.items()}
-    fastest = {ell: {k: min(v) for k, v in t.items()} for ell, t in samples.items()}
-    trows = ["| measurement | replay-off | replay-on | on/off (medians) | on/off (minimums) |", "|---|---|---|---|---|"]
+    # each replay-on call against the replay-off call just before it (same moment, same load)
+    paired = {
+        ell: statistics.median(a / b for a, b in zip(t[on.name], t[off.name], strict=True))
+        for ell, t in samples.items()
+    }
+    trows = ["| measurement | replay-off | replay-on | on/off (median of paired ratios) |", "|---|---|---|---|"]
     for ell, t in times.items():
         trows.append(
-            f"| fwd+bwd ℓ={ell}, {batch.shape[0]}x{inputs.shape[1]} tokens, interleaved, median of {repeats} "
-            f"| {t[off.name] * 1e3:.1f} ms | {t[on.name] * 1e3:.1f} ms | {t[on.name] / t[off.name]:.3f} "
-            f"| {fastest[ell][on.name] / fastest[ell][off.name]:.3f} |"
+            f"| fwd+bwd ℓ={ell}, {batch.shape[0]}x{inputs.shape[1]} tokens, median of {repeats} "
+            f"| {t[off.name] * 1e3:.1f} ms | {t[on.name] * 1e3:.1f} ms | {paired[ell]:.3f} |"
         )
     trows.append(
         f"| training, s/step over the whole run (separate runs) | {off.seconds_per_step:.3f} s | "
-        f"{on.seconds_per_step:.3f} s | {on.seconds_per_step / off.seconds_per_step:.3f} (means) | – |"
+        f"{on.seconds_per_step:.3f} s | {on.seconds_per_step / off.seconds_per_step:.3f} (ratio of means) |"
     )
-    ratio = times[max_loops][on.name] / times[max_loops][off.name]
+    ratio = paired[max_loops]
     reading = [
         f"Step time at ℓ = {max_loops}, measured alternately in one process: replay-on / replay-off = {ratio:.3f} "
-        f"({'faster' if ratio < 1 else 'slower'} with replay; ratio of the fastest calls "
-        f"{fastest[max_loops][on.name] / fastest[max_loops][off.name]:.3f}); at ℓ = 1 (no replayed pass) "
-        f"{times[1][on.name] / times[1][off.name]:.3f}.",
+        f"({'faster' if ratio < 1 else 'slower'} with replay); at ℓ = 1, where no pass is replayed, {paired[1]:.3f} "
+        "(the noise floor of this measurement).",
         "Held-out loss, replay-on minus replay-off: "
         + ", ".join(f"ℓ={ell} {loss[on.name][ell] - loss[off.name][ell]:+.4f}" for ell in range(1, max_loops + 1))
         + " nats.",
@@ -387,7 +398,7 @@ def route_replay(ctx: Context) -> Findings:
         axes[0].set_ylabel("held-out loss (nats/token)")
         axes[0].legend(fontsize=8)
         xs = list(times)
-        axes[1].plot(xs, [times[e][on.name] / times[e][off.name] for e in xs], marker="o")
+        axes[1].plot(xs, [paired[e] for e in xs], marker="o")
         axes[1].axhline(1.0, color="grey", lw=0.8)
         axes[1].set_xlabel("loop count ℓ")
         axes[1].set_ylabel("fwd+bwd time, replay-on / replay-off")
@@ -399,15 +410,16 @@ def route_replay(ctx: Context) -> Findings:
         reading=reading,
         numbers={
             "loss_by_loops": loss,
-            "fwd_bwd_seconds": samples,
+            "fwd_bwd_seconds": {str(ell): t for ell, t in samples.items()},
+            "fwd_bwd_paired_ratio": paired,
             "train_seconds_per_step": {r.name: r.seconds_per_step for r in (off, on)},
         },
         plot=lambda path: _figure(path, draw, panels=2),
         method=[
             "Step time: forward + backward of one micro-batch of held-out tokens with each run's final weights, "
-            "the two models alternating in this process (1 thread), median over the repeats (and the ratio of the "
-            "fastest calls, less sensitive to other load on the machine); the ratio is the "
-            "number to read (absolute times depend on the machine's load). The training s/step comes from two "
+            "the two models and the loop counts alternating in this process (1 thread); the ratio is the median over "
+            "the repeats of (replay-on call / the replay-off call just before it), the number to read "
+            "(absolute times depend on the machine's load). The training s/step comes from two "
             "separate runs and includes the optimizer; it is noisier.",
         ],
     )

@@ -530,8 +530,9 @@ EXPERIMENTS: dict[str, Experiment] = {
         Experiment(
             name="kv-cache",
             title="Last-loop vs per-loop KV cache: bytes and loss",
-            question="Caching only the last pass's keys/values divides the KV memory by ℓ; how much held-out "
-            "loss does it cost, for a fixed-depth model and for a late-switch (mixed-depth) model?",
+            question="Caching only the last pass's keys/values of the core layers cuts their KV memory by a factor "
+            "ℓ (the prelude and coda caches stay); how much held-out loss does it cost, for a fixed-depth model and "
+            "for a late-switch (mixed-depth) model?",
             analyse=kv_cache,
         ),
     )

@@ -129,9 +129,10 @@ def render(ctx: Context, findings: Findings, *, command: str, png: str) -> str:
         f"- **Held-out tokens**: the first {ctx.eval_sequences} sequences of the validation split "
         f"({ctx.eval_sequences * first.data.seq_len:,} predicted tokens, files never trained on); losses are "
         f"cross-entropy in nats/token over the real 257-token vocabulary.",
-        "- **Scale**: far smaller and shorter than a real run (hidden 64, a few hundred thousand parameters, "
-        "minutes on 2 CPU cores); differences of a few hundredths of a nat are within what another seed could "
-        "change (one seed only).",
+        "- **Scale and noise**: far smaller and shorter than a real run (hidden 64, a few hundred thousand "
+        "parameters, minutes on 2 CPU cores), one seed. Two of these jobs that differ only in their random "
+        "initialisation ended their identical first 150 steps 0.07 nats apart in training loss "
+        "(docs/results/README.md): read differences below ~0.1 nat as unresolved.",
     ]
     if ctx.quick:
         lines.append("- **--quick**: a smoke test of the pipeline (2 steps per job); the numbers mean nothing.")

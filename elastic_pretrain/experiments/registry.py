@@ -479,6 +479,8 @@ def kv_cache(ctx: Context) -> Findings:
         tables=["\n".join(rows)],
         reading=reading,
         numbers={"teacher_forced": numbers, "sequences": n, "predicted_tokens": n * (tokens.shape[1] - 1)},
+        held_out=f"the first {n} sequences of the validation split, {tokens.shape[1] - 1} positions each "
+        f"({n * (tokens.shape[1] - 1):,} predicted tokens, files never trained on)",
         plot=lambda path: _figure(path, draw),
         method=[
             f"Teacher-forced loss of the first {n} held-out sequences ({n * (tokens.shape[1] - 1):,} predicted "

@@ -126,9 +126,13 @@ def render(ctx: Context, findings: Findings, *, command: str, png: str) -> str:
         f"- **Training tokens** {', '.join(f'{t:,}' for t in tokens)} per job ({runs[0].steps} steps x "
         f"{first.train.global_batch_size} sequences x {first.data.seq_len} tokens), byte-level CPython standard "
         f"library (`data: stdlib-code`), one process (`parallel: single`).",
-        f"- **Held-out tokens**: the first {ctx.eval_sequences} sequences of the validation split "
-        f"({ctx.eval_sequences * first.data.seq_len:,} predicted tokens, files never trained on); losses are "
-        f"cross-entropy in nats/token over the real 257-token vocabulary.",
+        "- **Held-out tokens**: "
+        + (
+            findings.held_out
+            or f"the first {ctx.eval_sequences} sequences of the validation split "
+            f"({ctx.eval_sequences * first.data.seq_len:,} predicted tokens, files never trained on)"
+        )
+        + "; losses are cross-entropy in nats/token over the real 257-token vocabulary.",
         "- **Scale and noise**: far smaller and shorter than a real run (hidden 64, a few hundred thousand "
         "parameters, minutes on 2 CPU cores), one seed. Two of these jobs that differ only in their random "
         "initialisation ended their identical first 150 steps 0.07 nats apart in training loss "

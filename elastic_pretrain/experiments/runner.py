@@ -79,6 +79,7 @@ class Findings:
     numbers: dict[str, Any]
     plot: Callable[[Path], Any]
     method: list[str] = dataclasses.field(default_factory=list)  # how the numbers were measured
+    held_out: str | None = None  # replaces the report's default held-out tokens line when set
 
 
 @dataclasses.dataclass(frozen=True)

@@ -121,8 +121,13 @@ def render(ctx: Context, findings: Findings, *, command: str, png: str) -> str:
         "",
         "## Setup",
         "",
-        f"- **Seed** {', '.join(map(str, seeds))} in every job (initialisation, data order, depth draws): all jobs "
-        f"see the same training sequences in the same order.",
+        (
+            f"- **Seed** {seeds[0]} in every job (initialisation, data order, depth draws): all jobs see the same "
+            "training sequences in the same order."
+            if len(seeds) == 1
+            else f"- **Seeds** {', '.join(map(str, seeds))}, one per job (initialisation, data order, depth draws): "
+            "what this experiment varies."
+        ),
         f"- **Training tokens** {', '.join(f'{t:,}' for t in tokens)} per job ({runs[0].steps} steps x "
         f"{first.train.global_batch_size} sequences x {first.data.seq_len} tokens), byte-level CPython standard "
         f"library (`data: stdlib-code`), one process (`parallel: single`).",

@@ -90,6 +90,7 @@ class Experiment:
     title: str
     question: str  # what is compared, and what is held equal
     analyse: Callable[[Context], Findings]
+    varies: tuple[str, ...] = ()  # train.*/data.* keys its jobs may differ in (all others are shared)
 
 
 class Context:

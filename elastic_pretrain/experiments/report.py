@@ -139,9 +139,8 @@ def render(ctx: Context, findings: Findings, *, command: str, png: str) -> str:
         )
         + "; losses are cross-entropy in nats/token over the real 257-token vocabulary.",
         "- **Scale and noise**: far smaller and shorter than a real run (hidden 64, a few hundred thousand "
-        "parameters, minutes on 2 CPU cores), one seed. Two of these jobs that differ only in their random "
-        "initialisation ended their identical first 150 steps 0.07 nats apart in training loss "
-        "(docs/results/README.md): read differences below ~0.1 nat as unresolved.",
+        "parameters, minutes on 2 CPU cores), one seed per job. How far the same job lands with other seeds, per "
+        "ℓ: [seed-noise.md](seed-noise.md).",
     ]
     if ctx.quick:
         lines.append("- **--quick**: a smoke test of the pipeline (2 steps per job); the numbers mean nothing.")

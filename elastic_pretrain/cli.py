@@ -21,6 +21,7 @@ COMMAND_MODULES = (
     "elastic_pretrain.tracking.commands",
     "elastic_pretrain.launch.commands",
     "elastic_pretrain.eval.commands",
+    "elastic_pretrain.experiments.commands",
 )
 
 

@@ -1,0 +1,228 @@
+"""Run an experiment: train (or reuse) each job of its set, evaluate, write ``docs/results/<name>.md``.
+
+An experiment is a job set ``jobs/experiments/<name>/*.yaml`` (single-process jobs, the same data,
+tokens and seed) plus an analysis in :mod:`elastic_pretrain.experiments.registry`. Every job trains in
+this process, one after the other, into ``<runs>/<name>/<job>``. A finished run is **reused** when its
+resolved config (``config.yaml``, name and run directory left out) equals the job's — also a run of
+another experiment with the same config (e.g. the late-switch job that three experiments share) — so a
+rerun that changes nothing only evaluates. A run whose config changed is deleted and trained again; an
+unfinished run with the same config resumes from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import yaml
+
+from elastic_pretrain.config import ConfigError, flatten, to_dict
+from elastic_pretrain.errors import UserError
+from elastic_pretrain.job import JobConfig, dump_job, load_job
+
+if TYPE_CHECKING:
+    import torch
+
+    from elastic_pretrain.model.looped import LoopedMoEModel
+
+log = logging.getLogger(__name__)
+
+JOBS_DIR = Path("jobs/experiments")
+# What --quick changes in every job: a couple of steps, tiny evaluations (a smoke test of the pipeline).
+QUICK_OVERRIDES = (
+    "train.steps=2",
+    "train.warmup_steps=1",
+    "train.log_interval=1",
+    "train.routing_interval=1",
+    "train.eval_sequences=4",
+)
+# Keys that name a run rather than define it (left out of the reuse fingerprint and of the job diff).
+_NAMING_KEYS = ("name", "run_dir")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One trained job of an experiment."""
+
+    name: str  # the job file's stem
+    job: JobConfig
+    job_path: Path
+    run_dir: Path
+    summary: dict[str, Any]
+    status: Literal["trained", "resumed", "reused"]
+
+    @property
+    def steps(self) -> int:
+        return int(self.summary["steps"])
+
+    @property
+    def tokens(self) -> int:
+        return int(self.summary["tokens"])
+
+    @property
+    def seconds_per_step(self) -> float:
+        return float(self.summary["elapsed_s"]) / max(1, self.steps)
+
+
+@dataclasses.dataclass
+class Findings:
+    """What an analysis hands back: markdown tables, plot, a factual reading, the raw numbers."""
+
+    tables: list[str]
+    reading: list[str]
+    numbers: dict[str, Any]
+    plot: Callable[[Path], Any]
+    method: list[str] = dataclasses.field(default_factory=list)  # how the numbers were measured
+    held_out: str | None = None  # replaces the report's default held-out tokens line when set
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """A registered experiment: its job set is ``jobs/experiments/<name>/``; ``analyse`` evaluates the runs."""
+
+    name: str
+    title: str
+    question: str  # what is compared, and what is held equal
+    analyse: Callable[[Context], Findings]
+    varies: tuple[str, ...] = ()  # train.*/data.* keys its jobs may differ in (all others are shared)
+
+
+class Context:
+    """What an analysis sees: the runs (in job-file order), loaded models, held-out tokens, quick mode."""
+
+    def __init__(self, experiment: Experiment, runs: list[Run], *, quick: bool) -> None:
+        self.experiment, self.runs, self.quick = experiment, runs, quick
+        self.by_name = {r.name: r for r in runs}
+        self._models: dict[str, LoopedMoEModel] = {}
+        self._tokens: dict[int, torch.Tensor] = {}
+
+    @property
+    def eval_sequences(self) -> int:
+        """Held-out sequences every loss in a report is measured on (the first N of the val split)."""
+        return 4 if self.quick else 128
+
+    def run(self, name: str) -> Run:
+        if name not in self.by_name:
+            raise ConfigError(
+                f"experiment {self.experiment.name}: no job '{name}' in {JOBS_DIR / self.experiment.name}/ "
+                f"(found: {', '.join(self.by_name)})"
+            )
+        return self.by_name[name]
+
+    def model(self, name: str) -> LoopedMoEModel:
+        """The run's final checkpoint as a one-process model in eval mode (cached)."""
+        forget_moe_aux_losses()  # the model asked for may have another number of layers than the last one
+        if name not in self._models:
+            from elastic_pretrain.eval.commands import load_model
+
+            self._models[name] = load_model(self.run(name).run_dir)[1]
+        return self._models[name]
+
+    def val_tokens(self, n: int | None = None) -> torch.Tensor:
+        """The first ``n`` held-out sequences (default :attr:`eval_sequences`) of the first job's data."""
+        from elastic_pretrain.data.loader import load_validation
+
+        n = n or self.eval_sequences
+        if n not in self._tokens:
+            self._tokens[n] = load_validation(self.runs[0].job.data, num_sequences=n)
+        return self._tokens[n]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Job sets and reuse
+def job_paths(name: str, jobs_dir: Path = JOBS_DIR) -> list[Path]:
+    paths = sorted((jobs_dir / name).glob("*.yaml"))
+    if not paths:
+        raise UserError(f"experiment {name}: no job files in {jobs_dir / name}/ (run from the repository root)")
+    return paths
+
+
+def load_jobs(
+    name: str, runs_root: Path, overrides: list[str], jobs_dir: Path = JOBS_DIR
+) -> list[tuple[Path, JobConfig]]:
+    """Every job of the set with the overrides applied, its run directory under ``runs_root/<name>/``."""
+    jobs = []
+    for path in job_paths(name, jobs_dir):
+        job = load_job(path, [*overrides, f"run_dir={runs_root / name / path.stem}", f"name={name}-{path.stem}"])
+        if job.parallel.tensor * job.parallel.expert * job.parallel.pipeline != 1:
+            raise ConfigError(f"{path}: experiments train in one process; set 'parallel: single'")
+        jobs.append((path, job))
+    return jobs
+
+
+def fingerprint(config: dict[str, Any]) -> str:
+    """The config that defines a run, as canonical JSON (naming keys left out)."""
+    kept = {k: v for k, v in config.items() if k not in _NAMING_KEYS}
+    return json.dumps(kept, sort_keys=True)
+
+
+def job_fingerprint(job: JobConfig) -> str:
+    return fingerprint(yaml.safe_load(dump_job(job)))  # through YAML: what config.yaml holds
+
+
+def run_fingerprint(run_dir: Path) -> str | None:
+    path = run_dir / "config.yaml"
+    return fingerprint(yaml.safe_load(path.read_text())) if path.is_file() else None
+
+
+def is_finished(run_dir: Path) -> bool:
+    return (run_dir / "FINISHED").is_file() and (run_dir / "summary.json").is_file()
+
+
+def find_reusable(job: JobConfig, runs_root: Path) -> Path | None:
+    """A finished run with this job's config: its own run directory first, then any experiment's."""
+    want = job_fingerprint(job)
+    candidates = [job.run_path, *sorted(p.parent for p in runs_root.glob("*/*/config.yaml"))]
+    for run_dir in candidates:
+        if is_finished(run_dir) and run_fingerprint(run_dir) == want:
+            return run_dir
+    return None
+
+
+def ensure_trained(path: Path, job: JobConfig, runs_root: Path) -> Run:
+    """Reuse a finished run with the same config, else train this job here (resuming its own
+    unfinished run of the same config; a run directory holding another config is deleted first)."""
+    from elastic_pretrain.train.trainer import train
+
+    found = find_reusable(job, runs_root)
+    status: Literal["trained", "resumed", "reused"] = "reused"
+    if found is None:
+        own = job.run_path
+        status = "trained"
+        if own.exists():
+            if run_fingerprint(own) == job_fingerprint(job):
+                status = "resumed"
+            else:
+                log.info("%s: config changed, training again from scratch", own)
+                shutil.rmtree(own)
+        t0 = time.perf_counter()
+        forget_moe_aux_losses()
+        if train(job) is None:
+            raise UserError(f"{path.stem}: training stopped before the end; rerun the experiment to continue it")
+        print(f"{path.stem}: {status} in {time.perf_counter() - t0:.0f}s -> {own}", flush=True)
+        found = own
+    else:
+        print(f"{path.stem}: reused {found} (same config)", flush=True)
+    summary = json.loads((found / "summary.json").read_text())
+    return Run(name=path.stem, job=job, job_path=path, run_dir=found, summary=summary, status=status)
+
+
+def forget_moe_aux_losses() -> None:
+    """Empty megatron-core's process-global MoE aux-loss tracker. It sizes its per-layer buffers on first
+    use, so the next model in this process with more layers would index past them."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    get_moe_layer_wise_logging_tracker().clear()
+
+
+def job_diff(jobs: list[JobConfig]) -> list[str]:
+    """Dotted config keys whose values differ between the jobs (naming keys left out)."""
+    flat = [flatten(to_dict(j)) for j in jobs]
+    keys = sorted({k for f in flat for k in f} - set(_NAMING_KEYS))
+    return [k for k in keys if len({json.dumps(f.get(k), sort_keys=True) for f in flat}) > 1]

@@ -34,8 +34,9 @@ class RoutingProbe:
         self._where: tuple[int, int] | None = None
         self._handles: list[Any] = []
 
-    def attach(self, routers: list[torch.nn.Module]) -> None:
-        for layer, router in enumerate(routers):
+    def attach(self, routers: list[torch.nn.Module], *, first: int = 0) -> None:
+        """Observe ``routers`` as core layers ``first, first+1, …`` (a pipeline stage holds a range)."""
+        for layer, router in enumerate(routers, start=first):
             self._handles.append(router.register_forward_hook(self._hook(layer, router)))
 
     def detach(self) -> None:

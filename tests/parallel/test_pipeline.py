@@ -9,13 +9,13 @@ losses — sums are reassociated across ranks, nothing else differs.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from tests.conftest import REPO, torchrun
 
 SCRIPT = REPO / "tests" / "dist" / "pipeline_parity.py"
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +29,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict]]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["fixed", "mixed"])
 @pytest.mark.parametrize(("layout", "ranks"), [("pp2", 2), ("pp2ep2", 4)])
 def test_pipeline_matches_one_process(results: dict[str, list[dict]], layout: str, case: str, ranks: int) -> None:
@@ -52,3 +53,29 @@ def test_pipeline_matches_one_process(results: dict[str, list[dict]], layout: st
     if layout == "pp2ep2":  # experts are split over EP: the union over the stage's ranks is the model
         union = sorted({n for r in found for n in r["names"]})
         assert union == found[0]["ref_names"]
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ({"core_layers": 2, "flatten": 2}, "parallel.pipeline=2 must divide the core layers built (1"),
+        ({"core_layers": 2, "tie_embeddings": True}, "model.tie_embeddings is not supported with parallel.pipeline"),
+    ],
+)
+def test_pipeline_refuses_a_model_it_cannot_split(model: dict, message: str) -> None:
+    from elastic_pretrain.config import ConfigError
+    from elastic_pretrain.model.config import ModelConfig
+    from elastic_pretrain.parallel.megatron import check_pipeline
+    from elastic_pretrain.parallel.mesh import ParallelConfig
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_pipeline(ModelConfig(**model), ParallelConfig(pipeline=2))
+
+
+def test_pipeline_needs_a_micro_batch_per_stage() -> None:
+    from elastic_pretrain.config import ConfigError
+    from elastic_pretrain.parallel.pipeline import check_micro_batches
+
+    check_micro_batches(2, 2)
+    with pytest.raises(ConfigError, match=re.escape("raise train.global_batch_size")):
+        check_micro_batches(1, 2)

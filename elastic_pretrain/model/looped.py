@@ -298,7 +298,7 @@ class LoopedMoEModel(LanguageModule):
         if self.loop_conditioning is not None and self.conditioning_active:
             h_TBD = h_TBD + self.loop_conditioning(loops, j).to(h_TBD.dtype)
         if self.routing_probe is not None:
-            self.routing_probe.at(j)
+            self.routing_probe.at(j, key)
         for core in self.core:
             h_TBD = core(h_TBD, pass_idx=j, rotary_pos_emb=rope, replay=self.cfg.route_replay, replay_key=key)
         return h_TBD

@@ -12,8 +12,9 @@ one launch (each phase opens its own process group from a file store, as in ckpt
 weights depend on the pipeline layout. What must not depend on it is everything after a checkpoint.)
 
 The job: the tiny CPU job with 2 core layers x 3 passes, route replay and the loop-conditioning head,
-independent-rank mixed depth from step 2 (ℓ per micro-batch), an evaluation at every loop count at the
-end. Each phase leaves its run directory under OUT_DIR/<phase> (summary.json, checkpoints).
+independent-rank mixed depth from step 2 (ℓ per micro-batch), routing health probed at steps 3 and 6,
+an evaluation at every loop count at the end. Each phase leaves its run directory under OUT_DIR/<phase>
+(summary.json, checkpoints).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ COMMON = [
     "train.warmup_steps=1",
     "train.log_interval=1",
     "train.eval_interval=0",
+    "train.routing_interval=3",
     "train.eval_sequences=8",
     "train.threads_per_rank=1",
     "schedule.switch_at=0.3",

@@ -58,6 +58,11 @@ def test_resume_at_another_pipeline_layout_continues_the_run(runs: Path, resumed
     assert got["val_loss_by_loops"].keys() == want["val_loss_by_loops"].keys() == {"1", "2", "3"}
     for k, v in want["val_loss_by_loops"].items():
         assert got["val_loss_by_loops"][k] == pytest.approx(v, rel=1e-6)
+    # routing health of the last step, per (core layer, pass), from every stage
+    assert got["routing"].keys() == want["routing"].keys() == {f"{i}/{j}" for i in range(2) for j in range(3)}
+    for where, stats in want["routing"].items():
+        for stat, v in stats.items():
+            assert got["routing"][where][stat] == pytest.approx(v, rel=1e-5, abs=1e-7), (where, stat)
     # the final checkpoints hold the same model and optimizer state under the same keys
     a = _tensors(runs / resumed / "checkpoints" / "step_6", runs / f"{resumed}.pt")
     b = _tensors(runs / uninterrupted / "checkpoints" / "step_6", runs / f"{uninterrupted}.pt")

@@ -35,6 +35,9 @@ class PassChunk(torch.nn.Module):
     activation received from the previous stage through :meth:`set_input_tensor`.
     """
 
+    ddp: DistributedDataParallel
+    net: LoopedMoEModel
+
     def __init__(
         self, ddp: DistributedDataParallel, net: LoopedMoEModel, pass_idx: int, config: TransformerConfig
     ) -> None:
@@ -94,11 +97,13 @@ class Pipeline:
         )
 
 
-def check_micro_batches(n: int, stages: int) -> None:
+def check_micro_batches(
+    n: int, stages: int, fix: str = "raise train.global_batch_size (or lower train.micro_batch_size)"
+) -> None:
+    """The pipeline schedule needs at least one micro-batch per stage."""
     if n < stages:
         raise ConfigError(
-            f"parallel.pipeline={stages} needs at least {stages} micro-batches per step and replica, got {n}: "
-            "raise train.global_batch_size (or lower train.micro_batch_size)"
+            f"parallel.pipeline={stages} needs at least {stages} micro-batches per step and replica, got {n}: {fix}"
         )
 
 

@@ -107,7 +107,8 @@ def build_session(job: JobConfig, mesh: Mesh) -> Session:
     rows = (val_all.shape[0] // mesh.dp_size) * mesh.dp_size  # equal share per replica (EP all-to-alls pair up)
     if pipeline is not None:  # the pipeline's activations have one shape: whole micro-batches only
         rows = (rows // (mesh.dp_size * job.train.micro_batch_size)) * mesh.dp_size * job.train.micro_batch_size
-        check_micro_batches(rows // (mesh.dp_size * job.train.micro_batch_size), job.parallel.pipeline)
+        check_micro_batches(rows // (mesh.dp_size * job.train.micro_batch_size), job.parallel.pipeline,
+                            "validation runs through the pipeline too: raise train.eval_sequences")
     val_tokens = val_all[:rows][mesh.dp_rank :: mesh.dp_size].contiguous()
     controller = ScheduleController(job.schedule, max_loops=job.model.max_loops,
                                     total_tokens=job.train.steps * job.tokens_per_step, seed=job.train.seed)

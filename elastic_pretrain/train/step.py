@@ -221,7 +221,9 @@ def evaluate(model: torch.nn.Module, tokens_NT1: torch.Tensor, *, loops: list[in
     caller splits them evenly), so the MoE all-to-alls of an expert-parallel group pair up.
     """
     model.eval()
-    runs = [(ell, (ell,)) for ell in loops] if separate_runs else [(max(loops), tuple(loops))]
+    runs: list[tuple[int, tuple[int, ...]]] = (
+        [(ell, (ell,)) for ell in loops] if separate_runs else [(max(loops), tuple(loops))]
+    )
     if pipeline is not None:
         sums, count = _evaluate_pipeline(pipeline, tokens_NT1, runs, loops, batch_size)
     else:

@@ -60,6 +60,11 @@ class JobConfig:
             raise ConfigError(
                 f"decider: the base model runs L_max = {self.model.max_loops} pass; a decider needs L_max >= 2"
             )
+        if self.decider is not None and self.parallel.pipeline > 1:
+            raise ConfigError(
+                f"decider: a decider job runs without pipeline parallelism (parallel.pipeline="
+                f"{self.parallel.pipeline}): use a parallel preset with pipeline: 1 (checkpoints load at any layout)"
+            )
 
     def check_vocab(self, tokenizer_vocab: int) -> None:
         if tokenizer_vocab > self.model.vocab_size:

@@ -18,7 +18,22 @@ from megatron.core.transformer.utils import sharded_state_dict_default
 
 
 class LayerList(torch.nn.ModuleList):
-    """``torch.nn.ModuleList`` + megatron ``sharded_state_dict`` (same state-dict keys)."""
+    """``torch.nn.ModuleList`` + megatron ``sharded_state_dict`` (same state-dict keys).
+
+    ``start``: the global index of the first element. A pipeline stage holds layers
+    ``start .. start+len-1`` of the whole model and keys them by their global index (``core.2.…``), so
+    a checkpoint's keys do not depend on the pipeline layout. Positional indexing stays local.
+    """
+
+    def __init__(self, modules: list[torch.nn.Module] | None = None, *, start: int = 0) -> None:
+        super().__init__()
+        for i, module in enumerate(modules or []):
+            self.add_module(str(start + i), module)
+
+    def __getitem__(self, idx: Any) -> Any:
+        if isinstance(idx, slice):
+            return LayerList(list(self._modules.values())[idx])
+        return list(self._modules.values())[idx]
 
     def sharded_state_dict(
         self,

@@ -13,7 +13,7 @@ process-group code: it receives a megatron ``TransformerConfig`` built by ``para
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -66,6 +66,7 @@ class CoreLayer(MegatronModule):
         layers += [build_module(attention_only(spec), config=config, layer_number=layer_number)
                    for _ in range(n_attn - 1)]
         self.passes = LayerList(layers)
+        self.pass0_routes: dict[Hashable, Tensor] = {}  # route replay: pass-0 top-k experts per micro-batch
 
     @property
     def full_layer(self) -> Any:
@@ -79,25 +80,34 @@ class CoreLayer(MegatronModule):
     def attention_for(self, pass_idx: int) -> Any:
         return self.passes[min(pass_idx, len(self.passes) - 1)]
 
-    def forward(self, h_TBD: Tensor, *, pass_idx: int, rotary_pos_emb: Tensor | None, replay: bool = False) -> Tensor:
+    def forward(self, h_TBD: Tensor, *, pass_idx: int, rotary_pos_emb: Tensor | None, replay: bool = False,
+                replay_key: Hashable = None) -> Tensor:
+        """Pass ``pass_idx``: its own attention, then the shared MLP.
+
+        ``replay_key`` names the micro-batch whose pass-0 routes a later pass replays. Without pipeline
+        parallelism passes run in order and one key suffices; the interleaved pipeline schedule runs
+        pass 0 of micro-batch m+1 before pass 1 of micro-batch m, so there each micro-batch has its own.
+        """
         h_TBD, _ = self.attention_for(pass_idx)._forward_attention(
             h_TBD, attention_mask=None, rotary_pos_emb=rotary_pos_emb
         )
         router = getattr(self.shared_mlp, "router", None)
-        rr = getattr(router, "router_replay", None)
-        if replay and rr is not None:
+        rr = getattr(router, "router_replay", None) if replay else None
+        if rr is not None:
             # Route replay (ELR): pass 0 records its top-k experts, later passes reuse them; the gate
             # weights are still a softmax of the live logits at those experts, so routers learn.
             if pass_idx == 0:
                 rr.clear_indices()
                 rr.set_router_replay_action(RouterReplayAction.RECORD)
             else:
-                rr.target_topk_idx = rr.recorded_topk_idx  # not set_target_indices: no backward list
+                rr.target_topk_idx = self.pass0_routes[replay_key]  # not set_target_indices: no backward list
                 rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         try:
             return self.full_layer._forward_mlp(h_TBD)
         finally:
             if rr is not None:
+                if pass_idx == 0:
+                    self.pass0_routes[replay_key] = rr.recorded_topk_idx
                 rr.clear_router_replay_action()
 
     def ghost_pass(self, like_TBD: Tensor) -> Tensor:
@@ -147,41 +157,56 @@ class LoopConditioning(MegatronModule):
 
 
 class LoopedMoEModel(LanguageModule):
-    """Embedding → prelude → core × ℓ → coda → norm → output layer (vocab-parallel)."""
+    """Embedding → prelude → core × ℓ → coda → norm → output layer (vocab-parallel).
+
+    ``stage``/``stages``: the part one pipeline stage holds (docs/parallelism.md) — core layers
+    ``[stage·k/P, (stage+1)·k/P)`` with every pass's attention and their shared MLPs; embedding, prelude
+    and loop conditioning on the first stage; coda, final norm and output layer on the last. Parameters
+    keep their global names (``core.<global index>.…``), so checkpoints do not depend on the layout.
+    """
 
     def __init__(self, cfg: ModelConfig, config: TransformerConfig, specs: LayerSpecs, *, padded_vocab: int,
-                 decider: DeciderConfig | None = None) -> None:
+                 stage: int = 0, stages: int = 1, decider: DeciderConfig | None = None) -> None:
         super().__init__(config=config)
         self.cfg = cfg
         self.padded_vocab = padded_vocab
         self.share_embeddings_and_output_weights = cfg.tie_embeddings
-        self.pre_process = self.post_process = True
+        self.stage, self.stages = stage, stages
+        self.pre_process, self.post_process = stage == 0, stage == stages - 1
         self.set_vocab_shard(0, padded_vocab)  # single-rank default; build_model sets this rank's slice
         self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
-        self.embedding = LanguageModelEmbedding(
-            config=config, vocab_size=padded_vocab, max_sequence_length=0, position_embedding_type="rope",
-            scatter_to_sequence_parallel=True,
-        )
+        if self.pre_process:
+            self.embedding = LanguageModelEmbedding(
+                config=config, vocab_size=padded_vocab, max_sequence_length=0, position_embedding_type="rope",
+                scatter_to_sequence_parallel=True,
+            )
         self.rotary_pos_emb = RotaryEmbedding(
             kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=cfg.rope_base,
             use_cpu_initialization=config.use_cpu_initialization,
         )
         edge = specs.moe if cfg.edge_mlp == "moe" else specs.dense
-        number = iter(range(1, cfg.num_unique_layers + 1))
+        per_stage = cfg.core_layers_built // stages
+        first_core = stage * per_stage
+        core_number = cfg.prelude_layers + first_core + 1  # megatron layer numbers are global and 1-based
+        coda_number = cfg.prelude_layers + cfg.core_layers_built + 1
         self.prelude = LayerList(
-            [build_module(edge, config=config, layer_number=next(number)) for _ in range(cfg.prelude_layers)]
+            [build_module(edge, config=config, layer_number=1 + i) for i in range(cfg.prelude_layers)]
+            if self.pre_process else []
         )
         self.core = LayerList(
             [
-                CoreLayer(config, specs.moe, layer_number=next(number), num_passes=cfg.max_loops,
+                CoreLayer(config, specs.moe, layer_number=core_number + i, num_passes=cfg.max_loops,
                           tied_attention=cfg.attention == "tied")
-                for _ in range(cfg.core_layers_built)
-            ]
+                for i in range(per_stage)
+            ],
+            start=first_core,
         )
         self.coda = LayerList(
-            [build_module(edge, config=config, layer_number=next(number)) for _ in range(cfg.coda_layers)]
+            [build_module(edge, config=config, layer_number=coda_number + i) for i in range(cfg.coda_layers)]
+            if self.post_process else []
         )
-        self.loop_conditioning = LoopConditioning(config, cfg.max_loops) if cfg.loop_conditioning else None
+        with_conditioning = cfg.loop_conditioning and self.pre_process
+        self.loop_conditioning = LoopConditioning(config, cfg.max_loops) if with_conditioning else None
         self.conditioning_active = False  # switched on by the schedule controller (mixed phase)
         # TaH2 iteration decider (a decider job): a submodule, so DDP, the optimizer and checkpoints
         # treat it like any parameter. Replicated over TP; under sequence parallelism each TP rank sees
@@ -192,13 +217,14 @@ class LoopedMoEModel(LanguageModule):
             for p in self.decider.parameters():
                 p.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
         self.routing_probe: RoutingProbe | None = None
-        norm_spec = specs.dense.submodules.input_layernorm
-        self.final_layernorm = build_module(norm_spec, config=config, hidden_size=config.hidden_size,
-                                            eps=config.layernorm_epsilon)
-        self.output_layer = tensor_parallel.ColumnParallelLinear(
-            config.hidden_size, padded_vocab, config=config, init_method=config.init_method, bias=False,
-            skip_bias_add=False, gather_output=False, skip_weight_param_allocation=cfg.tie_embeddings,
-        )
+        if self.post_process:
+            norm_spec = specs.dense.submodules.input_layernorm
+            self.final_layernorm = build_module(norm_spec, config=config, hidden_size=config.hidden_size,
+                                                eps=config.layernorm_epsilon)
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size, padded_vocab, config=config, init_method=config.init_method, bias=False,
+                skip_bias_add=False, gather_output=False, skip_weight_param_allocation=cfg.tie_embeddings,
+            )
         if cfg.tie_embeddings:
             self.setup_embeddings_and_output_layer()
 
@@ -211,8 +237,10 @@ class LoopedMoEModel(LanguageModule):
 
     def start_routing_probe(self) -> RoutingProbe:
         """Collect routing health during the next forward passes (until :meth:`stop_routing_probe`)."""
-        self.routing_probe = RoutingProbe(len(self.core), self.cfg.max_loops, self.cfg.moe_top_k)
-        self.routing_probe.attach([core.shared_mlp.router for core in self.core_layers()])
+        # rows are global core-layer indices: a pipeline stage fills its own, a sum over stages fills all
+        self.routing_probe = RoutingProbe(self.cfg.core_layers_built, self.cfg.max_loops, self.cfg.moe_top_k)
+        first = self.stage * (self.cfg.core_layers_built // self.stages)
+        self.routing_probe.attach([core.shared_mlp.router for core in self.core_layers()], first=first)
         return self.routing_probe
 
     def stop_routing_probe(self) -> RoutingProbe | None:
@@ -234,32 +262,71 @@ class LoopedMoEModel(LanguageModule):
         """
         self.cfg.check_loops(loops)
         rope = self.rotary_pos_emb(input_ids_BT.shape[1])
-        h_TBD = self.embedding(input_ids=input_ids_BT, position_ids=None)
-        if keep is not None:
-            keep.append(h_TBD)
-        for layer in self.prelude:
-            h_TBD, _ = layer(h_TBD, attention_mask=None, rotary_pos_emb=rope)
+        h_TBD = self._embed(input_ids_BT, rope, keep)
         out: dict[int, Tensor] = {}
-        conditioning = self.loop_conditioning if self.conditioning_active else None
         for j in range(loops):
-            if conditioning is not None:
-                h_TBD = h_TBD + conditioning(loops, j).to(h_TBD.dtype)
-            if self.routing_probe is not None:
-                self.routing_probe.at(j)
-            for core in self.core:
-                h_TBD = core(h_TBD, pass_idx=j, rotary_pos_emb=rope, replay=self.cfg.route_replay)
+            h_TBD = self._core_pass(h_TBD, j, loops, rope)
             if keep is not None:
                 keep.append(h_TBD)
             if j + 1 in exits:
                 out[j + 1] = self._head_states(h_TBD, rope)
         ghost = None
+        for _ in range(loops, sync_loops or loops):
+            g = self._ghost_pass(h_TBD)
+            ghost = g if ghost is None else ghost + g
+        return out, ghost
+
+    def run_chunk(self, h_TBD: Tensor | None, input_ids_BT: Tensor, *, pass_idx: int, loops: int, sync_loops: int,
+                  key: Hashable) -> Tensor:
+        """Virtual pipeline chunk ``pass_idx`` of this stage, for a micro-batch that runs ℓ = ``loops``.
+
+        ``h_TBD`` is None on the first chunk of the first stage (embedding and prelude run first).
+        Pass j < ℓ runs this stage's core layers; ℓ <= j < ``sync_loops`` joins each core layer's
+        MoE call as a ghost (see :meth:`run_loops`); later chunks forward the activation unchanged.
+        ``key`` names the micro-batch (route replay; the schedule interleaves micro-batches).
+        """
+        rope = self.rotary_pos_emb(input_ids_BT.shape[1])
+        if h_TBD is None:
+            h_TBD = self._embed(input_ids_BT, rope)
+        if pass_idx < loops:
+            return self._core_pass(h_TBD, pass_idx, loops, rope, key)
+        if pass_idx < sync_loops:
+            return h_TBD + 0.0 * self._ghost_pass(h_TBD)  # keeps the ghost's backward all-to-alls in the graph
+        return h_TBD.view_as(h_TBD)  # identity chunk: no compute, the activation moves on
+
+    def head_losses(self, h_TBD: Tensor, input_ids_BT: Tensor, labels_BT: Tensor) -> Tensor:
+        """Per-token CE ``[B, T]`` of hidden states that finished their passes (last stage only)."""
+        rope = self.rotary_pos_emb(input_ids_BT.shape[1])
+        return self.compute_language_model_loss(labels_BT, self.logits(self._head_states(h_TBD, rope)))
+
+    def _embed(self, input_ids_BT: Tensor, rope: Tensor, keep: list[Tensor] | None = None) -> Tensor:
+        h_TBD = self.embedding(input_ids=input_ids_BT, position_ids=None)
+        if keep is not None:  # the decider reads the token embedding
+            keep.append(h_TBD)
+        for layer in self.prelude:
+            h_TBD, _ = layer(h_TBD, attention_mask=None, rotary_pos_emb=rope)
+        return h_TBD
+
+    def _core_pass(self, h_TBD: Tensor, j: int, loops: int, rope: Tensor, key: Hashable = None) -> Tensor:
+        """Pass j of a micro-batch that runs ℓ = ``loops`` through this stage's core layers."""
+        if self.loop_conditioning is not None and self.conditioning_active:
+            h_TBD = h_TBD + self.loop_conditioning(loops, j).to(h_TBD.dtype)
+        if self.routing_probe is not None:
+            self.routing_probe.at(j, key)
+        for core in self.core:
+            h_TBD = core(h_TBD, pass_idx=j, rotary_pos_emb=rope, replay=self.cfg.route_replay, replay_key=key)
+        return h_TBD
+
+    def _ghost_pass(self, like_TBD: Tensor) -> Tensor:
+        """One ghost MoE call per core layer of this stage; the sum of their (zero) outputs."""
         if self.routing_probe is not None:
             self.routing_probe.at(None)
-        for _ in range(loops, sync_loops or loops):
-            for core in self.core_layers():
-                g = core.ghost_pass(h_TBD)
-                ghost = g if ghost is None else ghost + g
-        return out, ghost
+        ghost = None
+        for core in self.core_layers():
+            g = core.ghost_pass(like_TBD)
+            ghost = g if ghost is None else ghost + g
+        assert ghost is not None
+        return ghost
 
     def _head_states(self, h_TBD: Tensor, rope: Tensor) -> Tensor:
         for layer in self.coda:

@@ -16,6 +16,7 @@ Shapes: ``S`` = number of statistics, ``K`` core layers, ``L`` passes, ``N`` tok
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -30,12 +31,13 @@ class RoutingProbe:
         self.top_k = top_k
         self.sums_KLS = torch.zeros(num_layers, max_loops, len(STATS), dtype=torch.float64)
         self.counts_KL = torch.zeros(num_layers, max_loops, dtype=torch.float64)
-        self._pass0_topk: dict[int, torch.Tensor] = {}
-        self._where: tuple[int, int] | None = None
+        self._pass0_topk: dict[tuple[int, Hashable], torch.Tensor] = {}
+        self._where: tuple[Hashable, int] | None = None
         self._handles: list[Any] = []
 
-    def attach(self, routers: list[torch.nn.Module]) -> None:
-        for layer, router in enumerate(routers):
+    def attach(self, routers: list[torch.nn.Module], *, first: int = 0) -> None:
+        """Observe ``routers`` as core layers ``first, first+1, …`` (a pipeline stage holds a range)."""
+        for layer, router in enumerate(routers, start=first):
             self._handles.append(router.register_forward_hook(self._hook(layer, router)))
 
     def detach(self) -> None:
@@ -43,9 +45,11 @@ class RoutingProbe:
             handle.remove()
         self._handles.clear()
 
-    def at(self, pass_idx: int | None) -> None:
-        """The pass the next router calls belong to (None: ghost calls, not observed)."""
-        self._where = None if pass_idx is None else (-1, pass_idx)
+    def at(self, pass_idx: int | None, key: Hashable = None) -> None:
+        """The pass the next router calls belong to (None: ghost calls, not observed), and the micro-batch
+        (``key``: the pipeline schedule interleaves micro-batches, and overlap compares with pass 0 of
+        the same one)."""
+        self._where = None if pass_idx is None else (key, pass_idx)
 
     def _hook(self, layer: int, router: Any) -> Any:
         def hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -54,11 +58,11 @@ class RoutingProbe:
             x = args[0]
             with torch.no_grad():
                 logits_NE = router.gating(x.reshape(-1, x.shape[-1]).detach()).float()
-                self.observe(layer, self._where[1], logits_NE)
+                self.observe(layer, self._where[1], logits_NE, key=self._where[0])
 
         return hook
 
-    def observe(self, layer: int, pass_idx: int, logits_NE: torch.Tensor) -> None:
+    def observe(self, layer: int, pass_idx: int, logits_NE: torch.Tensor, key: Hashable = None) -> None:
         probs_NE = torch.softmax(logits_NE, dim=-1)
         n, e = probs_NE.shape
         k = min(self.top_k, e)
@@ -69,10 +73,10 @@ class RoutingProbe:
             0, topk_NK.reshape(-1), torch.ones(topk_NK.numel(), dtype=torch.float64))
         mean_load = load_E.mean()
         if pass_idx == 0:
-            self._pass0_topk[layer] = topk_NK
+            self._pass0_topk[(layer, key)] = topk_NK
             overlap = torch.ones(())
         else:
-            ref = self._pass0_topk.get(layer)
+            ref = self._pass0_topk.get((layer, key))
             overlap = _topk_overlap(topk_NK, ref) if ref is not None and ref.shape == topk_NK.shape else torch.ones(())
         entropy = -(probs_NE * probs_NE.clamp_min(1e-12).log()).sum(-1)
         values = torch.stack([

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from elastic_pretrain.config import ConfigError
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.model.decider import DeciderConfig
 from elastic_pretrain.model.looped import LayerSpecs, LoopedMoEModel
@@ -66,7 +67,9 @@ def transformer_config(
         bf16=model.dtype == "bf16",
         pipeline_dtype=dtype,
         tensor_model_parallel_size=parallel.tensor,
-        pipeline_model_parallel_size=parallel.pipeline,
+        # The model's layers are placed on pipeline stages by LoopedMoEModel itself (global layer numbers);
+        # megatron would add a per-stage layer offset. The schedule gets its own config (parallel/pipeline.py).
+        pipeline_model_parallel_size=1,
         expert_model_parallel_size=parallel.expert,
         expert_tensor_parallel_size=1,
         sequence_parallel=parallel.use_sequence_parallel(),
@@ -109,13 +112,18 @@ def layer_specs(model: ModelConfig) -> LayerSpecs:
 def build_model(
     model: ModelConfig, parallel: ParallelConfig, *, decider: DeciderConfig | None = None, **kwargs: Any
 ) -> LoopedMoEModel:
-    """Build the looped model for the current process's place in the (already initialised) mesh
-    (with an iteration decider submodule when ``decider`` is given: a decider job or its checkpoints)."""
-    tconfig = transformer_config(model, parallel, **kwargs)
-    net = LoopedMoEModel(model, tconfig, layer_specs(model), decider=decider,
-                         padded_vocab=padded_vocab_size(model.vocab_size, parallel.tensor))
-    mark_tp_replicated_experts(net, parallel)
+    """Build the looped model (this pipeline stage's part of it) for the current process's place in the
+    (already initialised) mesh (with an iteration decider submodule when ``decider`` is given: a decider job
+    or its checkpoints)."""
     from megatron.core import parallel_state
+
+    check_pipeline(model, parallel)
+    tconfig = transformer_config(model, parallel, **kwargs)
+    net = LoopedMoEModel(model, tconfig, layer_specs(model),
+                         padded_vocab=padded_vocab_size(model.vocab_size, parallel.tensor),
+                         stage=parallel_state.get_pipeline_model_parallel_rank(), stages=parallel.pipeline,
+                         decider=decider)
+    mark_tp_replicated_experts(net, parallel)
 
     shard = net.padded_vocab // parallel.tensor
     rank = parallel_state.get_tensor_model_parallel_rank()
@@ -123,6 +131,19 @@ def build_model(
     if torch.cuda.is_available():
         net.cuda(torch.cuda.current_device())
     return net
+
+
+def check_pipeline(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """What pipeline parallelism of the loop needs from the model (docs/parallelism.md)."""
+    if parallel.pipeline == 1:
+        return
+    if model.core_layers_built % parallel.pipeline:
+        raise ConfigError(
+            f"parallel.pipeline={parallel.pipeline} must divide the core layers built ({model.core_layers_built} = "
+            "model.core_layers / model.flatten): change parallel.pipeline or model.core_layers/flatten"
+        )
+    if model.tie_embeddings:
+        raise ConfigError("model.tie_embeddings is not supported with parallel.pipeline > 1: set it to false")
 
 
 def mark_tp_replicated_experts(net: torch.nn.Module, parallel: ParallelConfig) -> None:

@@ -42,8 +42,6 @@ class ParallelConfig:
         for name in ("tensor", "expert", "pipeline"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
-        if self.pipeline > 1:
-            raise ConfigError("pipeline: pipeline parallelism of the loop is not available yet; set pipeline: 1")
 
     def model_parallel_size(self) -> int:
         return self.tensor * self.pipeline
@@ -176,17 +174,29 @@ def sequence_shard(full: torch.Tensor, local_len: int, dim: int) -> torch.Tensor
     return full.narrow(dim, rank * local_len, local_len)
 
 
+def pipeline_group() -> Any:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_pipeline_model_parallel_group()
+
+
 def expert_group_max(value: int) -> int:
     """Max of ``value`` over this rank's expert-parallel group: the loop count every member of the
     group must join MoE all-to-alls for (DESIGN §3: one all-reduce MAX of ℓ per micro-batch)."""
+    return expert_group_max_each([value])[0]
+
+
+def expert_group_max_each(values: list[int]) -> list[int]:
+    """:func:`expert_group_max` of several micro-batches in one all-reduce (the pipeline computes them
+    all before its schedule starts, so no collective runs between the schedule's p2p calls)."""
     from megatron.core import parallel_state
 
     group = parallel_state.get_expert_model_parallel_group()
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64)
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return int(t.item())
+    return [int(v) for v in t.tolist()]
 
 
 def any_rank(flag: bool) -> bool:

@@ -17,6 +17,7 @@ from elastic_pretrain.job import JobConfig
 from elastic_pretrain.model.looped import LoopedMoEModel
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import Mesh
+from elastic_pretrain.parallel.pipeline import Pipeline, check_micro_batches
 from elastic_pretrain.train.decider import DeciderStep, freeze_backbone
 from elastic_pretrain.train.schedule import ScheduleController
 from elastic_pretrain.train.step import TrainStep
@@ -35,6 +36,7 @@ class Session:
     val_tokens: torch.Tensor
     controller: ScheduleController
     step: TrainStep
+    pipeline: Pipeline | None = None  # parallel.pipeline > 1: the loop's passes as virtual pipeline chunks
 
     def on_switch_to_mixed(self, step: int) -> None:
         log.info("step %d: switching to mixed depth (%s)%s", step, self.job.schedule.sampler,
@@ -43,7 +45,9 @@ class Session:
 
     def sync_phase(self) -> None:
         """The conditioning heads are on exactly in the mixed phase (also after a resume)."""
-        self.net.conditioning_active = self.controller.mixed and self.net.loop_conditioning is not None
+        # from the config, not from this rank's modules: only the first pipeline stage holds the heads,
+        # and every stage must agree (evaluation runs one pass per ℓ when they are on)
+        self.net.conditioning_active = self.controller.mixed and self.job.model.loop_conditioning
 
     def describe(self) -> str:
         n_params = sum(p.numel() for p in self.net.parameters())
@@ -97,17 +101,26 @@ def build_session(job: JobConfig, mesh: Mesh) -> Session:
     optimizer, scheduler = build_optimizer(job, model)
     net.config.grad_scale_func = optimizer.scale_loss if job.model.dtype == "bf16" else None
     n_micro = job.train.micro_batches(mesh.dp_size)
+    pipeline = None
+    if job.parallel.pipeline > 1:
+        check_micro_batches(n_micro, job.parallel.pipeline)
+        pipeline = Pipeline(model, net, job.parallel.pipeline)
+        pipeline.config.grad_scale_func = net.config.grad_scale_func
     batches = TokenBatches(job.data, micro_batch_size=job.train.micro_batch_size, num_micro_batches=n_micro,
                            dp_rank=mesh.dp_rank, dp_size=mesh.dp_size, seed=job.train.seed)
     val_all = load_validation(job.data, num_sequences=job.train.eval_sequences)
     rows = (val_all.shape[0] // mesh.dp_size) * mesh.dp_size  # equal share per replica (EP all-to-alls pair up)
+    if pipeline is not None:  # the pipeline's activations have one shape: whole micro-batches only
+        rows = (rows // (mesh.dp_size * job.train.micro_batch_size)) * mesh.dp_size * job.train.micro_batch_size
+        check_micro_batches(rows // (mesh.dp_size * job.train.micro_batch_size), job.parallel.pipeline,
+                            "validation runs through the pipeline too: raise train.eval_sequences")
     val_tokens = val_all[:rows][mesh.dp_rank :: mesh.dp_size].contiguous()
     controller = ScheduleController(job.schedule, max_loops=job.model.max_loops,
                                     total_tokens=job.train.steps * job.tokens_per_step, seed=job.train.seed)
     step_kw: dict[str, Any] = dict(seq_len=job.data.seq_len, micro_batch_size=job.train.micro_batch_size,
-                                   max_loops=job.model.max_loops)
+                                   max_loops=job.model.max_loops, pipeline=pipeline)
     step = (TrainStep(model, optimizer, scheduler, **step_kw) if job.decider is None
             else DeciderStep(model, optimizer, scheduler, decider=job.decider, **step_kw))
-    session = Session(job, net, model, optimizer, scheduler, batches, val_tokens, controller, step)
+    session = Session(job, net, model, optimizer, scheduler, batches, val_tokens, controller, step, pipeline)
     session.sync_phase()
     return session

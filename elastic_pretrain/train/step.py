@@ -18,7 +18,14 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
 from elastic_pretrain.model.routing import RoutingProbe
-from elastic_pretrain.parallel.mesh import all_reduce_sum, data_parallel_group, expert_group_max
+from elastic_pretrain.parallel.mesh import (
+    all_reduce_sum,
+    data_parallel_group,
+    expert_group_max,
+    expert_group_max_each,
+    pipeline_group,
+)
+from elastic_pretrain.parallel.pipeline import AttachLoss, PassChunk, Pipeline
 from elastic_pretrain.train.schedule import DepthPlan
 
 
@@ -57,8 +64,39 @@ def _forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module) -
     return losses, partial(_loss_func, mb.plan)
 
 
+class _ChunkForward:
+    """``forward_step_func`` of the interleaved pipeline: micro-batch m through chunk j = pass j of this stage.
+
+    Extra exits e < ℓ end on the last stage in chunk e-1: their loss is computed there, attached to the
+    activation for backward (``AttachLoss``) and kept (detached, per micro-batch) for the loss function
+    of the last chunk, which reports every exit as the 1-process step does.
+    """
+
+    def __init__(self, sync_loops: list[int], *, loss_scale: float, training: bool) -> None:
+        self.sync_loops, self.loss_scale, self.training = sync_loops, loss_scale, training
+        self.exit_losses: dict[int, dict[int, torch.Tensor]] = {}
+
+    def __call__(self, data_iterator: Iterator[tuple[int, MicroBatch]], chunk: PassChunk) -> tuple[Any, Any]:
+        m, mb = next(data_iterator)
+        net, j, plan = chunk.net, chunk.pass_idx, mb.plan
+        inputs, labels = mb.tokens_BT1[:, :-1].contiguous(), mb.tokens_BT1[:, 1:].contiguous()
+        h_TBD = net.run_chunk(chunk.input_tensor, inputs, pass_idx=j, loops=plan.loops,
+                              sync_loops=self.sync_loops[m], key=m)
+        if not net.post_process:
+            return h_TBD, None
+        if j + 1 < net.cfg.max_loops:  # not the last chunk: an extra exit may end here
+            if j + 1 in plan.exits and j + 1 < plan.loops:
+                losses_BT = net.head_losses(h_TBD, inputs, labels)
+                self.exit_losses.setdefault(m, {})[j + 1] = losses_BT.detach()
+                if self.training:  # megatron's scaling of the final loss: / tokens / micro-batches, x loss scale
+                    h_TBD = AttachLoss.apply(h_TBD, losses_BT.sum() * (self.loss_scale / losses_BT.numel()))
+            return h_TBD, None
+        losses = {**self.exit_losses.pop(m, {}), plan.loops: net.head_losses(h_TBD, inputs, labels)}
+        return losses, partial(_loss_func, plan)
+
+
 def _reduce_by_loops(reports: list[dict], max_loops: int) -> tuple[float, dict[int, float]]:
-    """Sum per-exit CE over micro-batches and DP ranks → per-token means."""
+    """Sum per-exit CE over micro-batches and DP ranks → per-token means (from the last pipeline stage)."""
     sums: dict[int, float] = defaultdict(float)
     counts: dict[int, float] = defaultdict(float)
     objective = 0.0
@@ -71,6 +109,7 @@ def _reduce_by_loops(reports: list[dict], max_loops: int) -> tuple[float, dict[i
     packed = torch.tensor([objective / max(len(reports), 1)] + [sums[k] for k in keys] + [counts[k] for k in keys],
                           dtype=torch.float64)
     all_reduce_sum(packed)
+    all_reduce_sum(packed, pipeline_group())  # only the last stage has reports; the others add zeros
     packed[0] /= torch.distributed.get_world_size(data_parallel_group()) if torch.distributed.is_initialized() else 1
     n = len(keys)
     by_loops = {k: float(packed[1 + i] / packed[1 + n + i]) for i, k in enumerate(keys) if packed[1 + n + i] > 0}
@@ -80,8 +119,9 @@ def _reduce_by_loops(reports: list[dict], max_loops: int) -> tuple[float, dict[i
 def _moe_aux(num_micro: int) -> dict[str, float]:
     tracker = get_moe_layer_wise_logging_tracker()
     out = {}
-    for name, entry in tracker.items():
-        values = entry["values"]
+    for name, entry in sorted(tracker.items()):
+        # indexed by global layer number: pipeline stages fill disjoint entries
+        values = all_reduce_sum(entry["values"].clone(), pipeline_group())
         layers = int((values != 0).sum()) or 1
         out[f"moe/{name}"] = float(values.sum()) / layers / num_micro
     clear_aux_losses_tracker()
@@ -94,6 +134,7 @@ def reduce_routing(probe: RoutingProbe | None) -> dict[tuple[int, int], dict[str
         return {}
     packed = torch.cat([probe.sums_KLS.flatten(), probe.counts_KL.flatten()])
     all_reduce_sum(packed)
+    all_reduce_sum(packed, pipeline_group())  # each pipeline stage filled the rows of its own core layers
     n = probe.sums_KLS.numel()
     probe.sums_KLS = packed[:n].view_as(probe.sums_KLS)
     probe.counts_KL = packed[n:].view_as(probe.counts_KL)
@@ -104,8 +145,8 @@ class TrainStep:
     """Owns the numerics: forward/backward over micro-batches, optimizer step, LR schedule."""
 
     def __init__(self, model: Any, optimizer: Any, scheduler: Any, *, seq_len: int,
-                 micro_batch_size: int, max_loops: int) -> None:
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+                 micro_batch_size: int, max_loops: int, pipeline: Pipeline | None = None) -> None:
+        self.model, self.optimizer, self.scheduler, self.pipeline = model, optimizer, scheduler, pipeline
         self.max_loops = max_loops
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.forward_backward = get_forward_backward_func()
@@ -127,11 +168,14 @@ class TrainStep:
         self.model.train()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        reports = self.forward_backward(
-            forward_step_func=self.forward_step, data_iterator=iter(micro_batches), model=[self.model],
-            num_microbatches=len(micro_batches), seq_length=self.seq_len, micro_batch_size=self.micro_batch_size,
-            forward_only=False,
-        )
+        if self.pipeline is None:
+            reports = self.forward_backward(
+                forward_step_func=self.forward_step, data_iterator=iter(micro_batches), model=[self.model],
+                num_microbatches=len(micro_batches), seq_length=self.seq_len, micro_batch_size=self.micro_batch_size,
+                forward_only=False,
+            )
+        else:
+            reports = run_pipeline(self.pipeline, micro_batches, seq_len=self.seq_len, training=True)
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
         loss, by_loops, extra = self.reduce(reports)
@@ -144,9 +188,37 @@ class TrainStep:
         return *_reduce_by_loops(reports, self.max_loops), {}
 
 
+def run_pipeline(pipeline: Pipeline, micro_batches: list[MicroBatch], *, seq_len: int, training: bool) -> list[dict]:
+    """The interleaved pipeline schedule over one step's micro-batches (forward+backward or forward only)."""
+    sync = expert_group_max_each([mb.plan.loops for mb in micro_batches])  # EP-safe mixed depth, one all-reduce
+    grad_scale = pipeline.config.grad_scale_func
+    loss_scale = float(grad_scale(torch.ones(1))) if grad_scale is not None and training else 1.0
+    forward = _ChunkForward(sync, loss_scale=loss_scale / len(micro_batches), training=training)
+    return pipeline.run(forward, micro_batches, seq_length=seq_len,
+                        micro_batch_size=micro_batches[0].tokens_BT1.shape[0], forward_only=not training)
+
+
+def _evaluate_pipeline(pipeline: Pipeline, tokens_NT1: torch.Tensor, runs: list[tuple[int, tuple[int, ...]]],
+                       loops: list[int], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-exit CE sums and token count of this replica's rows, through the pipeline (sums on the last stage)."""
+    sums = torch.zeros(len(loops), dtype=torch.float64)
+    count = torch.zeros(1, dtype=torch.float64)
+    batches = list(tokens_NT1.split(batch_size))
+    for ell, exits in runs:
+        plan = DepthPlan(ell, exits)
+        reports = run_pipeline(pipeline, [MicroBatch(b, plan) for b in batches], seq_len=tokens_NT1.shape[1] - 1,
+                               training=False)
+        for rep in reports:
+            for e, (s, _) in rep["by_exit"].items():
+                sums[loops.index(e)] += float(s)
+    if pipeline.is_last_stage:
+        count += tokens_NT1.shape[0] * (tokens_NT1.shape[1] - 1)
+    return sums, count
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, tokens_NT1: torch.Tensor, *, loops: list[int], batch_size: int,
-             separate_runs: bool = False) -> dict[int, float]:
+             separate_runs: bool = False, pipeline: Pipeline | None = None) -> dict[int, float]:
     """Per-token validation CE at every loop count, over this rank's rows, summed over DP ranks.
 
     One ℓ_max run with an exit at every ℓ — or, when the loop-count conditioning is on (each ℓ is
@@ -154,18 +226,25 @@ def evaluate(model: torch.nn.Module, tokens_NT1: torch.Tensor, *, loops: list[in
     caller splits them evenly), so the MoE all-to-alls of an expert-parallel group pair up.
     """
     model.eval()
-    sums = torch.zeros(len(loops), dtype=torch.float64)
-    count = torch.zeros(1, dtype=torch.float64)
-    runs = [(ell, (ell,)) for ell in loops] if separate_runs else [(max(loops), tuple(loops))]
-    for start in range(0, tokens_NT1.shape[0], batch_size):
-        batch = tokens_NT1[start : start + batch_size]
-        inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-        for ell, exits in runs:
-            losses = model(inputs, labels=labels, loops=ell, exits=exits)
-            for e in exits:
-                sums[loops.index(e)] += losses[e].double().sum()
-        count += labels.numel()
+    runs: list[tuple[int, tuple[int, ...]]] = (
+        [(ell, (ell,)) for ell in loops] if separate_runs else [(max(loops), tuple(loops))]
+    )
+    if pipeline is not None:
+        sums, count = _evaluate_pipeline(pipeline, tokens_NT1, runs, loops, batch_size)
+    else:
+        sums = torch.zeros(len(loops), dtype=torch.float64)
+        count = torch.zeros(1, dtype=torch.float64)
+        for start in range(0, tokens_NT1.shape[0], batch_size):
+            batch = tokens_NT1[start : start + batch_size]
+            inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
+            for ell, exits in runs:
+                losses = model(inputs, labels=labels, loops=ell, exits=exits)
+                for e in exits:
+                    sums[loops.index(e)] += losses[e].double().sum()
+            count += labels.numel()
     clear_aux_losses_tracker()
     all_reduce_sum(sums)
     all_reduce_sum(count)
+    all_reduce_sum(sums, pipeline_group())  # only the last pipeline stage computed losses
+    all_reduce_sum(count, pipeline_group())
     return {ell: float(sums[i] / count) for i, ell in enumerate(loops)}

@@ -120,6 +120,7 @@ class Trainer:
             loops=loops,
             batch_size=self.job.train.micro_batch_size,
             separate_runs=self.s.net.conditioning_active,
+            pipeline=self.s.pipeline,
         )
 
 

@@ -101,4 +101,15 @@ def wrap_ddp_for_test(net):
 REF: dict[str, torch.Tensor] = {}
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]))
+    out_dir = Path(sys.argv[2])
+    if sys.argv[1] == "ref":
+        main("ref", out_dir)
+    else:  # every 2-rank layout in one launch: a process group (file store) per layout
+        import os
+
+        import torch.distributed as dist
+
+        for layout in sys.argv[1].split(","):
+            dist.init_process_group("gloo", init_method=f"file://{out_dir}/store_{layout}",
+                                    rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+            main(layout, out_dir)

@@ -1,6 +1,7 @@
 """EP-safe mixed depth: run by tests/train/test_mixed_depth.py.
 
-usage: mixed_depth.py MODE OUT_DIR [replay]
+usage: mixed_depth.py ref|dist OUT_DIR — every case of CASES in one launch (a process group per case):
+``ref`` as 1 process, ``dist`` under torchrun with 4 processes.
   ref   — 1 process: writes weights and batches; runs the 4 replicas' micro-batches as 4 micro-batches
           at their ℓ values (gradient accumulation) and writes loss/gradients.
   ep2   — 4 processes, expert parallel 2 (data parallel 4): replica r runs its micro-batch at ℓ_r,
@@ -11,10 +12,12 @@ usage: mixed_depth.py MODE OUT_DIR [replay]
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.parallel.megatron import build_model
@@ -24,6 +27,8 @@ from elastic_pretrain.train.step import MicroBatch, _forward_step, _reduce_by_lo
 from tests.dist.equivalence import global_name, local_view, wrap_ddp_for_test
 
 LOOPS = [1, 3, 2, 4]  # ℓ of replica 0..3; EP groups pair replicas (0,1) and (2,3)
+# (distributed layout, its one-process reference, route replay)
+CASES = [("ep2", "ref", False), ("ep2", "ref", True), ("tp2ep2", "ref2", True)]
 
 
 def model_cfg(replay: bool) -> ModelConfig:
@@ -32,20 +37,24 @@ def model_cfg(replay: bool) -> ModelConfig:
                        moe_aux_loss_coeff=0.0, moe_z_loss_coeff=1e-3, route_replay=replay)
 
 
-def main(mode: str, out: Path, replay: bool) -> None:
+def run(mode: str, out: Path, replay: bool) -> None:
+    """One case in its own process group (a file store per case, so one launch runs them all)."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    tag = "replay" if replay else "plain"
+    dist.init_process_group("gloo", init_method=f"file://{out}/store_{mode}_{tag}", rank=rank, world_size=world)
     par = {"ep2": ParallelConfig(expert=2), "tp2ep2": ParallelConfig(tensor=2, expert=2)}.get(mode, ParallelConfig())
     replicas = 2 if mode in ("ref2", "tp2ep2") else 4
     mesh = init_mesh(par, seed=11)
     torch.set_num_threads(1)
     cfg = model_cfg(replay)
     net = build_model(cfg, par)
-    tag = "replay" if replay else "plain"
     if mode.startswith("ref"):
         batches = torch.randint(0, cfg.vocab_size, (4, 2, 17), generator=torch.Generator().manual_seed(5))
-        torch.save({"state": net.state_dict(), "batches": batches}, out / f"inputs_{tag}.pt")
+        torch.save({"state": net.state_dict(), "batches": batches}, out / f"inputs_{mode}_{tag}.pt")
         micro = [MicroBatch(batches[r], DepthPlan(LOOPS[r], (LOOPS[r],))) for r in range(replicas)]
     else:
-        saved = torch.load(out / f"inputs_{tag}.pt", weights_only=True)
+        ref = next(r for layout, r, _ in CASES if layout == mode)
+        saved = torch.load(out / f"inputs_{ref}_{tag}.pt", weights_only=True)
         n_local = cfg.experts_built // mesh.ep_size
         with torch.no_grad():
             for name, p in net.named_parameters():
@@ -68,4 +77,6 @@ def main(mode: str, out: Path, replay: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], Path(sys.argv[2]), len(sys.argv) > 3 and sys.argv[3] == "replay")
+    which, out_dir = sys.argv[1], Path(sys.argv[2])
+    for layout, ref, route_replay in CASES:
+        run(ref if which == "ref" else layout, out_dir, route_replay)

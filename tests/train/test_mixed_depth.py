@@ -22,24 +22,30 @@ SCRIPT = REPO / "tests" / "dist" / "mixed_depth.py"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory):
+    """Every case in two launches: the one-process references, then the 4-process runs."""
+    out = tmp_path_factory.mktemp("mixed_depth")
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, str(SCRIPT), "ref", str(out)], check=True, cwd=REPO, timeout=300,
+                   capture_output=True, env=env)
+    torchrun(SCRIPT, "dist", str(out), nproc=4, timeout=400, env={"PYTHONPATH": str(REPO)})
+    return out
+
+
 @pytest.mark.parametrize(
     ("layout", "replay"),
     [("ep2", False), ("ep2", True), ("tp2ep2", True)],
     ids=["dp4xep2", "dp4xep2-route-replay", "tp2xep2-route-replay"],
 )
-def test_mixed_depth_across_an_expert_group_matches_one_process(tmp_path, layout, replay):
-    extra = ["replay"] if replay else []
+def test_mixed_depth_across_an_expert_group_matches_one_process(out, layout, replay):
     ref_mode = "ref" if layout == "ep2" else "ref2"
-    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
-    subprocess.run([sys.executable, str(SCRIPT), ref_mode, str(tmp_path), *extra], check=True, cwd=REPO, timeout=300,
-                   capture_output=True, env=env)
-    torchrun(SCRIPT, layout, str(tmp_path), *extra, nproc=4, timeout=300, env={"PYTHONPATH": str(REPO)})
     tag = "replay" if replay else "plain"
-    ref = torch.load(tmp_path / f"{ref_mode}_{tag}_rank0.pt", weights_only=True)
+    ref = torch.load(out / f"{ref_mode}_{tag}_rank0.pt", weights_only=True)
     assert math.isfinite(ref["loss"])
     assert sorted(ref["by_loops"]) == ([1, 2, 3, 4] if layout == "ep2" else [1, 3])
     for rank in range(4):
-        res = torch.load(tmp_path / f"{layout}_{tag}_rank{rank}.pt", weights_only=True)
+        res = torch.load(out / f"{layout}_{tag}_rank{rank}.pt", weights_only=True)
         assert res["loss"] == pytest.approx(ref["loss"], rel=1e-5)
         for k, v in ref["by_loops"].items():
             assert res["by_loops"][k] == pytest.approx(v, rel=1e-5)

@@ -95,3 +95,15 @@ class ModelConfig:
                 f"loops={loops} is outside [1, {self.max_loops}] (L_max = model.loops * model.flatten = "
                 f"{self.loops} * {self.flatten}): pick a loop count in that range"
             )
+
+    def check_pipeline(self, stages: int) -> None:
+        """What pipeline parallelism of the loop over ``stages`` stages needs (docs/parallelism.md)."""
+        if stages == 1:
+            return
+        if self.core_layers_built % stages:
+            raise ConfigError(
+                f"parallel.pipeline={stages} must divide the core layers built ({self.core_layers_built} = "
+                "model.core_layers / model.flatten): change parallel.pipeline or model.core_layers/flatten"
+            )
+        if self.tie_embeddings:
+            raise ConfigError("model.tie_embeddings is not supported with parallel.pipeline > 1: set it to false")

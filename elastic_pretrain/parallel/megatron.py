@@ -15,7 +15,6 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from elastic_pretrain.config import ConfigError
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.model.decider import DeciderConfig
 from elastic_pretrain.model.looped import LayerSpecs, LoopedMoEModel
@@ -135,15 +134,7 @@ def build_model(
 
 def check_pipeline(model: ModelConfig, parallel: ParallelConfig) -> None:
     """What pipeline parallelism of the loop needs from the model (docs/parallelism.md)."""
-    if parallel.pipeline == 1:
-        return
-    if model.core_layers_built % parallel.pipeline:
-        raise ConfigError(
-            f"parallel.pipeline={parallel.pipeline} must divide the core layers built ({model.core_layers_built} = "
-            "model.core_layers / model.flatten): change parallel.pipeline or model.core_layers/flatten"
-        )
-    if model.tie_embeddings:
-        raise ConfigError("model.tie_embeddings is not supported with parallel.pipeline > 1: set it to false")
+    model.check_pipeline(parallel.pipeline)
 
 
 def mark_tp_replicated_experts(net: torch.nn.Module, parallel: ParallelConfig) -> None:

@@ -94,9 +94,48 @@ def _eval(args: argparse.Namespace) -> int:
         report = "\n".join(lines) + "\n"
         (out / "eval.md").write_text(report)
         print(report + f"\nwritten: {', '.join(str(w) for w in written)}")
+        if not args.no_track:
+            track_eval(job, ckpt, curve, [sweep.curves()[0]] if decider is not None else [], written)
     finally:
         teardown()
     return 0
+
+
+def track_eval(job: Any, ckpt: Path, curve: Any, adaptive: list[Any], files: list[Path]) -> str | None:
+    """Log an evaluation to MLflow when the checkpoint's job tracks there: a run named
+    ``<job> eval step_<N>`` nested under the training run (``mlflow.parentRunId``), with the loss and
+    perplexity per ℓ, the AUC (and the adaptive curve's points) at step N, and the report files as
+    artifacts. Returns the run id (None when tracking is off); never fails the evaluation."""
+    import dataclasses
+    import math
+
+    from elastic_pretrain.checkpoint.store import read_trainer_state
+    from elastic_pretrain.launch.layout import RunFiles
+    from elastic_pretrain.tracking.tracker import create_tracker
+
+    if job.tracking.backend == "none":
+        return None
+    step = int(ckpt.name.removeprefix("step_")) if ckpt.name.startswith("step_") else 0
+    run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt
+    cfg = dataclasses.replace(job.tracking, run_name=f"{job.name} eval step_{step}", system_metrics=False)
+    tracker = create_tracker(cfg, run_dir=run_dir, job_name=job.name, rank=0)
+    id_file = RunFiles(run_dir).mlflow_run_id  # written at the end of training; the checkpoint's may be unset
+    parent = read_trainer_state(ckpt).get("mlflow_run_id")
+    parent = parent or (id_file.read_text().strip() if id_file.is_file() else None)
+    tracker.set_tags({"elastic_pretrain.kind": "eval", "elastic_pretrain.checkpoint": str(ckpt.resolve()),
+                      **({"mlflow.parentRunId": parent} if parent else {})})  # fmt: skip
+    metrics = {"eval/auc": curve.auc}
+    for p in curve.points:
+        metrics[f"eval/loss_loops_{int(p.loops)}"] = p.loss
+        metrics[f"eval/ppl_loops_{int(p.loops)}"] = math.exp(min(p.loss, 50))
+    for c in adaptive:
+        metrics["eval/adaptive_auc"] = c.auc
+    tracker.log_metrics(metrics, step=step)
+    for f in files:
+        if f.is_file():
+            tracker.log_artifact(f, "eval")
+    tracker.close(job.tracking.close_timeout_s)
+    return tracker.run_id
 
 
 def pick_decider(model: Any, ckpt: Path, override: str | None) -> Any:
@@ -162,6 +201,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--kv-gap", action="store_true", help="also teacher-forced loss with per-loop vs last-loop KV")
     p.add_argument("--out", help="output folder for eval.md and quality.png (default <checkpoint>/eval)")
+    p.add_argument("--no-track", action="store_true", help="do not log to MLflow (default: when the job tracks)")
     p.add_argument(
         "--adaptive",
         action="store_true",

@@ -33,6 +33,20 @@ def test_eval_command_writes_table_and_plot(run_dir: Path, tmp_path: Path) -> No
     assert "| 0 | 4.000 | 1.000 |" in report and "| 1.01 | 1.000 |" in report and "| +0.0000 |" in report
     assert "| adaptive (decider) |" in report and (out / "adaptive.png").read_bytes()[:4] == b"\x89PNG"
     assert "written:" in proc.stdout
+    # MLflow: a run nested under the training run, with the loss per ℓ and the AUC at the checkpoint's step
+    from mlflow.tracking import MlflowClient
+
+    from elastic_pretrain.tracking.config import local_store_uri
+
+    client = MlflowClient(tracking_uri=local_store_uri(run_dir))
+    parent = (run_dir / "mlflow_run_id").read_text().strip()
+    runs = client.search_runs([client.get_run(parent).info.experiment_id],
+                              filter_string=f"tags.mlflow.parentRunId = '{parent}'")  # fmt: skip
+    assert [r.info.run_name for r in runs] == ["tiny-cpu eval step_2"]
+    metrics = runs[0].data.metrics
+    assert abs(metrics["eval/loss_loops_4"] - float(report.split("\n| 4 | ")[1].split(" | ")[2])) < 1e-3
+    assert "eval/auc" in metrics and "eval/adaptive_auc" in metrics
+    assert {a.path for a in client.list_artifacts(runs[0].info.run_id, "eval")} >= {"eval/eval.md", "eval/quality.png"}
 
 
 def test_generate_command_fixed_and_auto(run_dir: Path, tmp_path: Path) -> None:

@@ -21,8 +21,10 @@ from elastic_pretrain.config import (
     to_dict,
 )
 from elastic_pretrain.data.config import DataConfig
+from elastic_pretrain.errors import UserError
 from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.model.config import ModelConfig
+from elastic_pretrain.model.decider import DeciderConfig
 from elastic_pretrain.parallel.mesh import ParallelConfig
 from elastic_pretrain.tracking.config import TrackingConfig
 from elastic_pretrain.train.config import TrainConfig
@@ -46,11 +48,18 @@ class JobConfig:
     tracking: TrackingConfig = field(factory=TrackingConfig, doc="MLflow tracking (local store under run_dir).")
     checkpoint: CheckpointConfig = field(factory=CheckpointConfig, doc="Checkpoint cadence, retention, resume.")
     slurm: SlurmConfig = field(factory=SlurmConfig, doc="Slurm resources and preemption policy (used by submit).")
+    decider: DeciderConfig | None = field(
+        None, doc="A decider job: post-train a TaH2 iteration decider on decider.init_from (docs/evaluation.md)."
+    )
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
             raise ConfigError(f"name: {self.name!r} must be a non-empty name without '/'")
         self.schedule.validate_for(self.model.max_loops)
+        if self.decider is not None and self.model.max_loops < 2:
+            raise ConfigError(
+                f"decider: the base model runs L_max = {self.model.max_loops} pass; a decider needs L_max >= 2"
+            )
 
     def check_vocab(self, tokenizer_vocab: int) -> None:
         if tokenizer_vocab > self.model.vocab_size:
@@ -101,7 +110,52 @@ def load_job(path: Path | str, overrides: list[str] | None = None) -> JobConfig:
         if section in raw:
             raw[section] = _resolve_preset(section, raw[section], roots)
     raw = apply_overrides(raw, [o for (keys, _), o in parsed if len(keys) > 1])
-    return build(JobConfig, raw)
+    base = _decider_base(raw)
+    job = build(JobConfig, raw)
+    if base is not None:
+        from elastic_pretrain.checkpoint.manager import shape_changes
+
+        changes = shape_changes(base, job)
+        if changes:
+            raise ConfigError(
+                f"model: differs in shape from the decider's base checkpoint ({'; '.join(changes)}): "
+                "drop those model keys (a decider job takes the model from decider.init_from)"
+            )
+    return job
+
+
+def _decider_base(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """A decider job post-trains a base checkpoint: pin ``decider.init_from`` to its committed step,
+    take the model from it (job keys on top) and the loop-conditioning phase (no depth schedule:
+    every micro-batch runs L_max). Returns the base's config, or None for an ordinary job."""
+    section = raw.get("decider")
+    if section is None:
+        return None
+    if not isinstance(section, dict):
+        raise ConfigError(f"decider: expected a mapping of DeciderConfig fields, got {section!r}")
+    if not section.get("init_from"):
+        raise ConfigError(
+            "decider.init_from: missing: name the base run directory or checkpoint to post-train "
+            "(e.g. decider.init_from: runs/tiny-cpu)"
+        )
+    from elastic_pretrain.checkpoint.store import read_trainer_state
+    from elastic_pretrain.eval.commands import resolve_checkpoint
+
+    try:
+        step = resolve_checkpoint(Path(section["init_from"]))
+        meta = read_trainer_state(step)
+    except UserError as err:
+        raise ConfigError(f"decider.init_from: {err} (train the base job first)") from None
+    if "schedule" in raw:
+        raise ConfigError(
+            "schedule: a decider job runs every pass (L_max) and takes the loop-conditioning phase from "
+            "decider.init_from: drop the schedule section"
+        )
+    base = meta.get("config", {})
+    section["init_from"] = str(step)
+    raw["model"] = {**base.get("model", {}), **(raw.get("model") or {})}
+    raw["schedule"] = {"switch_at": 0.0 if meta.get("controller", {}).get("phase") == "mixed" else 1.0}
+    return base
 
 
 def dump_job(job: JobConfig) -> str:

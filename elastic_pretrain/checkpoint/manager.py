@@ -70,6 +70,15 @@ def shape_changes(saved: dict[str, Any], job: JobConfig) -> list[str]:
     return [f"model.{k}: {old.get(k)!r} -> {now.get(k)!r}" for k in SHAPE_KEYS if old.get(k) != now.get(k)]
 
 
+def decider_changes(saved: dict[str, Any], job: JobConfig) -> list[str]:
+    """The iteration decider (a decider job's submodule) appeared, vanished or changed width."""
+    old, now = saved.get("decider"), to_dict(job).get("decider")
+    width = [(d or {}).get("hidden_size") for d in (old, now)]
+    if (old is None) != (now is None) or width[0] != width[1]:
+        return [f"decider.hidden_size: {width[0]!r} -> {width[1]!r}"]
+    return []
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -123,9 +132,8 @@ def resume_source(job: JobConfig, store: CheckpointStore) -> Path | None:
     return newest.path if newest else None
 
 
-def check_resumable(ckpt: Path, job: JobConfig) -> dict[str, Any]:
-    """Verify ``ckpt`` (rank 0: size + CRC32 of every file), refuse a changed model shape; returns its
-    ``trainer.json``. Collective; runs before the model is built, so a refusal costs no build time."""
+def verify_everywhere(ckpt: Path) -> None:
+    """Rank 0 verifies ``ckpt`` (size + CRC32 of every file); every rank raises its error. Collective."""
     error = None
     if _rank() == 0:
         try:
@@ -135,8 +143,14 @@ def check_resumable(ckpt: Path, job: JobConfig) -> dict[str, Any]:
     error = _from_rank0(error)
     if error:
         raise UserError(error)
+
+
+def check_resumable(ckpt: Path, job: JobConfig) -> dict[str, Any]:
+    """Verify ``ckpt`` (rank 0: size + CRC32 of every file), refuse a changed model shape; returns its
+    ``trainer.json``. Collective; runs before the model is built, so a refusal costs no build time."""
+    verify_everywhere(ckpt)
     meta = read_trainer_state(ckpt)
-    changes = shape_changes(meta.get("config", {}), job)
+    changes = shape_changes(meta.get("config", {}), job) + decider_changes(meta.get("config", {}), job)
     if changes:
         raise UserError(
             f"cannot resume from {ckpt}: the model shape changed ({'; '.join(changes)}); "

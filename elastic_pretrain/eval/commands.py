@@ -34,7 +34,7 @@ def load_model(ckpt: Path) -> tuple[Any, Any]:
     verify(ckpt)
     meta = read_trainer_state(ckpt)
     job = build(JobConfig, meta["config"])
-    net = build_model(job.model, ParallelConfig())
+    net = build_model(job.model, ParallelConfig(), decider=job.decider)  # a decider job's decider rides along
     try:
         with torch.no_grad(), restricted_unpickling():
             loaded = dist_checkpointing.load({"model": net.sharded_state_dict()}, str(ckpt / MODEL_DIR))
@@ -63,7 +63,8 @@ def resolve_checkpoint(path: Path) -> Path:
 
 def _eval(args: argparse.Namespace) -> int:
     from elastic_pretrain.data.loader import load_validation
-    from elastic_pretrain.eval.quality import markdown_table, plot, quality_curve
+    from elastic_pretrain.eval.adaptive import DEFAULT_THRESHOLDS, adaptive_sweep, plot_sweep
+    from elastic_pretrain.eval.quality import compare, markdown_table, plot, quality_curve
     from elastic_pretrain.model.inference import KV_POLICIES, teacher_forced_loss
     from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 
@@ -71,6 +72,7 @@ def _eval(args: argparse.Namespace) -> int:
     try:
         ckpt = resolve_checkpoint(Path(args.checkpoint))
         job, model = load_model(ckpt)
+        decider = pick_decider(model, ckpt, args.decider) if args.adaptive else None
         tokens = load_validation(job.data, num_sequences=args.sequences)
         curve = quality_curve(model, tokens, name=job.name, batch_size=args.batch_size)
         lines = [markdown_table(curve)]
@@ -82,29 +84,54 @@ def _eval(args: argparse.Namespace) -> int:
                 lines.append(f"| {policy} | {tf.kv_bytes_per_token:.0f} | {tf.loss:.4f} |")
         out = Path(args.out) if args.out else ckpt / "eval"
         out.mkdir(parents=True, exist_ok=True)
+        written = [out / "eval.md", plot([curve], out / "quality.png")]
+        if decider is not None:
+            thresholds = args.threshold or DEFAULT_THRESHOLDS
+            sweep = adaptive_sweep(model, decider, tokens, thresholds, batch_size=args.batch_size)
+            lines.append(sweep.markdown())
+            lines.append(compare(list(sweep.curves())).markdown())
+            written.append(plot_sweep(sweep, out / "adaptive.png"))
         report = "\n".join(lines) + "\n"
         (out / "eval.md").write_text(report)
-        png = plot([curve], out / "quality.png")
-        print(report + f"\nwritten: {out / 'eval.md'}, {png}")
+        print(report + f"\nwritten: {', '.join(str(w) for w in written)}")
     finally:
         teardown()
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from elastic_pretrain.data.tokenizer import load_tokenizer
+def pick_decider(model: Any, ckpt: Path, override: str | None) -> Any:
+    """The iteration decider: ``--decider FILE`` if given, else the one inside the checkpoint."""
     from elastic_pretrain.model.decider import load_decider
+
+    if override:
+        return load_decider(Path(override))
+    if model.decider is None:
+        raise _no_decider(ckpt)
+    return model.decider.eval()
+
+
+def _no_decider(ckpt: Path) -> UserError:
+    return UserError(
+        f"{ckpt}: this checkpoint has no iteration decider: train a decider job on it "
+        f"(elastic-pretrain train jobs/tiny-decider.yaml decider.init_from={ckpt}) or pass --decider FILE"
+    )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from elastic_pretrain.checkpoint.store import read_trainer_state
+    from elastic_pretrain.data.tokenizer import load_tokenizer
     from elastic_pretrain.model.inference import generate
     from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 
     loops: int | str = args.loops if args.loops == "auto" else _int_loops(args.loops)
-    if loops == "auto" and not args.decider:
-        raise UserError("--loops auto needs --decider <file> (a trained iteration decider)")
+    ckpt = resolve_checkpoint(Path(args.checkpoint))
+    if loops == "auto" and not args.decider and read_trainer_state(ckpt).get("config", {}).get("decider") is None:
+        raise _no_decider(ckpt)  # before building anything
     init_mesh(ParallelConfig(), seed=args.seed)
     try:
-        job, model = load_model(Path(args.checkpoint))
+        job, model = load_model(ckpt)
         tok = load_tokenizer(job.data.tokenizer)
-        stop = load_decider(Path(args.decider)).stopper(args.threshold) if loops == "auto" else None
+        stop = pick_decider(model, ckpt, args.decider).stopper(args.threshold) if loops == "auto" else None
         prompt = tok.encode(args.prompt) or [tok.eos_id]
         out = generate(
             model, prompt, loops=loops, max_new_tokens=args.max_new_tokens, kv_cache=args.kv_cache,  # type: ignore[arg-type]
@@ -135,13 +162,27 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--kv-gap", action="store_true", help="also teacher-forced loss with per-loop vs last-loop KV")
     p.add_argument("--out", help="output folder for eval.md and quality.png (default <checkpoint>/eval)")
+    p.add_argument(
+        "--adaptive",
+        action="store_true",
+        help="also per-token adaptive depth (the checkpoint's iteration decider) vs fixed depth at "
+        "matched compute: table in eval.md, adaptive.png",
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        nargs="+",
+        metavar="T",
+        help="--adaptive: decider thresholds (default: a sweep 0, 0.1, ..., 0.9, 1.01)",
+    )
+    p.add_argument("--decider", help="--adaptive: a decider file (save_decider) instead of the checkpoint's")
     p.set_defaults(handler=_eval)
 
     g = sub.add_parser("generate", help="sample from a checkpoint at a fixed loop count or with adaptive depth")
     g.add_argument("checkpoint", help="step_<N> directory, or a run directory (its newest committed step)")
     g.add_argument("--prompt", default="def ", help="prompt text")
     g.add_argument("--loops", default="auto", help="passes per token, or 'auto' (the iteration decider)")
-    g.add_argument("--decider", help="trained decider file (save_decider) for --loops auto")
+    g.add_argument("--decider", help="--loops auto: a decider file (save_decider) instead of the checkpoint's")
     g.add_argument("--threshold", type=float, default=None, help="decider threshold (default: its config)")
     g.add_argument("--kv-cache", choices=["last-loop", "per-loop"], default="last-loop")
     g.add_argument("--max-new-tokens", type=int, default=128)

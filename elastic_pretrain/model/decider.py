@@ -50,7 +50,16 @@ class DeciderConfig:
     backbone: Literal["frozen", "joint"] = field(
         "frozen", doc="'frozen': the BCE does not reach the LM (inputs detached); 'joint': it does."
     )
-    threshold: float = field(0.5, doc="Inference: a token stops at the first pass whose continue prob < threshold.")
+    threshold: float = field(
+        0.5,
+        doc="Inference: a token stops at the first pass whose continue prob < threshold (a decider job logs the "
+        "mean passes at it).",
+    )
+    init_from: str | None = field(
+        None,
+        doc="Decider job: the base run directory or checkpoints/step_<N> to post-train (its newest committed step; "
+        "the model shape and loop-conditioning phase come from it).",
+    )
 
     def __post_init__(self) -> None:
         if self.hidden_size < 1:
@@ -204,6 +213,13 @@ def decider_loss(model: LoopedMoEModel, decider: IterationDecider, ids_BT: Tenso
     )
 
 
+def passes_at(logit_L_N: Tensor, threshold: float) -> Tensor:
+    """Passes each token runs when it stops at the first pass whose continue probability is < threshold,
+    read off continue logits ``[L-1, ...]`` of one full-depth run (1 + the run of leading "continue")."""
+    cont = (torch.sigmoid(logit_L_N.detach().float()) >= threshold).int()
+    return 1 + torch.cumprod(cont, dim=0).sum(0)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Adaptive-depth evaluation
 @dataclasses.dataclass(frozen=True)
@@ -213,6 +229,7 @@ class AdaptiveResult:
     mean_passes: float
     relative_compute: float
     policy: KVPolicy
+    accuracy: float = float("nan")  # next-token argmax accuracy
 
 
 def adaptive_eval(
@@ -242,7 +259,12 @@ def adaptive_eval(
         decider.train(was_training)
     rel = relative_compute(model.cfg, tf.mean_passes, seq_len=tokens_NT1.shape[1] - 1)
     return AdaptiveResult(
-        threshold=threshold, loss=tf.loss, mean_passes=tf.mean_passes, relative_compute=rel, policy=kv_cache
+        threshold=threshold,
+        loss=tf.loss,
+        mean_passes=tf.mean_passes,
+        relative_compute=rel,
+        policy=kv_cache,
+        accuracy=tf.accuracy,
     )
 
 

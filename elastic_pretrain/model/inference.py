@@ -283,6 +283,7 @@ class TeacherForced:
     mean_passes: float
     tokens: int
     kv_bytes_per_token: float
+    accuracy: float = float("nan")  # next-token argmax accuracy
 
     @property
     def perplexity(self) -> float:
@@ -306,7 +307,7 @@ def teacher_forced_loss(
     """
     was_training = model.training
     model.eval()
-    total, count, passes, kv_bytes = 0.0, 0, 0.0, 0.0
+    total, count, passes, kv_bytes, correct = 0.0, 0, 0.0, 0.0, 0
     try:
         for start in range(0, tokens_NT1.shape[0], batch_size):
             chunk = tokens_NT1[start : start + batch_size]
@@ -314,6 +315,7 @@ def teacher_forced_loss(
             out = dec.step(chunk[:, :-1])
             ce = F.cross_entropy(out.logits_BSV.float().flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum")
             total += float(ce)
+            correct += int((out.logits_BSV.argmax(-1) == chunk[:, 1:]).sum())
             count += chunk[:, 1:].numel()
             passes += float(out.passes_BS.double().sum())
             kv_bytes = dec.cache.bytes_per_token()
@@ -327,6 +329,7 @@ def teacher_forced_loss(
         mean_passes=passes / count,
         tokens=count,
         kv_bytes_per_token=kv_bytes,
+        accuracy=correct / count,
     )
 
 

@@ -30,6 +30,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
 from elastic_pretrain.model.config import ModelConfig
+from elastic_pretrain.model.decider import DeciderConfig, IterationDecider
 from elastic_pretrain.model.layer_list import LayerList
 from elastic_pretrain.model.routing import RoutingProbe
 
@@ -148,7 +149,8 @@ class LoopConditioning(MegatronModule):
 class LoopedMoEModel(LanguageModule):
     """Embedding → prelude → core × ℓ → coda → norm → output layer (vocab-parallel)."""
 
-    def __init__(self, cfg: ModelConfig, config: TransformerConfig, specs: LayerSpecs, *, padded_vocab: int) -> None:
+    def __init__(self, cfg: ModelConfig, config: TransformerConfig, specs: LayerSpecs, *, padded_vocab: int,
+                 decider: DeciderConfig | None = None) -> None:
         super().__init__(config=config)
         self.cfg = cfg
         self.padded_vocab = padded_vocab
@@ -181,6 +183,14 @@ class LoopedMoEModel(LanguageModule):
         )
         self.loop_conditioning = LoopConditioning(config, cfg.max_loops) if cfg.loop_conditioning else None
         self.conditioning_active = False  # switched on by the schedule controller (mixed phase)
+        # TaH2 iteration decider (a decider job): a submodule, so DDP, the optimizer and checkpoints
+        # treat it like any parameter. Replicated over TP; under sequence parallelism each TP rank sees
+        # only its sequence shard, so its gradients are partial sums: tagged like norm weights.
+        self.decider = None
+        if decider is not None:
+            self.decider = IterationDecider(decider, hidden_size=config.hidden_size, max_loops=cfg.max_loops)
+            for p in self.decider.parameters():
+                p.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
         self.routing_probe: RoutingProbe | None = None
         norm_spec = specs.dense.submodules.input_layernorm
         self.final_layernorm = build_module(norm_spec, config=config, hidden_size=config.hidden_size,
@@ -211,8 +221,8 @@ class LoopedMoEModel(LanguageModule):
             probe.detach()
         return probe
 
-    def run_loops(self, input_ids_BT: Tensor, *, loops: int, exits: Sequence[int],
-                  sync_loops: int | None = None) -> tuple[dict[int, Tensor], Tensor | None]:
+    def run_loops(self, input_ids_BT: Tensor, *, loops: int, exits: Sequence[int], sync_loops: int | None = None,
+                  keep: list[Tensor] | None = None) -> tuple[dict[int, Tensor], Tensor | None]:
         """Hidden states after the coda and final norm at each exit loop count (sequence-first).
 
         ``sync_loops`` > ``loops``: other members of this rank's expert-parallel group run more
@@ -220,10 +230,13 @@ class LoopedMoEModel(LanguageModule):
         own passes this rank joins each remaining call with zero tokens (forward, and — through the
         returned ``ghost`` scalar, which the caller adds to its loss times zero — backward too).
         Ghost calls come after every real one, so the collectives line up in both directions.
+        ``keep``: a list that receives the token embedding, then the hidden state after each pass.
         """
         self.cfg.check_loops(loops)
         rope = self.rotary_pos_emb(input_ids_BT.shape[1])
         h_TBD = self.embedding(input_ids=input_ids_BT, position_ids=None)
+        if keep is not None:
+            keep.append(h_TBD)
         for layer in self.prelude:
             h_TBD, _ = layer(h_TBD, attention_mask=None, rotary_pos_emb=rope)
         out: dict[int, Tensor] = {}
@@ -235,6 +248,8 @@ class LoopedMoEModel(LanguageModule):
                 self.routing_probe.at(j)
             for core in self.core:
                 h_TBD = core(h_TBD, pass_idx=j, rotary_pos_emb=rope, replay=self.cfg.route_replay)
+            if keep is not None:
+                keep.append(h_TBD)
             if j + 1 in exits:
                 out[j + 1] = self._head_states(h_TBD, rope)
         ghost = None
@@ -293,3 +308,24 @@ class LoopedMoEModel(LanguageModule):
         if ghost is not None:  # keep the ghost MoE calls in the graph: their backward all-to-alls must run
             out[loops] = out[loops] + 0.0 * ghost
         return out
+
+    def forward_decider(self, input_ids: Tensor, labels: Tensor) -> tuple[dict[int, Tensor], Tensor]:
+        """Decider training (TaH2): one L_max run with an exit at every pass.
+
+        Returns (per-token LM losses ``[B, T]`` at every exit 1..L_max, continue logits ``[L-1, T, B]``
+        after passes 0..L_max-2; sequence-first and, under sequence parallelism, this rank's shard).
+        With ``backbone: frozen`` the decider reads detached states: its loss cannot reach the LM.
+        """
+        if self.decider is None:
+            raise RuntimeError("forward_decider needs a model built with a decider")
+        loops = self.cfg.max_loops
+        keep: list[Tensor] = []
+        states, _ = self.run_loops(input_ids, loops=loops, exits=range(1, loops + 1), keep=keep)
+        losses = {ell: self.compute_language_model_loss(labels, self.logits(h)) for ell, h in states.items()}
+        emb_TBD, passes = keep[0], keep[1:]
+        frozen = self.decider.cfg.backbone == "frozen"
+        logits = [
+            self.decider(h.detach() if frozen else h, emb_TBD.detach() if frozen else emb_TBD, j)
+            for j, h in enumerate(passes[:-1])
+        ]
+        return losses, torch.stack(logits)

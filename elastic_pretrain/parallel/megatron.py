@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from elastic_pretrain.model.config import ModelConfig
+from elastic_pretrain.model.decider import DeciderConfig
 from elastic_pretrain.model.looped import LayerSpecs, LoopedMoEModel
 from elastic_pretrain.parallel.mesh import ParallelConfig
 
@@ -105,11 +106,14 @@ def layer_specs(model: ModelConfig) -> LayerSpecs:
     return LayerSpecs(dense=dense, moe=moe)
 
 
-def build_model(model: ModelConfig, parallel: ParallelConfig, **kwargs: Any) -> LoopedMoEModel:
-    """Build the looped model for the current process's place in the (already initialised) mesh."""
+def build_model(
+    model: ModelConfig, parallel: ParallelConfig, *, decider: DeciderConfig | None = None, **kwargs: Any
+) -> LoopedMoEModel:
+    """Build the looped model for the current process's place in the (already initialised) mesh
+    (with an iteration decider submodule when ``decider`` is given: a decider job or its checkpoints)."""
     tconfig = transformer_config(model, parallel, **kwargs)
-    net = LoopedMoEModel(model, tconfig, layer_specs(model), padded_vocab=padded_vocab_size(model.vocab_size,
-                                                                                              parallel.tensor))
+    net = LoopedMoEModel(model, tconfig, layer_specs(model), decider=decider,
+                         padded_vocab=padded_vocab_size(model.vocab_size, parallel.tensor))
     mark_tp_replicated_experts(net, parallel)
     from megatron.core import parallel_state
 

@@ -165,6 +165,17 @@ def all_reduce_sum(t: torch.Tensor, group: Any = None) -> torch.Tensor:
     return t
 
 
+def sequence_shard(full: torch.Tensor, local_len: int, dim: int) -> torch.Tensor:
+    """This tensor-parallel rank's slice of ``full`` along the sequence ``dim`` when sequence parallelism
+    split it (``local_len`` < full length: the shards are contiguous, in TP-rank order); else ``full``."""
+    if full.shape[dim] == local_len:
+        return full
+    from megatron.core import parallel_state
+
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    return full.narrow(dim, rank * local_len, local_len)
+
+
 def expert_group_max(value: int) -> int:
     """Max of ``value`` over this rank's expert-parallel group: the loop count every member of the
     group must join MoE all-to-alls for (DESIGN §3: one all-reduce MAX of ℓ per micro-batch)."""

@@ -17,6 +17,7 @@ from elastic_pretrain.job import JobConfig
 from elastic_pretrain.model.looped import LoopedMoEModel
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import Mesh
+from elastic_pretrain.train.decider import DeciderStep, freeze_backbone
 from elastic_pretrain.train.schedule import ScheduleController
 from elastic_pretrain.train.step import TrainStep
 
@@ -46,9 +47,11 @@ class Session:
 
     def describe(self) -> str:
         n_params = sum(p.numel() for p in self.net.parameters())
+        n_train = sum(p.numel() for p in self.net.parameters() if p.requires_grad)
         cfg = self.job.model
+        trained = f" ({n_train:,} trained)" if n_train != n_params else ""
         return (
-            f"model: {n_params / 1e6:.2f}M parameters on this rank | prelude {cfg.prelude_layers} + core "
+            f"model: {n_params / 1e6:.2f}M parameters on this rank{trained} | prelude {cfg.prelude_layers} + core "
             f"{cfg.core_layers_built} x {cfg.max_loops} passes + coda {cfg.coda_layers} | "
             f"{cfg.experts_built} experts top-{cfg.moe_top_k} (flatten {cfg.flatten}) | "
             f"sampler {self.job.schedule.sampler}, switch at {self.job.schedule.switch_at:.2f} of tokens"
@@ -87,7 +90,9 @@ def wrap_ddp(job: JobConfig, net: LoopedMoEModel) -> DistributedDataParallel:
 def build_session(job: JobConfig, mesh: Mesh) -> Session:
     tokenizer = load_tokenizer(job.data.tokenizer)
     job.check_vocab(tokenizer.vocab_size)
-    net = build_model(job.model, job.parallel)
+    net = build_model(job.model, job.parallel, decider=job.decider)
+    if job.decider is not None and job.decider.backbone == "frozen":
+        freeze_backbone(net)
     model = wrap_ddp(job, net)
     optimizer, scheduler = build_optimizer(job, model)
     net.config.grad_scale_func = optimizer.scale_loss if job.model.dtype == "bf16" else None
@@ -99,8 +104,10 @@ def build_session(job: JobConfig, mesh: Mesh) -> Session:
     val_tokens = val_all[:rows][mesh.dp_rank :: mesh.dp_size].contiguous()
     controller = ScheduleController(job.schedule, max_loops=job.model.max_loops,
                                     total_tokens=job.train.steps * job.tokens_per_step, seed=job.train.seed)
-    step = TrainStep(model, optimizer, scheduler, seq_len=job.data.seq_len,
-                     micro_batch_size=job.train.micro_batch_size, max_loops=job.model.max_loops)
+    step_kw: dict[str, Any] = dict(seq_len=job.data.seq_len, micro_batch_size=job.train.micro_batch_size,
+                                   max_loops=job.model.max_loops)
+    step = (TrainStep(model, optimizer, scheduler, **step_kw) if job.decider is None
+            else DeciderStep(model, optimizer, scheduler, decider=job.decider, **step_kw))
     session = Session(job, net, model, optimizer, scheduler, batches, val_tokens, controller, step)
     session.sync_phase()
     return session

@@ -109,6 +109,7 @@ class TrainStep:
         self.max_loops = max_loops
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.forward_backward = get_forward_backward_func()
+        self.forward_step: Any = _forward_step  # a decider job swaps in its own (train/decider.py)
 
     def __call__(self, micro_batches: list[MicroBatch], *, probe_routing: bool = False) -> StepResult:
         net: Any = self.model.module
@@ -127,16 +128,20 @@ class TrainStep:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         reports = self.forward_backward(
-            forward_step_func=_forward_step, data_iterator=iter(micro_batches), model=[self.model],
+            forward_step_func=self.forward_step, data_iterator=iter(micro_batches), model=[self.model],
             num_microbatches=len(micro_batches), seq_length=self.seq_len, micro_batch_size=self.micro_batch_size,
             forward_only=False,
         )
         ok, grad_norm, _ = self.optimizer.step()
         self.scheduler.step(increment=1)
-        loss, by_loops = _reduce_by_loops(reports, self.max_loops)
+        loss, by_loops, extra = self.reduce(reports)
         return StepResult(loss=loss, loss_by_loops=by_loops, grad_norm=float(grad_norm or 0.0),
                           lr=float(self.optimizer.param_groups[0]["lr"]), skipped=not ok,
-                          aux=_moe_aux(len(micro_batches)))
+                          aux={**_moe_aux(len(micro_batches)), **extra})
+
+    def reduce(self, reports: list[dict]) -> tuple[float, dict[int, float], dict[str, float]]:
+        """(objective, per-token CE per exit, extra metrics) over micro-batches and DP ranks."""
+        return *_reduce_by_loops(reports, self.max_loops), {}
 
 
 @torch.no_grad()

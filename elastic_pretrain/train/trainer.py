@@ -22,6 +22,7 @@ from elastic_pretrain.eval.quality import flops_per_token
 from elastic_pretrain.job import JobConfig, write_resolved
 from elastic_pretrain.launch.layout import RunFiles
 from elastic_pretrain.parallel.mesh import Mesh, any_rank, describe, init_mesh, teardown
+from elastic_pretrain.train.decider import load_base
 from elastic_pretrain.train.mfu import device_peak, training_flops_per_token
 from elastic_pretrain.train.schedule import ScheduleController
 from elastic_pretrain.train.session import Session, build_session
@@ -141,10 +142,17 @@ class ProgressPrinter:
         total = self.job.train.steps
         eta = (total - state.step) * mean_s
         per_loop = " ".join(f"ℓ{k}={v:.3f}" for k, v in sorted(result.loss_by_loops.items()))
+        a = result.aux
+        decider = (
+            f" | decider bce {a['decider/bce']:.3f} acc {a['decider/accuracy']:.3f} "
+            f"cont {a['decider/continue_rate']:.3f} passes {a['decider/mean_passes']:.2f}"
+            if "decider/bce" in a
+            else ""
+        )
         print(
             f"step {state.step:>5}/{total} [{100 * state.step / total:5.1f}%] loss {result.loss:.4f} ({per_loop})"
-            f" | lr {result.lr:.2e} | gnorm {result.grad_norm:.2f} | {self.job.tokens_per_step / mean_s:,.0f} tok/s"
-            f" | {self.controller.phase} | eta {eta:,.0f}s",
+            f"{decider} | lr {result.lr:.2e} | gnorm {result.grad_norm:.2f}"
+            f" | {self.job.tokens_per_step / mean_s:,.0f} tok/s | {self.controller.phase} | eta {eta:,.0f}s",
             flush=True,
         )
 
@@ -323,6 +331,10 @@ def train(job: JobConfig) -> dict[int, float] | None:
         ckpt, state = Checkpointer(job, mesh, session, run_dir), TrainState()
         if source:
             ckpt.restore(source, meta, state)
+        elif job.decider is not None:  # a decider job starts from its base model (decider.init_from)
+            load_base(session.net, Path(job.decider.init_from or ""))
+            if mesh.is_logging_rank:
+                print(f"decider job: base model from {job.decider.init_from} ({job.decider.backbone})", flush=True)
         # the MLflow run continues: its id is in the checkpoint (or, if MLflow had not answered by the
         # time that save was taken, in the run directory's mlflow_run_id file)
         run_id_file = RunFiles(run_dir).mlflow_run_id

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from elastic_pretrain.config import ConfigError, build, load_yaml
+from elastic_pretrain.config import ConfigError, build, load_yaml, to_dict
 from elastic_pretrain.data.config import DataConfig
 from elastic_pretrain.job import dump_job, load_job
 from elastic_pretrain.parallel.mesh import ParallelConfig
@@ -17,10 +18,17 @@ JOBS = sorted((REPO / "jobs").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("path", JOBS, ids=lambda p: p.name)
-def test_every_job_builds(path):
-    job = load_job(path)
+def test_every_job_builds(path, tmp_path):
+    overrides = []
+    if "decider" in load_yaml(path):  # a decider job reads its base checkpoint's trainer.json (model, phase)
+        base = tmp_path / "base" / "step_1"
+        base.mkdir(parents=True)
+        meta = {"config": to_dict(load_job(REPO / "jobs/tiny-cpu.yaml")), "controller": {"phase": "mixed"}}
+        (base / "trainer.json").write_text(json.dumps(meta))
+        overrides.append(f"decider.init_from={base}")
+    job = load_job(path, overrides)
     assert job.name and job.train.steps > 0
-    assert load_job(path, []).name == job.name
+    assert load_job(path, overrides).name == job.name
     dump_job(job)
 
 

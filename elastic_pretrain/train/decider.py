@@ -1,0 +1,121 @@
+"""A decider job (TaH2 post-training): the numerics of one step, backbone freezing, base weights.
+
+The job's model carries the iteration decider as a submodule (``LoopedMoEModel.decider``), so
+megatron's DDP, the distributed optimizer, ``dist_checkpointing`` and our resume/resharding handle it
+like any other parameter; with ``backbone: frozen`` every other parameter has ``requires_grad=False``
+(megatron's DDP and optimizer skip those: no gradient buffers, no Adam state). Every micro-batch runs
+L_max passes with an exit at every pass — the same MoE calls on every rank of an expert-parallel group,
+so no ghost passes. Per micro-batch: CE_j at each exit → lookahead labels over its tokens → weighted
+BCE of the decider's continue logits; objective = CE at L_max + ``loss_weight`` · BCE (as
+``model/decider.py:decider_loss``, which is the one-process reference).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from elastic_pretrain.errors import UserError
+from elastic_pretrain.model.decider import DeciderConfig, lookahead_labels, passes_at
+from elastic_pretrain.model.looped import LoopedMoEModel
+from elastic_pretrain.parallel.mesh import sequence_shard
+from elastic_pretrain.train.step import MicroBatch, TrainStep, _reduce_by_loops
+
+# the per-micro-batch sums a decider step reports (reduced over every rank)
+STATS = ("bce_sum", "labels", "continue", "correct", "passes", "tokens")
+
+
+def _forward_step(cfg: DeciderConfig, data_iterator: Iterator[MicroBatch], model: Any) -> tuple[Any, Any]:
+    mb = next(data_iterator)
+    inputs, labels = mb.tokens_BT1[:, :-1].contiguous(), mb.tokens_BT1[:, 1:].contiguous()
+    return model.module.forward_decider(inputs, labels), partial(_loss_func, cfg)
+
+
+def _loss_func(cfg: DeciderConfig, out: tuple[dict[int, torch.Tensor], torch.Tensor]) -> tuple[Any, Any, dict]:
+    """CE at L_max + loss_weight · BCE, as a per-token sum (megatron divides by the token count).
+
+    The CE of every exit is identical on the TP ranks of a replica (vocab-parallel CE), so are the
+    labels; under sequence parallelism the continue logits ``[L-1, T/tp, B]`` are this rank's sequence
+    shard, so the BCE here is the shard's sum over the *whole* sequence's label count: the TP ranks'
+    decider gradients add up (finalize_model_grads all-reduces them) to the gradient of the full mean.
+    """
+    losses, logit_LTB = out
+    loops = len(losses)
+    ce_LBT = torch.stack([losses[e] for e in range(1, loops + 1)])
+    n = ce_LBT[0].numel()
+    labels_LBT = lookahead_labels(ce_LBT.detach(), cfg.coverage)
+    target_LTB = sequence_shard(labels_LBT.transpose(1, 2), logit_LTB.shape[1], dim=1).float()
+    pos_weight = torch.tensor(cfg.pos_weight, device=logit_LTB.device)
+    bce = F.binary_cross_entropy_with_logits(logit_LTB, target_LTB, pos_weight=pos_weight, reduction="sum")
+    objective = ce_LBT[-1].sum() + cfg.loss_weight * bce * (n / labels_LBT.numel())
+    with torch.no_grad():
+        passes = passes_at(logit_LTB, cfg.threshold)
+        stats = torch.tensor(
+            [float(bce), target_LTB.numel(), float(target_LTB.sum()),
+             float(((logit_LTB > 0).float() == target_LTB).sum()), float(passes.sum()), passes.numel()],
+            dtype=torch.float64,
+        )  # fmt: skip
+    report = {"by_exit": {e: (losses[e].detach().sum(), n) for e in losses}, "decider": stats}
+    return objective, torch.tensor(n, dtype=torch.int), report
+
+
+class DeciderStep(TrainStep):
+    """:class:`TrainStep` with the decider job's forward and loss; logs the decider's metrics."""
+
+    def __init__(self, *args: Any, decider: DeciderConfig, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.cfg = decider
+        self.forward_step = partial(_forward_step, decider)
+
+    def reduce(self, reports: list[dict]) -> tuple[float, dict[int, float], dict[str, float]]:
+        _, by_loops = _reduce_by_loops(reports, self.max_loops)
+        sums = torch.stack([r["decider"] for r in reports]).sum(0)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # every rank: DP replicas add their tokens; TP ranks add disjoint shards (sequence parallel)
+            # or count the same tokens in numerator and denominator alike (no sequence parallel)
+            dist.all_reduce(sums)
+        s = dict(zip(STATS, sums.tolist(), strict=True))
+        bce = s["bce_sum"] / s["labels"]
+        metrics = {
+            "decider/bce": bce,
+            "decider/continue_rate": s["continue"] / s["labels"],
+            "decider/accuracy": s["correct"] / s["labels"],
+            "decider/mean_passes": s["passes"] / s["tokens"],
+        }
+        return by_loops[self.max_loops] + self.cfg.loss_weight * bce, by_loops, metrics
+
+
+def freeze_backbone(net: LoopedMoEModel) -> None:
+    """``backbone: frozen``: only the decider trains (before DDP: it builds buffers for trainable params)."""
+    for name, p in net.named_parameters():
+        if not name.startswith("decider."):
+            p.requires_grad_(False)
+
+
+def load_base(net: LoopedMoEModel, ckpt: Path) -> None:
+    """The base model's tensors (``decider.init_from``) into a decider job's model at this layout; the
+    decider keeps its initialisation. Only model tensors are read (no optimizer state). Collective."""
+    from megatron.core import dist_checkpointing
+
+    from elastic_pretrain.checkpoint.manager import verify_everywhere
+    from elastic_pretrain.checkpoint.safe_load import restricted_unpickling
+    from elastic_pretrain.checkpoint.store import MODEL_DIR
+
+    verify_everywhere(ckpt)
+    model_sd = {k: v for k, v in net.sharded_state_dict().items() if not k.startswith("decider.")}
+    try:
+        with torch.no_grad(), restricted_unpickling():
+            loaded = dist_checkpointing.load({"model": model_sd}, str(ckpt / MODEL_DIR))
+    except Exception as err:  # name the checkpoint, keep one line
+        first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        raise UserError(f"{ckpt / MODEL_DIR}: cannot load the base model tensors ({first})") from err
+    missing, unexpected = net.load_state_dict(loaded["model"], strict=False)
+    left = [k for k in missing if not k.startswith("decider.")] + list(unexpected)
+    if left:
+        raise UserError(f"{ckpt}: base model tensors do not match the decider job's model ({left[0]} ...)")

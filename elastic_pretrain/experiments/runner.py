@@ -6,7 +6,8 @@ this process, one after the other, into ``<runs>/<name>/<job>``. A finished run 
 resolved config (``config.yaml``, name and run directory left out) equals the job's — also a run of
 another experiment with the same config (e.g. the late-switch job that three experiments share) — so a
 rerun that changes nothing only evaluates. A run whose config changed is deleted and trained again; an
-unfinished run with the same config resumes from its checkpoint.
+unfinished run with the same config resumes from its checkpoint. A job may post-train another job of its
+set (``decider.init_from: <job>.yaml``): it is loaded, on that job's run, once that run is trained or found.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from elastic_pretrain.errors import UserError
 from elastic_pretrain.eval.quality import (
     CurvePoint,
     QualityCurve,
@@ -568,12 +569,17 @@ def decider(ctx: Context) -> Findings:
     tokens = ctx.val_tokens()
     model = ctx.model(run.name)
     thresholds = (0.0, 0.5, 1.01) if ctx.quick else DEFAULT_THRESHOLDS
+    if model.decider is None or run.job.decider is None:
+        raise UserError(f"{run.run_dir}: the decider job's checkpoint holds no iteration decider")
     sweep = adaptive_sweep(model, model.decider.eval(), tokens, thresholds)
     control = [random_stop(model, tokens, q) for q in ((0.5,) if ctx.quick else RANDOM_STOP)]
     base_loss = losses(ctx, base)  # the base run's own checkpoint: the frozen backbone must match it
     drift = max(abs(p.loss - base_loss[p.loops]) for p in sweep.fixed)
     cmp = compare(list(sweep.curves()))
     top = model.cfg.max_loops
+    width, hidden = model.cfg.hidden_size, run.job.decider.hidden_size
+    decider_flops = 2 * (2 * width * hidden + hidden)  # fc1 on [h; e] and fc2, multiply-adds x 2
+    fmax = _flops(run, top)
     # the sweep's ends are fixed depth itself (threshold 0: ℓ = L_max; above 1: ℓ = 1): compare the inside
     inner = [r for r in sweep.adaptive if 1.0 + 1e-6 < r.mean_passes < top - 1e-6]
     delta = {r.threshold: (r.loss - sweep.fixed_at(r.relative_compute)[0]) for r in sweep.adaptive}
@@ -687,11 +693,12 @@ def decider(ctx: Context) -> Findings:
             "auc_range": [cmp.lo, cmp.hi],
             "base_loss_by_loops": base_loss,
             "backbone_drift": drift,
+            "decider_flops_per_decision": decider_flops,
         },
         plot=lambda path: _figure(path, draw, panels=2),
         method=[
             f"The decider job post-trains a TaH2 iteration decider on {base.name}'s final checkpoint "
-            "(`decider.init_from: late-switch.yaml`: the runner trains or reuses that job first and points the "
+            f"(`decider.init_from: {base.name}.yaml`: the runner trains or reuses that job first and points the "
             "decider job at its run); the backbone is frozen, so the decider checkpoint holds the base model "
             f"unchanged. Its training sees the base's {run.tokens:,} tokens in the same order (the same train "
             "section); every micro-batch runs all passes with an exit at each and the BCE trains the decider only (the "
@@ -700,9 +707,11 @@ def decider(ctx: Context) -> Findings:
             "as `eval --adaptive`): after pass j a token stops when the decider's continue probability is below "
             "the threshold; a stopped token keeps its hidden state and its K/V of its last pass for the tokens "
             "that run on. Fixed depth runs every token ℓ passes. Relative compute = FLOPs per token at the mean "
-            "passes / FLOPs at L_max (prelude, coda and output layer included; the decider's own ~2·(2·64·64) "
-            "FLOPs per token and pass are not counted). Fixed depth is linearly interpolated between the ℓ at "
-            "the adaptive point's compute.",
+            "passes / FLOPs at L_max (prelude, coda and output layer included). Not counted: the decider's own "
+            f"{decider_flops:,} FLOPs per token and decision ({decider_flops / fmax:.1%} of FLOPs(L_max); up to "
+            f"{top - 1} decisions per token) — counting them would move every adaptive point to more compute, "
+            "against adaptive depth. Fixed depth is linearly interpolated between the ℓ at the adaptive point's "
+            "compute.",
             "Control: the same adaptive execution with a random stop rule (each pass, each token stops with "
             "probability q, seed 0): what per-token depth costs without any information about the token. Every "
             "comparison here is within one checkpoint on the same held-out tokens (paired), so the seed spread "

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-from elastic_pretrain.config import ConfigError, flatten, load_yaml, to_dict
+from elastic_pretrain.config import ConfigError, build, flatten, load_yaml, to_dict
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.job import JobConfig, dump_job, load_job
 
@@ -194,8 +194,17 @@ def job_fingerprint(job: JobConfig) -> str:
 
 
 def run_fingerprint(run_dir: Path) -> str | None:
+    """The run's config through today's schema: a key added since it was trained (``decider: null``) reads as
+    its default, so adding a config field does not retrain every finished run (new fields default to the old
+    behaviour); a config that no longer builds (a key since removed) is compared as written."""
     path = run_dir / "config.yaml"
-    return fingerprint(yaml.safe_load(path.read_text())) if path.is_file() else None
+    if not path.is_file():
+        return None
+    raw = yaml.safe_load(path.read_text())
+    try:
+        return job_fingerprint(build(JobConfig, raw))
+    except ConfigError:
+        return fingerprint(raw)
 
 
 def is_finished(run_dir: Path) -> bool:

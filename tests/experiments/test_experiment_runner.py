@@ -14,10 +14,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
 from elastic_pretrain.config import ConfigError, load_yaml
 from elastic_pretrain.experiments.runner import base_job, fingerprint, job_diff, load_jobs
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job import dump_job, load_job
 from tests.conftest import REPO
 
 JOB_FILES = sorted((REPO / "jobs/experiments").glob("*/*.yaml"))
@@ -154,6 +155,22 @@ def test_fingerprint_ignores_the_run_name_only() -> None:
 
     assert job_fingerprint(a) == job_fingerprint(b) != job_fingerprint(c)
     assert fingerprint({"name": "x", "train": {"lr": 1}}) == fingerprint({"name": "y", "train": {"lr": 1}})
+
+
+def test_a_run_from_before_a_config_field_existed_is_reused(tmp_path: Path) -> None:
+    from elastic_pretrain.experiments.runner import job_fingerprint, run_fingerprint
+
+    job = load_job(REPO / "jobs/experiments/kv-cache/late-switch.yaml")
+    old = yaml.safe_load(dump_job(job))
+    del old["decider"]  # a run trained before the decider section existed
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    assert run_fingerprint(tmp_path) == job_fingerprint(job)
+    old["train"]["lr"] = 1.0
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    assert run_fingerprint(tmp_path) != job_fingerprint(job)
+    old["removed_key"] = 1  # no longer builds: compared as written, never equal
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    assert run_fingerprint(tmp_path) not in (None, job_fingerprint(job))
 
 
 def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -144,6 +144,11 @@ def _decider_base(raw: dict[str, Any]) -> dict[str, Any] | None:
             "decider.init_from: missing: name the base run directory or checkpoint to post-train "
             "(e.g. decider.init_from: runs/tiny-cpu)"
         )
+    if str(section["init_from"]).endswith(".yaml"):
+        raise ConfigError(
+            f"decider.init_from: {section['init_from']} is a job file (`elastic-pretrain experiment` puts its run "
+            "here): name the base run directory or checkpoint (decider.init_from=runs/<base>)"
+        )
     from elastic_pretrain.checkpoint.store import read_trainer_state
     from elastic_pretrain.eval.commands import resolve_checkpoint
 

@@ -9,6 +9,7 @@ experiment: a job set under ``jobs/experiments/<name>/``, an ``analyse`` functio
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from elastic_pretrain.errors import UserError
 from elastic_pretrain.eval.quality import (
     CurvePoint,
     QualityCurve,
@@ -539,6 +541,186 @@ def seed_noise(ctx: Context) -> Findings:
 
 
 # ---------------------------------------------------------------------------------------------------
+# 7. adaptive depth (the iteration decider) vs fixed depth at matched mean passes
+RANDOM_STOP = (0.1, 0.25, 0.5, 0.75)  # the control: each pass, stop with this probability regardless of the token
+
+
+def random_stop(model: Any, tokens: torch.Tensor, q: float, *, seed: int = 0) -> dict[str, float]:
+    """Teacher-forced (per-loop KV) loss, accuracy and mean passes when every token stops after each pass
+    with probability ``q`` — adaptive depth without any information, at a compute set by ``q``."""
+    from elastic_pretrain.eval.quality import relative_compute
+    from elastic_pretrain.model.inference import teacher_forced_loss
+
+    gen = torch.Generator().manual_seed(seed)
+    tf = teacher_forced_loss(
+        model, tokens, kv_cache="per-loop", stop=lambda h, e, j: torch.rand(h.shape[:2], generator=gen) < q
+    )
+    rel = relative_compute(model.cfg, tf.mean_passes, seq_len=tokens.shape[1] - 1)
+    return {"q": q, "mean_passes": tf.mean_passes, "relative_compute": rel, "loss": tf.loss, "accuracy": tf.accuracy}
+
+
+def decider(ctx: Context) -> Findings:
+    from elastic_pretrain.eval.adaptive import DEFAULT_THRESHOLDS, adaptive_sweep
+    from elastic_pretrain.eval.quality import _interp, compare
+    from elastic_pretrain.experiments.runner import base_job
+
+    run = next(r for r in ctx.runs if r.job.decider is not None)
+    base = ctx.run(base_job(run.job_path) or ctx.runs[0].name)
+    tokens = ctx.val_tokens()
+    model = ctx.model(run.name)
+    thresholds = (0.0, 0.5, 1.01) if ctx.quick else DEFAULT_THRESHOLDS
+    if model.decider is None or run.job.decider is None:
+        raise UserError(f"{run.run_dir}: the decider job's checkpoint holds no iteration decider")
+    sweep = adaptive_sweep(model, model.decider.eval(), tokens, thresholds)
+    control = [random_stop(model, tokens, q) for q in ((0.5,) if ctx.quick else RANDOM_STOP)]
+    base_loss = losses(ctx, base)  # the base run's own checkpoint: the frozen backbone must match it
+    drift = max(abs(p.loss - base_loss[p.loops]) for p in sweep.fixed)
+    cmp = compare(list(sweep.curves()))
+    top = model.cfg.max_loops
+    width, hidden = model.cfg.hidden_size, run.job.decider.hidden_size
+    decider_flops = 2 * (2 * width * hidden + hidden)  # fc1 on [h; e] and fc2, multiply-adds x 2
+    fmax = _flops(run, top)
+    # the sweep's ends are fixed depth itself (threshold 0: ℓ = L_max; above 1: ℓ = 1): compare the inside
+    inner = [r for r in sweep.adaptive if 1.0 + 1e-6 < r.mean_passes < top - 1e-6]
+    delta = {r.threshold: (r.loss - sweep.fixed_at(r.relative_compute)[0]) for r in sweep.adaptive}
+    dacc = {r.threshold: (r.accuracy - sweep.fixed_at(r.relative_compute)[1]) for r in sweep.adaptive}
+    for c in control:
+        c["fixed_loss"], c["fixed_accuracy"] = sweep.fixed_at(c["relative_compute"])
+    rows = [
+        "| control: stop probability per pass | mean passes/token | relative compute | loss | accuracy "
+        "| fixed-depth loss at matched compute | Δ loss | Δ accuracy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    rows += [
+        f"| {c['q']:g} | {c['mean_passes']:.3f} | {c['relative_compute']:.3f} | {c['loss']:.4f} | {c['accuracy']:.4f} "
+        f"| {c['fixed_loss']:.4f} | {c['loss'] - c['fixed_loss']:+.4f} | {c['accuracy'] - c['fixed_accuracy']:+.4f} |"
+        for c in control
+    ]
+    reading = [
+        f"AUC (compute-averaged loss over relative compute [{cmp.lo:.3f}, {cmp.hi:.3f}]): adaptive "
+        f"{cmp.aucs[1]:.4f} vs fixed depth {cmp.aucs[0]:.4f} ({cmp.relative[1]:+.2%}; lower is better)."
+    ]
+    if inner:
+        better = [r for r in inner if delta[r.threshold] < 0]
+        best = min(inner, key=lambda r: delta[r.threshold])
+        worst = max(inner, key=lambda r: delta[r.threshold])
+        reading.append(
+            f"Between the ends ({len(inner)} thresholds with 1 < mean passes < {top}), adaptive minus fixed depth at "
+            f"the same compute: loss {statistics.fmean(delta[r.threshold] for r in inner):+.4f} nats on average "
+            f"(lower at {len(better)} of {len(inner)}; best {delta[best.threshold]:+.4f} at threshold "
+            f"{best.threshold:g}, {best.mean_passes:.2f} passes; worst {delta[worst.threshold]:+.4f} at "
+            f"{worst.threshold:g}, {worst.mean_passes:.2f} passes), accuracy "
+            f"{statistics.fmean(dacc[r.threshold] for r in inner):+.4f} on average."
+        )
+    reading.append(
+        "Random stopping (the control: no information about the token) minus fixed depth at the same compute, "
+        "in nats: "
+        + ", ".join(f"{c['loss'] - c['fixed_loss']:+.4f} at {c['mean_passes']:.2f} passes" for c in control)
+        + (f"; mean {statistics.fmean(c['loss'] - c['fixed_loss'] for c in control):+.4f}" if control else "")
+        + (
+            f" (the decider's mean between the ends: {statistics.fmean(delta[r.threshold] for r in inner):+.4f})."
+            if inner
+            else "."
+        )
+    )
+    one = sweep.fixed[0]
+    above = [r for r in inner if r.loss > one.loss]
+    if above:
+        reading.append(
+            f"{len(above)} of {len(inner)} adaptive points lose more than fixed ℓ = 1 ({one.loss:.4f}) although they "
+            "run more passes: "
+            + ", ".join(f"{r.loss:.4f} at {r.mean_passes:.2f} passes (threshold {r.threshold:g})" for r in above)
+            + "; random stopping: "
+            + ", ".join(f"{c['loss']:.4f} at {c['mean_passes']:.2f}" for c in control)
+            + ". Tokens at different depths in one sequence (a stopped token's frozen K/V read by deeper ones) is "
+            f"an execution {base.name} never trained under (one depth per micro-batch)."
+        )
+    # the control as a curve (its ends: every token at L_max, every token at ℓ = 1 — the sweep's ends)
+    ends_pts = [(r.relative_compute, r.loss) for r in (sweep.adaptive[0], sweep.adaptive[-1])]
+    rand = sorted([*ends_pts, *((c["relative_compute"], c["loss"]) for c in control)])
+    vs_random = {
+        r.threshold: r.loss - _interp([x for x, _ in rand], [y for _, y in rand], r.relative_compute) for r in inner
+    }
+    if inner:
+        reading.append(
+            "Decider minus random stopping at the same compute (the control's curve interpolated): "
+            + ", ".join(f"{vs_random[r.threshold]:+.4f} at {r.mean_passes:.2f} passes" for r in inner)
+            + f"; mean {statistics.fmean(vs_random.values()):+.4f} nats."
+        )
+    ends = delta[sweep.adaptive[0].threshold], delta[sweep.adaptive[-1].threshold]
+    reading.append(
+        f"Fixed depth ℓ = 1..{top} on the decider checkpoint: "
+        + ", ".join(f"{p.loss:.4f}" for p in sweep.fixed)
+        + f" (the base run {base.name}'s own checkpoint: within {drift:.1e} nats: the frozen backbone is the base "
+        "model); the end points of the sweep equal fixed depth by construction (threshold 0 = ℓ = "
+        f"{top}: {ends[0]:+.4f}; above 1 = ℓ = 1: {ends[1]:+.4f})."
+    )
+
+    distinct = [r for i, r in enumerate(sweep.adaptive) if i == 0 or r.mean_passes != sweep.adaptive[i - 1].mean_passes]
+
+    def draw(axes: Any) -> None:
+        series = (
+            ("fixed depth", [(p.relative_compute, p.loss, p.accuracy) for p in sweep.fixed], "-o"),
+            ("adaptive (decider)", [(r.relative_compute, r.loss, r.accuracy) for r in sweep.adaptive], "-s"),
+            ("random stop (control)", [(c["relative_compute"], c["loss"], c["accuracy"]) for c in control], "x"),
+        )
+        for name, pts, style in series:
+            pts = sorted(pts)
+            for ax, k in zip(axes, (1, 2), strict=True):
+                ax.plot([p[0] for p in pts], [p[k] for p in pts], style, label=name, ms=4)
+        for r in distinct:  # one label per point (high thresholds all stop after one pass)
+            axes[0].annotate(f"{r.threshold:g}", (r.relative_compute, r.loss), fontsize=6, xytext=(3, 3),
+                             textcoords="offset points")  # fmt: skip
+        for ax, label in zip(axes, ("held-out loss (nats/token)", "next-token accuracy"), strict=True):
+            ax.set_xlabel("relative compute FLOPs(mean passes) / FLOPs(L_max)")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+
+    return Findings(
+        tables=[sweep.markdown(), "\n".join(rows)],
+        reading=reading,
+        numbers={
+            "fixed": [dataclasses.asdict(p) for p in sweep.fixed],
+            "adaptive": [
+                {**dataclasses.asdict(r), "delta_loss": delta[r.threshold], "delta_accuracy": dacc[r.threshold]}
+                for r in sweep.adaptive
+            ],
+            "random_stop": control,
+            "decider_minus_random": vs_random,
+            "auc": dict(zip(cmp.names, cmp.aucs, strict=True)),
+            "auc_vs_fixed": cmp.relative[1],
+            "auc_range": [cmp.lo, cmp.hi],
+            "base_loss_by_loops": base_loss,
+            "backbone_drift": drift,
+            "decider_flops_per_decision": decider_flops,
+        },
+        plot=lambda path: _figure(path, draw, panels=2),
+        method=[
+            f"The decider job post-trains a TaH2 iteration decider on {base.name}'s final checkpoint "
+            f"(`decider.init_from: {base.name}.yaml`: the runner trains or reuses that job first and points the "
+            "decider job at its run); the backbone is frozen, so the decider checkpoint holds the base model "
+            f"unchanged. Its training sees the base's {run.tokens:,} tokens in the same order (the same train "
+            "section); every micro-batch runs all passes with an exit at each and the BCE trains the decider only (the "
+            "setup table's training FLOPs for it count the pretraining step, an overestimate).",
+            "Teacher-forced on the held-out tokens with the per-loop KV cache (`eval/adaptive.py adaptive_sweep`, "
+            "as `eval --adaptive`): after pass j a token stops when the decider's continue probability is below "
+            "the threshold; a stopped token keeps its hidden state and its K/V of its last pass for the tokens "
+            "that run on. Fixed depth runs every token ℓ passes. Relative compute = FLOPs per token at the mean "
+            "passes / FLOPs at L_max (prelude, coda and output layer included). Not counted: the decider's own "
+            f"{decider_flops:,} FLOPs per token and decision ({decider_flops / fmax:.1%} of FLOPs(L_max); up to "
+            f"{top - 1} decisions per token) — counting them would move every adaptive point to more compute, "
+            "against adaptive depth. Fixed depth is linearly interpolated between the ℓ at the adaptive point's "
+            "compute.",
+            "Control: the same adaptive execution with a random stop rule (each pass, each token stops with "
+            "probability q, seed 0): what per-token depth costs without any information about the token. Every "
+            "comparison here is within one checkpoint on the same held-out tokens (paired), so the seed spread "
+            "of seed-noise.md does not apply to it directly.",
+        ],
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
 EXPERIMENTS: dict[str, Experiment] = {
     e.name: e
     for e in (
@@ -590,6 +772,16 @@ EXPERIMENTS: dict[str, Experiment] = {
             "the differences in the other reports (each of which is one seed).",
             analyse=seed_noise,
             varies=("train.seed",),
+        ),
+        Experiment(
+            name="decider",
+            title="Adaptive depth (iteration decider) vs fixed depth at matched mean passes",
+            question="A TaH2 iteration decider post-trained on the late-switch model (frozen backbone) stops each "
+            "token after its own number of passes. At the same mean passes per token (the same compute), is the "
+            "held-out loss and next-token accuracy better than running every token at one fixed depth? A threshold "
+            "sweep of the decider against fixed depth ℓ = 1..4 interpolated at the same relative compute, with "
+            "random per-token stopping as a control.",
+            analyse=decider,
         ),
     )
 }

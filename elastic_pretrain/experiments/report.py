@@ -7,7 +7,16 @@ from pathlib import Path
 from typing import Any
 
 from elastic_pretrain.eval.quality import flops_breakdown, flops_per_token
-from elastic_pretrain.experiments.runner import Context, Experiment, Findings, Run, ensure_trained, job_diff, load_jobs
+from elastic_pretrain.experiments.runner import (
+    Context,
+    Experiment,
+    Findings,
+    Run,
+    ensure_trained,
+    job_diff,
+    load_jobs,
+    load_post_training,
+)
 from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 
 
@@ -15,8 +24,10 @@ def run_experiment(
     experiment: Experiment, *, runs_root: Path, out_dir: Path, overrides: list[str], quick: bool, command: str
 ) -> Path:
     """Train or reuse every job, analyse, write ``<out_dir>/<name>.{md,png,json}``; returns the .md path."""
-    jobs = load_jobs(experiment.name, runs_root, overrides)
-    runs = [ensure_trained(path, job, runs_root) for path, job in jobs]
+    runs: list[Run] = []
+    for path, job in load_jobs(experiment.name, runs_root, overrides):  # config errors before any training
+        job = job or load_post_training(path, experiment.name, runs_root, overrides, runs)
+        runs.append(ensure_trained(path, job, runs_root))
     init_mesh(ParallelConfig(), seed=0)  # one process, for loading and evaluating the checkpoints
     try:
         ctx = Context(experiment, runs, quick=quick)

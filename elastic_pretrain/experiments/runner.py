@@ -6,7 +6,8 @@ this process, one after the other, into ``<runs>/<name>/<job>``. A finished run 
 resolved config (``config.yaml``, name and run directory left out) equals the job's — also a run of
 another experiment with the same config (e.g. the late-switch job that three experiments share) — so a
 rerun that changes nothing only evaluates. A run whose config changed is deleted and trained again; an
-unfinished run with the same config resumes from its checkpoint.
+unfinished run with the same config resumes from its checkpoint. A job may post-train another job of its
+set (``decider.init_from: <job>.yaml``): it is loaded, on that job's run, once that run is trained or found.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-from elastic_pretrain.config import ConfigError, flatten, to_dict
+from elastic_pretrain.config import ConfigError, build, flatten, load_yaml, to_dict
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.job import JobConfig, dump_job, load_job
 
@@ -145,15 +146,41 @@ def job_paths(name: str, jobs_dir: Path = JOBS_DIR) -> list[Path]:
 
 def load_jobs(
     name: str, runs_root: Path, overrides: list[str], jobs_dir: Path = JOBS_DIR
-) -> list[tuple[Path, JobConfig]]:
-    """Every job of the set with the overrides applied, its run directory under ``runs_root/<name>/``."""
-    jobs = []
-    for path in job_paths(name, jobs_dir):
-        job = load_job(path, [*overrides, f"run_dir={runs_root / name / path.stem}", f"name={name}-{path.stem}"])
-        if job.parallel.tensor * job.parallel.expert * job.parallel.pipeline != 1:
-            raise ConfigError(f"{path}: experiments train in one process; set 'parallel: single'")
-        jobs.append((path, job))
-    return jobs
+) -> list[tuple[Path, JobConfig | None]]:
+    """Every job of the set with the overrides applied, its run directory under ``runs_root/<name>/``.
+
+    A job that post-trains another job of the set (``decider.init_from: <job>.yaml``) comes after it and
+    is None here: :func:`load_post_training` loads it once that job's run exists."""
+    paths = job_paths(name, jobs_dir)
+    bases = {p: base_job(p) for p in paths}
+    for path, base in bases.items():
+        if base is not None and bases.get(path.with_name(f"{base}.yaml"), "missing") is not None:
+            raise ConfigError(
+                f"{path}: decider.init_from: {base}.yaml is not a job of {jobs_dir / name}/ that trains from scratch "
+                "(name a job file of this set, or a run directory)"
+            )
+    paths.sort(key=lambda p: bases[p] is not None)  # bases first
+    return [(p, None if bases[p] else _load(p, name, runs_root, overrides)) for p in paths]
+
+
+def base_job(path: Path) -> str | None:
+    """The job of the same set that ``path`` post-trains (``decider.init_from: <job>.yaml``), if any."""
+    section = load_yaml(path).get("decider")
+    ref = section.get("init_from") if isinstance(section, dict) else None
+    return ref.removesuffix(".yaml") if isinstance(ref, str) and ref.endswith(".yaml") and "/" not in ref else None
+
+
+def load_post_training(path: Path, name: str, runs_root: Path, overrides: list[str], runs: list[Run]) -> JobConfig:
+    """A job that post-trains a job of its set, on that job's run (trained or reused: ``runs``)."""
+    base = next(r for r in runs if r.name == base_job(path))
+    return _load(path, name, runs_root, [*overrides, f"decider.init_from={base.run_dir}"])
+
+
+def _load(path: Path, name: str, runs_root: Path, overrides: list[str]) -> JobConfig:
+    job = load_job(path, [*overrides, f"run_dir={runs_root / name / path.stem}", f"name={name}-{path.stem}"])
+    if job.parallel.tensor * job.parallel.expert * job.parallel.pipeline != 1:
+        raise ConfigError(f"{path}: experiments train in one process; set 'parallel: single'")
+    return job
 
 
 def fingerprint(config: dict[str, Any]) -> str:
@@ -167,8 +194,17 @@ def job_fingerprint(job: JobConfig) -> str:
 
 
 def run_fingerprint(run_dir: Path) -> str | None:
+    """The run's config through today's schema: a key added since it was trained (``decider: null``) reads as
+    its default, so adding a config field does not retrain every finished run (new fields default to the old
+    behaviour); a config that no longer builds (a key since removed) is compared as written."""
     path = run_dir / "config.yaml"
-    return fingerprint(yaml.safe_load(path.read_text())) if path.is_file() else None
+    if not path.is_file():
+        return None
+    raw = yaml.safe_load(path.read_text())
+    try:
+        return job_fingerprint(build(JobConfig, raw))
+    except ConfigError:
+        return fingerprint(raw)
 
 
 def is_finished(run_dir: Path) -> bool:

@@ -14,9 +14,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import yaml
 
-from elastic_pretrain.experiments.runner import fingerprint, job_diff
-from elastic_pretrain.job import load_job
+from elastic_pretrain.config import ConfigError, load_yaml
+from elastic_pretrain.experiments.runner import base_job, fingerprint, job_diff, load_jobs
+from elastic_pretrain.job import dump_job, load_job
 from tests.conftest import REPO
 
 JOB_FILES = sorted((REPO / "jobs/experiments").glob("*/*.yaml"))
@@ -108,6 +110,12 @@ def test_quick_experiment_reports_reuses_and_retrains(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("path", JOB_FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
 def test_experiment_job_files_parse(path: Path) -> None:
+    base = base_job(path)
+    if base is not None:  # post-trains a job of its set: loads once that job has a run (the runner does it)
+        with pytest.raises(ConfigError, match=r"decider.init_from: .*\.yaml is a job file .*decider.init_from=runs/"):
+            load_job(path)
+        path = path.with_name(f"{base}.yaml")
+        assert base_job(path) is None
     job = load_job(path)
     assert job.parallel.tensor == job.parallel.expert == 1 and job.tracking.backend == "none"
 
@@ -117,11 +125,26 @@ def test_registry_matches_job_sets_and_jobs_of_a_set_share_tokens_and_seed() -> 
 
     sets = {p.parent.name for p in JOB_FILES}
     assert set(EXPERIMENTS) == sets
+    for path in filter(base_job, JOB_FILES):  # a post-training job trains on its base's tokens, in their order
+        base = load_yaml(path.with_name(f"{base_job(path)}.yaml"))
+        assert {k: load_yaml(path)[k] for k in ("data", "train")} == {k: base[k] for k in ("data", "train")}
     for name in sets:
-        jobs = [load_job(p) for p in JOB_FILES if p.parent.name == name]
+        jobs = [load_job(p) for p in JOB_FILES if p.parent.name == name and base_job(p) is None]
         assert len({(j.train.steps, j.tokens_per_step, j.data.shuffle_seed) for j in jobs}) == 1
         differing = {k for k in job_diff(jobs) if k.startswith(("data.", "train."))}
         assert differing == set(EXPERIMENTS[name].varies), name
+
+
+def test_a_post_training_job_loads_after_its_base(tmp_path: Path) -> None:
+    # the decider set: the base first (loaded now), the decider job after it (loaded once the base has a run)
+    jobs = load_jobs("decider", tmp_path, [], jobs_dir=REPO / "jobs/experiments")
+    assert [(p.name, j is None) for p, j in jobs] == [("late-switch.yaml", False), ("decider.yaml", True)]
+    assert jobs[0][1] is not None and jobs[0][1].run_path == tmp_path / "decider/late-switch"
+    bad = tmp_path / "jobs/bad"
+    bad.mkdir(parents=True)
+    (bad / "a.yaml").write_text("decider:\n  init_from: nope.yaml\n")
+    with pytest.raises(ConfigError, match=r"a.yaml: decider.init_from: nope.yaml is not a job of .*bad/"):
+        load_jobs("bad", tmp_path, [], jobs_dir=tmp_path / "jobs")
 
 
 def test_fingerprint_ignores_the_run_name_only() -> None:
@@ -132,6 +155,22 @@ def test_fingerprint_ignores_the_run_name_only() -> None:
 
     assert job_fingerprint(a) == job_fingerprint(b) != job_fingerprint(c)
     assert fingerprint({"name": "x", "train": {"lr": 1}}) == fingerprint({"name": "y", "train": {"lr": 1}})
+
+
+def test_a_run_from_before_a_config_field_existed_is_reused(tmp_path: Path) -> None:
+    from elastic_pretrain.experiments.runner import job_fingerprint, run_fingerprint
+
+    job = load_job(REPO / "jobs/experiments/kv-cache/late-switch.yaml")
+    old = yaml.safe_load(dump_job(job))
+    del old["decider"]  # a run trained before the decider section existed
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    assert run_fingerprint(tmp_path) == job_fingerprint(job)
+    old["train"]["lr"] = 1.0
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    assert run_fingerprint(tmp_path) != job_fingerprint(job)
+    old["removed_key"] = 1  # no longer builds: compared as written, never equal
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
+    assert run_fingerprint(tmp_path) not in (None, job_fingerprint(job))
 
 
 def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -23,9 +23,8 @@ from elastic_pretrain.config import (
 from elastic_pretrain.data.config import DataConfig
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.launch.config import SlurmConfig
-from elastic_pretrain.model.config import ModelConfig
-from elastic_pretrain.model.decider import DeciderConfig
-from elastic_pretrain.parallel.mesh import ParallelConfig
+from elastic_pretrain.model.config import DeciderConfig, ModelConfig
+from elastic_pretrain.parallel.config import ParallelConfig
 from elastic_pretrain.tracking.config import TrackingConfig
 from elastic_pretrain.train.config import TrainConfig
 from elastic_pretrain.train.schedule import ScheduleConfig

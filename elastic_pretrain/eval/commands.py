@@ -11,8 +11,6 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from elastic_pretrain.errors import UserError
 
 
@@ -21,6 +19,7 @@ def load_model(ckpt: Path) -> tuple[Any, Any]:
 
     Needs an initialised one-process mesh (``init_mesh(ParallelConfig(), seed=...)``).
     """
+    import torch
     from megatron.core import dist_checkpointing
 
     from elastic_pretrain.checkpoint.safe_load import restricted_unpickling
@@ -157,6 +156,8 @@ def _no_decider(ckpt: Path) -> UserError:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    import torch
+
     from elastic_pretrain.checkpoint.store import read_trainer_state
     from elastic_pretrain.data.tokenizer import load_tokenizer
     from elastic_pretrain.model.inference import generate

@@ -107,3 +107,43 @@ class ModelConfig:
             )
         if self.tie_embeddings:
             raise ConfigError("model.tie_embeddings is not supported with parallel.pipeline > 1: set it to false")
+
+
+@dataclasses.dataclass(kw_only=True)
+class DeciderConfig:
+    """The TaH2 iteration decider: head shape, lookahead labels, loss weighting, inference threshold."""
+
+    hidden_size: int = field(64, doc="Width of the decider's hidden layer.")
+    coverage: float = field(
+        0.9, doc="Fraction of the total positive gain CE_j - CE_{j+1} the 'continue' tokens must cover (0, 1]."
+    )
+    pos_weight: float = field(1.0, doc="BCE weight of 'continue' labels (> 1 favours running more passes).")
+    loss_weight: float = field(0.1, doc="Weight of the decider BCE added to the LM loss.")
+    backbone: Literal["frozen", "joint"] = field(
+        "frozen", doc="'frozen': the BCE does not reach the LM (inputs detached); 'joint': it does."
+    )
+    threshold: float = field(
+        0.5,
+        doc="Inference: a token stops at the first pass whose continue prob < threshold (a decider job logs the "
+        "mean passes at it).",
+    )
+    init_from: str | None = field(
+        None,
+        doc="Decider job: the base run directory or checkpoints/step_<N> to post-train (its newest committed step; "
+        "the model shape and loop-conditioning phase come from it).",
+    )
+
+    def __post_init__(self) -> None:
+        if self.hidden_size < 1:
+            raise ConfigError(f"decider.hidden_size: must be >= 1, got {self.hidden_size}")
+        if not 0.0 < self.coverage <= 1.0:
+            raise ConfigError(
+                f"decider.coverage: must be in (0, 1], got {self.coverage} (0.9 labels the tokens "
+                "covering 90% of the gain)"
+            )
+        if self.pos_weight <= 0:
+            raise ConfigError(f"decider.pos_weight: must be > 0, got {self.pos_weight}")
+        if self.loss_weight < 0:
+            raise ConfigError(f"decider.loss_weight: must be >= 0, got {self.loss_weight}")
+        if self.threshold < 0:
+            raise ConfigError(f"decider.threshold: must be >= 0 (0 = always run L_max), got {self.threshold}")

@@ -11,58 +11,17 @@ import datetime
 import logging
 import os
 import random
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from elastic_pretrain.config import ConfigError, field
+from elastic_pretrain.config import ConfigError
 from elastic_pretrain.parallel import cpu_compat
+from elastic_pretrain.parallel.config import ParallelConfig  # re-exported (light: job validation imports it)
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(kw_only=True)
-class ParallelConfig:
-    """Parallel layout of one job. Data parallelism is what is left of the world size."""
-
-    tensor: int = field(1, doc="Tensor-parallel size (attention heads and FFN columns split across ranks).")
-    expert: int = field(1, doc="Expert-parallel size (experts split across ranks; tokens move by all-to-all).")
-    pipeline: int = field(1, doc="Pipeline-parallel stages (the loop maps onto virtual stages; see docs).")
-    sequence_parallel: Literal["auto", "on", "off"] = field(
-        "auto", doc="Sequence parallelism; 'auto' turns it on when tensor > 1 (megatron requires it for MoE + TP)."
-    )
-    backend: Literal["auto", "gloo", "nccl"] = field(
-        "auto", doc="torch.distributed backend; 'auto' = nccl with CUDA, gloo without."
-    )
-    timeout_minutes: int = field(10, doc="Collective timeout; a hang fails after this long instead of forever.")
-
-    def __post_init__(self) -> None:
-        for name in ("tensor", "expert", "pipeline"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
-
-    def model_parallel_size(self) -> int:
-        return self.tensor * self.pipeline
-
-    def data_parallel_size(self, world_size: int) -> int:
-        mp = self.model_parallel_size()
-        if world_size % mp:
-            raise ConfigError(
-                f"parallel: world size {world_size} is not divisible by tensor*pipeline = {mp}: "
-                "change --nproc-per-node or parallel.tensor/pipeline"
-            )
-        dp = world_size // mp
-        if (self.tensor * dp) % (self.expert) or dp * self.tensor < self.expert:
-            raise ConfigError(
-                f"parallel.expert={self.expert} does not divide tensor*data = {self.tensor * dp} "
-                f"(world size {world_size}): pick an expert size that divides it"
-            )
-        return dp
-
-    def use_sequence_parallel(self) -> bool:
-        return self.sequence_parallel == "on" or (self.sequence_parallel == "auto" and self.tensor > 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -97,3 +98,14 @@ def test_config_command_prints_the_resolved_job():
     proc = subprocess.run([str(VENV_BIN / "elastic-pretrain"), "config", "jobs/tiny-cpu.yaml", "model.loops=3"],
                           cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
     assert "loops: 3" in proc.stdout and "expert: 2" in proc.stdout
+
+
+def test_job_validation_does_not_import_torch() -> None:
+    """The CLI validates a job before it starts torchrun: that must stay cheap (no torch, no megatron),
+    or every launch and every one-line config error pays seconds of imports."""
+    code = (
+        "import sys; from elastic_pretrain.cli import main; from elastic_pretrain.job import load_job; "
+        "load_job('jobs/tiny-cpu.yaml', []); "
+        "heavy = [m for m in ('torch', 'megatron') if m in sys.modules]; assert not heavy, heavy"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

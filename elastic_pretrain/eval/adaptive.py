@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from elastic_pretrain.eval.quality import CurvePoint, QualityCurve, _interp, compare, relative_compute
+from elastic_pretrain.eval.quality import CurvePoint, QualityCurve, _interp, compare, relative_compute, save_figure
 from elastic_pretrain.model.decider import AdaptiveResult, IterationDecider, adaptive_eval
 from elastic_pretrain.model.inference import teacher_forced_loss
 from elastic_pretrain.model.looped import LoopedMoEModel
@@ -122,10 +122,7 @@ def plot_sweep(sweep: AdaptiveSweep, path: Path) -> Path:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
         fig.suptitle(f"adaptive vs fixed depth (AUC over relative compute [{cmp.lo:.3f}, {cmp.hi:.3f}])", fontsize=8)
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.tight_layout()
-        fig.savefig(path)
-    finally:
+    except BaseException:
         plt.close(fig)
-    return path
+        raise
+    return save_figure(fig, path)

@@ -35,7 +35,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -293,13 +293,10 @@ def plot(curves: Sequence[QualityCurve], path: Path, *, title: str = "quality vs
         ax.set_title(title, fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.tight_layout()
-        fig.savefig(path)
-    finally:
+    except BaseException:
         plt.close(fig)
-    return path
+        raise
+    return save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -386,3 +383,17 @@ def quality_curve(
         for ell, e in evals.items()
     )
     return QualityCurve(name=name, points=points, flops_max=fmax)
+
+
+def save_figure(fig: Any, path: str | Path) -> Path:
+    """Lay out, write (creating the folder) and close a matplotlib figure; returns the path."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+    return path

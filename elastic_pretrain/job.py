@@ -18,6 +18,8 @@ from elastic_pretrain.config import (
     field,
     load_yaml,
     parse_override,
+    set_value,
+    show,
     to_dict,
 )
 from elastic_pretrain.data.config import DataConfig
@@ -52,8 +54,12 @@ class JobConfig:
     )
 
     def __post_init__(self) -> None:
-        if not self.name or "/" in self.name:
-            raise ConfigError(f"name: {self.name!r} must be a non-empty name without '/'")
+        if self.name in ("", ".", "..") or any(c in "/\\" or not c.isprintable() for c in self.name):
+            # the run directory is runs/<name>: '..' would be the repository root
+            raise ConfigError(
+                f"name: {show(self.name)} must be a plain name (not '.' or '..'; no '/', '\\' or control "
+                "characters), e.g. name=tiny-cpu-2"
+            )
         self.schedule.validate_for(self.model.max_loops)
         self.model.check_pipeline(self.parallel.pipeline)  # before any process starts (the CLI validates jobs)
         if self.decider is not None and self.model.max_loops < 2:
@@ -72,6 +78,14 @@ class JobConfig:
                 f"model.vocab_size={self.model.vocab_size} is smaller than the tokenizer's vocabulary "
                 f"{tokenizer_vocab}: set model.vocab_size={tokenizer_vocab}"
             )
+
+    def check_world_size(self, world_size: int, where: str) -> None:
+        """The layout and batch arithmetic at ``world_size`` ranks (known at submit / ``--nproc-per-node``):
+        errors that would otherwise surface only on the nodes."""
+        try:
+            self.train.micro_batches(self.parallel.data_parallel_size(world_size))
+        except ConfigError as err:
+            raise ConfigError(f"{err} ({where})") from None
 
     @property
     def run_path(self) -> Path:
@@ -101,8 +115,14 @@ def _resolve_preset(section: str, value: Any, roots: list[Path]) -> dict[str, An
     raise ConfigError(f"{section}: no preset '{value}' in {folder}/ (known: {', '.join(known) or 'none'})")
 
 
-def load_job(path: Path | str, overrides: list[str] | None = None) -> JobConfig:
-    """Job YAML + presets + ``key.path=value`` overrides → validated :class:`JobConfig`."""
+def load_job(
+    path: Path | str, overrides: list[str] | None = None, *, values: dict[str, str] | None = None
+) -> JobConfig:
+    """Job YAML + presets + ``key.path=value`` overrides → validated :class:`JobConfig`.
+
+    ``values`` (dotted key -> string) are set last and verbatim, never parsed as YAML: paths from flags
+    such as ``--run-dir`` may hold ``#``, ``: `` or ``~``, which an override would turn into a comment,
+    a mapping or null."""
     path = Path(path)
     raw = load_yaml(path)
     overrides = list(overrides or [])
@@ -115,6 +135,8 @@ def load_job(path: Path | str, overrides: list[str] | None = None) -> JobConfig:
         if section in raw:
             raw[section] = _resolve_preset(section, raw[section], roots)
     raw = apply_overrides(raw, [o for (keys, _), o in parsed if len(keys) > 1])
+    for key, value in (values or {}).items():
+        set_value(raw, key.split("."), value, what=key)
     base = _decider_base(raw)
     job = build(JobConfig, raw)
     if base is not None:

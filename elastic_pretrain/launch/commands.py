@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from elastic_pretrain.launch.config import SlurmConfig
-from elastic_pretrain.launch.layout import RunFiles, read_text_or_none
+from elastic_pretrain.launch.layout import RunFiles
 from elastic_pretrain.launch.render import LaunchSpec, render
-from elastic_pretrain.launch.slurm import cancel, query_job, run_status, submit
+from elastic_pretrain.launch.slurm import cancel, query_job, read_job_id, run_status, submit
 
 # submit flag -> SlurmConfig field
 _FLAG_FIELDS = (
@@ -77,6 +77,7 @@ def plan_submit(args: argparse.Namespace) -> SubmitPlan:
     if flags:
         cfg = dataclasses.replace(cfg, **flags)  # re-validates
     name = job.name
+    job.check_world_size(cfg.nodes * cfg.procs_per_node, f"at {cfg.nodes} node(s) x {cfg.procs_per_node} processes")
     run_dir = args.run_dir or job.run_path
     run_dir = run_dir.expanduser().absolute()
     trainer = trainer_command(job_path, list(args.overrides), run_dir)
@@ -139,7 +140,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     run_dir = args.run_dir.expanduser().absolute()
-    job_id = read_text_or_none(RunFiles(run_dir).job_id)
+    job_id = read_job_id(RunFiles(run_dir))
     state = query_job(job_id) if job_id else None
     if state is not None and not state.live:
         print(f"job {job_id} already ended ({state.state}); nothing to cancel")

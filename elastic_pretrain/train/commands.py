@@ -103,17 +103,28 @@ def _train(args: argparse.Namespace) -> int:
     from elastic_pretrain.job import load_job
 
     overrides = list(args.overrides)
-    if args.run_dir:
-        overrides.append(f"run_dir={args.run_dir}")
-    if args.resume_from:
-        overrides.append(f"checkpoint.resume_from={Path(args.resume_from).resolve()}")
-    job = load_job(args.job, overrides)
+    # paths from flags are set as strings: as `key=value` overrides, YAML would read '#' as a comment,
+    # ': ' as a mapping and '~' as null (and the trainer would write elsewhere than the flag says)
+    paths = path_flags(args)
+    values = {"run_dir": paths.get("--run-dir"), "checkpoint.resume_from": paths.get("--resume-from")}
+    job = load_job(args.job, overrides, values={k: v for k, v in values.items() if v is not None})
     if args.nproc_per_node and "RANK" not in os.environ:
-        return _launch(args, overrides)
+        job.check_world_size(args.nproc_per_node, f"with --nproc-per-node {args.nproc_per_node}")
+        return _launch(args, [*overrides, *(f"{flag}={path}" for flag, path in paths.items())])
     from elastic_pretrain.train.trainer import train
 
     train(job)
     return 0
+
+
+def path_flags(args: argparse.Namespace) -> dict[str, str]:
+    """``--run-dir`` / ``--resume-from`` as given (``~`` expanded; the checkpoint made absolute)."""
+    out = {}
+    if args.run_dir:
+        out["--run-dir"] = os.path.expanduser(args.run_dir)
+    if args.resume_from:
+        out["--resume-from"] = str(Path(args.resume_from).expanduser().resolve())
+    return out
 
 
 def _show(args: argparse.Namespace) -> int:

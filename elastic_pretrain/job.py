@@ -79,11 +79,17 @@ class JobConfig:
                 f"{tokenizer_vocab}: set model.vocab_size={tokenizer_vocab}"
             )
 
-    def check_world_size(self, world_size: int, where: str) -> None:
-        """The layout and batch arithmetic at ``world_size`` ranks (known at submit / ``--nproc-per-node``):
-        errors that would otherwise surface only on the nodes."""
+    def check_world_size(self, world_size: int, where: str, *, layout: bool = True) -> None:
+        """The batch arithmetic (and with ``layout``, the parallel layout) at ``world_size`` ranks, known at
+        submit / ``--nproc-per-node``: errors that would otherwise surface only on the nodes."""
         try:
-            self.train.micro_batches(self.parallel.data_parallel_size(world_size))
+            dp = self.parallel.data_parallel_size(world_size)
+        except ConfigError as err:
+            if not layout:
+                return
+            raise ConfigError(f"{err} ({where})") from None
+        try:
+            self.train.micro_batches(dp)
         except ConfigError as err:
             raise ConfigError(f"{err} ({where})") from None
 

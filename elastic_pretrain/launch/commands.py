@@ -77,7 +77,10 @@ def plan_submit(args: argparse.Namespace) -> SubmitPlan:
     if flags:
         cfg = dataclasses.replace(cfg, **flags)  # re-validates
     name = job.name
-    job.check_world_size(cfg.nodes * cfg.procs_per_node, f"at {cfg.nodes} node(s) x {cfg.procs_per_node} processes")
+    # the batch must split into whole micro-batches per data-parallel rank; a layout that does not fit
+    # the world size is left to the trainer's own message (dry runs render any layout)
+    world = cfg.nodes * cfg.procs_per_node
+    job.check_world_size(world, f"at {cfg.nodes} node(s) x {cfg.procs_per_node} processes", layout=False)
     run_dir = args.run_dir or job.run_path
     run_dir = run_dir.expanduser().absolute()
     trainer = trainer_command(job_path, list(args.overrides), run_dir)

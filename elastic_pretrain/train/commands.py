@@ -12,6 +12,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 
 def _quiet_logs() -> None:
@@ -100,21 +101,27 @@ def _children(pid: int) -> list[int]:
 
 def _train(args: argparse.Namespace) -> int:
     _quiet_logs()
-    from elastic_pretrain.job import load_job
-
-    overrides = list(args.overrides)
-    # paths from flags are set as strings: as `key=value` overrides, YAML would read '#' as a comment,
-    # ': ' as a mapping and '~' as null (and the trainer would write elsewhere than the flag says)
-    paths = path_flags(args)
-    values = {"run_dir": paths.get("--run-dir"), "checkpoint.resume_from": paths.get("--resume-from")}
-    job = load_job(args.job, overrides, values={k: v for k, v in values.items() if v is not None})
+    job = job_from_args(args)
     if args.nproc_per_node and "RANK" not in os.environ:
         job.check_world_size(args.nproc_per_node, f"with --nproc-per-node {args.nproc_per_node}")
-        return _launch(args, [*overrides, *(f"{flag}={path}" for flag, path in paths.items())])
+        return _launch(args, [*args.overrides, *(f"{flag}={path}" for flag, path in path_flags(args).items())])
     from elastic_pretrain.train.trainer import train
 
     train(job)
     return 0
+
+
+def job_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`~elastic_pretrain.job.JobConfig` that ``train`` runs for its parsed arguments.
+
+    Paths from flags are set as strings: as ``key=value`` overrides YAML would read ``#`` as a comment,
+    ``: `` as a mapping and ``~`` as null, and the trainer would write elsewhere than the flag (and the
+    Slurm batch script watching that directory) says."""
+    from elastic_pretrain.job import load_job
+
+    paths = path_flags(args)
+    values = {"run_dir": paths.get("--run-dir"), "checkpoint.resume_from": paths.get("--resume-from")}
+    return load_job(args.job, list(args.overrides), values={k: v for k, v in values.items() if v is not None})
 
 
 def path_flags(args: argparse.Namespace) -> dict[str, str]:

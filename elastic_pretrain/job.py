@@ -27,7 +27,7 @@ from elastic_pretrain.errors import UserError
 from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.model.config import DeciderConfig, ModelConfig
 from elastic_pretrain.parallel.config import ParallelConfig
-from elastic_pretrain.tracking.config import TrackingConfig
+from elastic_pretrain.tracking.config import REDACTED, TrackingConfig, redact_uri, write_private
 from elastic_pretrain.train.config import TrainConfig
 from elastic_pretrain.train.schedule import ScheduleConfig
 
@@ -196,14 +196,24 @@ def _decider_base(raw: dict[str, Any]) -> dict[str, Any] | None:
     return base
 
 
+def public_dict(job: JobConfig) -> dict[str, Any]:
+    """The job as plain data without its secrets: what is written beside checkpoints, logged to MLflow and
+    printed. ``tracking.uri`` loses its ``user:password@`` and every ``slurm.env`` value is replaced by
+    ``<redacted>`` (the keys stay). The running job keeps the real values; they live in the job file."""
+    data = to_dict(job)
+    if data["tracking"]["uri"]:
+        data["tracking"]["uri"] = redact_uri(data["tracking"]["uri"])
+    data["slurm"]["env"] = dict.fromkeys(data["slurm"]["env"], REDACTED)
+    return data
+
+
 def dump_job(job: JobConfig) -> str:
-    return yaml.safe_dump(to_dict(job), sort_keys=False)
+    """The resolved job as YAML, secrets redacted (see :func:`public_dict`)."""
+    return yaml.safe_dump(public_dict(job), sort_keys=False)
 
 
 def write_resolved(job: JobConfig, run_dir: Path) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "config.yaml"
-    tmp = out.with_suffix(".yaml.tmp")
-    tmp.write_text(dump_job(job))
-    tmp.replace(out)
+    write_private(out, dump_job(job))
     return out

@@ -17,6 +17,7 @@ from elastic_pretrain.errors import UserError
 from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.launch.layout import RunFiles, last_committed_step, read_text_or_none
 from elastic_pretrain.launch.render import LaunchSpec, render
+from elastic_pretrain.tracking.config import write_private
 
 # States in which a job still holds (or waits for) resources.
 LIVE_STATES = frozenset(
@@ -93,7 +94,7 @@ def submit(cfg: SlurmConfig, spec: LaunchSpec) -> str:
     check_can_submit(files)
     script = render(cfg, spec)
     files.slurm_dir.mkdir(parents=True, exist_ok=True)
-    files.script.write_text(script)
+    write_private(files.script, script)  # it holds slurm.env values and the overrides: owner-only
     files.cancelled.unlink(missing_ok=True)
     proc = run_slurm(["sbatch", "--parsable", str(files.script)], cwd=spec.workdir)
     if proc.returncode != 0:

@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.model.decider import DeciderConfig
 from elastic_pretrain.model.looped import LayerSpecs, LoopedMoEModel
+from elastic_pretrain.parallel.device import device
 from elastic_pretrain.parallel.mesh import ParallelConfig
 
 log = logging.getLogger(__name__)
@@ -127,8 +128,7 @@ def build_model(
     shard = net.padded_vocab // parallel.tensor
     rank = parallel_state.get_tensor_model_parallel_rank()
     net.set_vocab_shard(rank * shard, (rank + 1) * shard)
-    if torch.cuda.is_available():
-        net.cuda(torch.cuda.current_device())
+    net.to(device())  # parameters built on the host (use_cpu_initialization on CPU) move too; a no-op on CPU
     return net
 
 

@@ -35,7 +35,7 @@ def test_host_tensor_on_a_nccl_group_is_refused(group1):
     with strict_devices():
         with pytest.raises(DeviceMistake, match=r"torch.tensor\(\.\.\.\) without device="):
             dist.all_reduce(torch.tensor([1.0, 2.0]))
-        with pytest.raises(DeviceMistake, match="torch.zeros"):
+        with pytest.raises(DeviceMistake, match=r"torch\.zeros"):
             dist.all_reduce(torch.zeros(3, dtype=torch.float64), op=dist.ReduceOp.MAX)
         t = torch.tensor([1.0, 2.0], device=device())
         dist.all_reduce(t)  # created on the device: fine

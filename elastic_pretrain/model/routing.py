@@ -78,8 +78,10 @@ class RoutingProbe:
             overlap = torch.ones((), device=dev)
         else:
             ref = self._pass0_topk.get((layer, key))
-            same = ref is not None and ref.shape == topk_NK.shape
-            overlap = _topk_overlap(topk_NK, ref) if same else torch.ones((), device=dev)
+            if ref is not None and ref.shape == topk_NK.shape:
+                overlap = _topk_overlap(topk_NK, ref)
+            else:
+                overlap = torch.ones((), device=dev)
         entropy = -(probs_NE * probs_NE.clamp_min(1e-12).log()).sum(-1)
         values = torch.stack([
             probs_NE.max(-1).values.double().mean(), margin.double().mean(), entropy.double().mean(),

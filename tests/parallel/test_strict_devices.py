@@ -98,3 +98,20 @@ def test_train_eval_and_checkpoints_pass_strict_mode_at_world_size_2(tmp_path):
     assert "resum" in out.lower(), out[-2000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and sorted(summary["val_loss_by_loops"]) == ["1", "2", "3", "4"]
+
+
+@pytest.mark.slow
+def test_pipeline_passes_strict_mode_at_world_size_2(tmp_path):
+    """The same under pipeline parallelism (PP=2): point-to-point activations, the pipeline's evaluation."""
+    cli = str(VENV_BIN / "elastic-pretrain")
+    subprocess.run([cli, "prepare-data", "stdlib-code"], cwd=REPO, check=True, capture_output=True, timeout=300)
+    env = {**os.environ, ENV: "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [cli, "train", "jobs/tiny-cpu.yaml", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"),
+         "parallel=cpu-pp2", "model.flatten=1", "train.steps=3", "train.warmup_steps=1", "train.eval_interval=2",
+         "train.eval_sequences=16", "train.routing_interval=1", "checkpoint.interval=2", "tracking.backend=none",
+         "train.global_batch_size=8", "model.hidden_size=32", "model.num_heads=2", "model.ffn_hidden_size=64",
+         "model.moe_ffn_hidden_size=32"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "checkpoint step 2 committed" in proc.stdout and "eval      2:" in proc.stdout

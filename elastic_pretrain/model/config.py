@@ -43,8 +43,20 @@ class ModelConfig:
     moe_load_balancing: Literal["aux_loss", "seq_aux_loss", "none"] = field(
         "aux_loss", doc="megatron-core load balancing type."
     )
-    moe_dispatcher: Literal["alltoall", "allgather"] = field(
-        "alltoall", doc="Token dispatcher; alltoall is what mixed-depth EP safety is designed around."
+    moe_dispatcher: Literal["alltoall", "allgather", "flex"] = field(
+        "alltoall",
+        doc="Token dispatcher; alltoall is what mixed-depth EP safety is designed around. flex: DeepEP "
+        "(CUDA + TE + deep_ep only; refused elsewhere).",
+    )
+    fusions: Literal["auto", "on", "off"] = field(
+        "auto",
+        doc="Fused kernels (bias+SwiGLU, bias-dropout-add, masked softmax, RoPE, cross-entropy, MoE permute and "
+        "router). auto: on with CUDA + Transformer Engine, off without; on: refused on machines without them.",
+    )
+    moe_grouped_gemm: Literal["auto", "on", "off"] = field(
+        "auto",
+        doc="Experts as Transformer Engine grouped GEMMs (TEGroupedMLP) instead of a per-expert loop. auto: on with "
+        "CUDA + TE, off without; on: refused on machines without them.",
     )
     route_replay: bool = field(False, doc="Passes >= 1 reuse pass-0 expert choices (ELR); gates stay live.")
     loop_conditioning: bool = field(

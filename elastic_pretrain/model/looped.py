@@ -37,10 +37,14 @@ from elastic_pretrain.model.routing import RoutingProbe
 
 @dataclasses.dataclass(frozen=True)
 class LayerSpecs:
-    """megatron layer specs: ``dense`` for dense layers, ``moe`` for MoE layers."""
+    """megatron layer specs: ``dense`` for dense layers, ``moe`` for MoE layers, ``norm`` for the final norm.
+
+    The final norm has its own spec: Transformer Engine's layer spec fuses each layer's input norm into
+    the linear after it, so ``dense.submodules.input_layernorm`` is ``IdentityOp`` there."""
 
     dense: ModuleSpec
     moe: ModuleSpec
+    norm: ModuleSpec | type
 
 
 def attention_only(spec: ModuleSpec) -> ModuleSpec:
@@ -218,8 +222,7 @@ class LoopedMoEModel(LanguageModule):
                 p.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
         self.routing_probe: RoutingProbe | None = None
         if self.post_process:
-            norm_spec = specs.dense.submodules.input_layernorm
-            self.final_layernorm = build_module(norm_spec, config=config, hidden_size=config.hidden_size,
+            self.final_layernorm = build_module(specs.norm, config=config, hidden_size=config.hidden_size,
                                                 eps=config.layernorm_epsilon)
             self.output_layer = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size, padded_vocab, config=config, init_method=config.init_method, bias=False,

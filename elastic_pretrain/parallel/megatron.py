@@ -6,7 +6,6 @@ the local spec, with one log line saying so.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
 from typing import Any, Literal
@@ -18,6 +17,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.model.decider import DeciderConfig
 from elastic_pretrain.model.looped import LayerSpecs, LoopedMoEModel
+from elastic_pretrain.parallel import fusions
+from elastic_pretrain.parallel.device import device
 from elastic_pretrain.parallel.mesh import ParallelConfig
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ VOCAB_DIVISIBLE_BY = 128
 
 
 def te_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+    return fusions.cuda_te_available()
 
 
 def padded_vocab_size(vocab: int, tp: int) -> int:
@@ -79,33 +80,57 @@ def transformer_config(
         moe_z_loss_coeff=model.moe_z_loss_coeff or None,
         moe_router_load_balancing_type=model.moe_load_balancing,
         moe_token_dispatcher_type=model.moe_dispatcher,
-        moe_grouped_gemm=False,  # grouped GEMM is unavailable on CPU; SequentialMLP experts
         moe_enable_routing_replay=model.route_replay,
-        # CPU: no fused kernels; megatron's defaults assume CUDA/TE/Apex kernels.
         use_cpu_initialization=not on_gpu,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
+        # Apex-only kernels (the output layer is megatron's local ColumnParallelLinear): off everywhere
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        cross_entropy_loss_fusion=False,
+        **_fusion_kwargs(model),
         **kwargs,
     )
 
 
-def layer_specs(model: ModelConfig) -> LayerSpecs:
+def _fusion_kwargs(model: ModelConfig) -> dict[str, Any]:
+    """The throughput switches as TransformerConfig fields (parallel/fusions.py): all off on CPU, where
+    megatron's defaults would assume CUDA/TE kernels; ``auto`` turns them on with CUDA + TE."""
+    f = fusions.resolve(model)
+    kw: dict[str, Any] = dict(
+        bias_activation_fusion=f.kernels,  # SwiGLU without bias: megatron's fused bias_swiglu
+        bias_dropout_fusion=f.kernels,
+        masked_softmax_fusion=f.kernels,
+        apply_rope_fusion=f.kernels,
+        cross_entropy_loss_fusion=f.kernels,  # megatron's fused vocab-parallel CE ("native" impl)
+        moe_permute_fusion=f.kernels,
+        moe_router_fusion=f.router,
+        moe_grouped_gemm=f.grouped_gemm,  # the TE layer spec builds TEGroupedMLP experts to match
+    )
+    if model.moe_dispatcher == "flex":
+        kw["moe_flex_dispatcher_backend"] = "deepep"
+    return kw
+
+
+def layer_specs(model: ModelConfig, backend: Literal["te", "local"] | None = None) -> LayerSpecs:
+    """megatron's TE layer spec with CUDA + TE (``backend`` None), else its local spec (torch modules).
+
+    Both build the same model (tests/model/test_te_spec.py): the TE spec fuses each layer's input norm
+    (and a dense MLP's norm) into the linear after it, so its ``input_layernorm`` is ``IdentityOp`` and
+    the final norm gets its own spec — TENorm — instead of being copied from a layer's."""
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
-    if te_available():
+    backend = backend or ("te" if te_available() else "local")
+    if backend == "te":
+        from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+
         log.info("Transformer Engine + CUDA found: using the TE layer spec")
+        grouped = fusions.resolve(model).grouped_gemm
         dense = specs.get_gpt_layer_with_transformer_engine_spec(num_experts=None)
-        moe = specs.get_gpt_layer_with_transformer_engine_spec(num_experts=model.experts_built, moe_grouped_gemm=False)
-    else:
-        log.info("no Transformer Engine/CUDA: using megatron-core's local layer spec (torch modules)")
-        dense = specs.get_gpt_layer_local_spec(num_experts=None, normalization=model.normalization)
-        moe = specs.get_gpt_layer_local_spec(num_experts=model.experts_built, normalization=model.normalization)
-    return LayerSpecs(dense=dense, moe=moe)
+        moe = specs.get_gpt_layer_with_transformer_engine_spec(num_experts=model.experts_built,
+                                                               moe_grouped_gemm=grouped)
+        return LayerSpecs(dense=dense, moe=moe, norm=TESpecProvider().layer_norm())
+    log.info("no Transformer Engine/CUDA: using megatron-core's local layer spec (torch modules)")
+    dense = specs.get_gpt_layer_local_spec(num_experts=None, normalization=model.normalization)
+    moe = specs.get_gpt_layer_local_spec(num_experts=model.experts_built, normalization=model.normalization)
+    return LayerSpecs(dense=dense, moe=moe, norm=dense.submodules.input_layernorm)
 
 
 def build_model(
@@ -127,8 +152,7 @@ def build_model(
     shard = net.padded_vocab // parallel.tensor
     rank = parallel_state.get_tensor_model_parallel_rank()
     net.set_vocab_shard(rank * shard, (rank + 1) * shard)
-    if torch.cuda.is_available():
-        net.cuda(torch.cuda.current_device())
+    net.to(device())  # parameters built on the host (use_cpu_initialization on CPU) move too; a no-op on CPU
     return net
 
 

@@ -94,12 +94,14 @@ def test_pyproject_pins_torch_and_megatron_only_in_lock_files() -> None:
     for name in ("torch", "megatron-core"):
         pin = lock[name].specifier
         assert len(pin) == 1 and next(iter(pin)).operator == "==", f"lock-cpu.txt must pin {name} exactly"
-        assert deps[name].specifier.contains(next(iter(pin)).version, prereleases=True), f"pyproject excludes the lock's {name}"
+        locked = next(iter(pin)).version
+        assert deps[name].specifier.contains(locked, prereleases=True), f"pyproject excludes the lock's {name}"
 
 
 def test_pyproject_gpu_extra_within_megatron_ranges() -> None:
     declared = megatron_requires()
-    extra = {canonicalize_name(Requirement(d).name): Requirement(d) for d in pyproject()["optional-dependencies"]["gpu"]}
+    gpu = pyproject()["optional-dependencies"]["gpu"]
+    extra = {canonicalize_name(Requirement(d).name): Requirement(d) for d in gpu}
     assert {"transformer-engine", "nv-grouped-gemm"} <= set(extra)
     for name, req in extra.items():
         assert_within(req.specifier, declared[name], f"pyproject gpu extra {name}")

@@ -21,6 +21,16 @@ class ModelConfig:
     vocab_size: int = field(257, doc="Tokenizer vocabulary (byte-level: 256 bytes + EOS). Padded for TP.")
     hidden_size: int = field(64, doc="Residual stream width.")
     num_heads: int = field(4, doc="Attention heads (must divide hidden_size and be divisible by TP).")
+    num_query_groups: int | None = field(
+        None,
+        doc="Grouped-query attention: key/value head groups (must divide num_heads and be divisible by TP); "
+        "None: one per head (multi-head attention).",
+    )
+    qk_norm: bool = field(
+        False,
+        doc="QK-norm: normalise each head's queries and keys (model.normalization, learned scale) before RoPE "
+        "and the dot product (megatron qk_layernorm); keeps attention logits bounded at scale.",
+    )
     ffn_hidden_size: int = field(256, doc="FFN width of dense prelude/coda layers.")
     prelude_layers: int = field(0, doc="Layers run once before the loop.")
     core_layers: int = field(2, doc="Core layers of the reference shape (before flattening).")
@@ -63,6 +73,13 @@ class ModelConfig:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.hidden_size % self.num_heads:
             raise ConfigError(f"num_heads: {self.num_heads} does not divide hidden_size {self.hidden_size}")
+        if self.num_query_groups is not None and (
+            self.num_query_groups < 1 or self.num_heads % self.num_query_groups
+        ):
+            raise ConfigError(
+                f"num_query_groups: {self.num_query_groups} must divide num_heads {self.num_heads} "
+                "(e.g. num_heads/4), or be null for one group per head"
+            )
         if self.core_layers % self.flatten:
             raise ConfigError(
                 f"flatten: {self.flatten} does not divide core_layers {self.core_layers}: "
@@ -79,6 +96,11 @@ class ModelConfig:
     @property
     def experts_built(self) -> int:
         return self.num_experts * self.flatten
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value head groups (``num_heads`` without GQA)."""
+        return self.num_heads if self.num_query_groups is None else self.num_query_groups
 
     @property
     def max_loops(self) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import math
 from typing import Any, Literal
 
 import torch
@@ -18,23 +17,15 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.model.decider import DeciderConfig
 from elastic_pretrain.model.looped import LayerSpecs, LoopedMoEModel
+from elastic_pretrain.parallel.config import VOCAB_DIVISIBLE_BY, padded_vocab_size  # noqa: F401  (re-exported)
 from elastic_pretrain.parallel.mesh import ParallelConfig
 
 log = logging.getLogger(__name__)
 
-# The padded vocabulary must not depend on the layout, or checkpoints could not move between TP
-# sizes: pad to a fixed multiple that every supported TP size (1..128) divides.
-VOCAB_DIVISIBLE_BY = 128
 
 
 def te_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
-
-
-def padded_vocab_size(vocab: int, tp: int) -> int:
-    if VOCAB_DIVISIBLE_BY % tp:
-        raise ValueError(f"tensor parallel size {tp} must divide {VOCAB_DIVISIBLE_BY}")
-    return int(math.ceil(vocab / VOCAB_DIVISIBLE_BY) * VOCAB_DIVISIBLE_BY)
 
 
 def transformer_config(
@@ -53,6 +44,8 @@ def transformer_config(
         num_layers=model.num_unique_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_heads,
+        num_query_groups=model.query_groups,
+        qk_layernorm=model.qk_norm,
         ffn_hidden_size=model.ffn_hidden_size,
         kv_channels=model.hidden_size // model.num_heads,
         normalization=model.normalization,
@@ -99,12 +92,18 @@ def layer_specs(model: ModelConfig) -> LayerSpecs:
 
     if te_available():
         log.info("Transformer Engine + CUDA found: using the TE layer spec")
-        dense = specs.get_gpt_layer_with_transformer_engine_spec(num_experts=None)
-        moe = specs.get_gpt_layer_with_transformer_engine_spec(num_experts=model.experts_built, moe_grouped_gemm=False)
+        dense = specs.get_gpt_layer_with_transformer_engine_spec(num_experts=None, qk_layernorm=model.qk_norm)
+        moe = specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=model.experts_built, moe_grouped_gemm=False, qk_layernorm=model.qk_norm
+        )
     else:
         log.info("no Transformer Engine/CUDA: using megatron-core's local layer spec (torch modules)")
-        dense = specs.get_gpt_layer_local_spec(num_experts=None, normalization=model.normalization)
-        moe = specs.get_gpt_layer_local_spec(num_experts=model.experts_built, normalization=model.normalization)
+        dense = specs.get_gpt_layer_local_spec(
+            num_experts=None, normalization=model.normalization, qk_layernorm=model.qk_norm
+        )
+        moe = specs.get_gpt_layer_local_spec(
+            num_experts=model.experts_built, normalization=model.normalization, qk_layernorm=model.qk_norm
+        )
     return LayerSpecs(dense=dense, moe=moe)
 
 

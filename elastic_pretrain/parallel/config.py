@@ -59,3 +59,13 @@ class ParallelConfig:
 
     def use_sequence_parallel(self) -> bool:
         return self.sequence_parallel == "on" or (self.sequence_parallel == "auto" and self.tensor > 1)
+
+
+def check_micro_batches(
+    n: int, stages: int, fix: str = "raise train.global_batch_size (or lower train.micro_batch_size)"
+) -> None:
+    """The pipeline schedule needs at least one micro-batch per stage."""
+    if n < stages:
+        raise ConfigError(
+            f"parallel.pipeline={stages} needs at least {stages} micro-batches per step and replica, got {n}: {fix}"
+        )

@@ -1,0 +1,98 @@
+"""Layout checks without a cluster (parallel/validate.py): every shipped job at its intended world size,
+and each divisibility rule refused with one line that names the fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from elastic_pretrain.config import ConfigError
+from elastic_pretrain.job import load_job
+from elastic_pretrain.parallel.validate import check_layout
+from tests.conftest import REPO
+
+JOBS = sorted(p.relative_to(REPO) for p in (REPO / "jobs").rglob("*.yaml"))
+GPU_JOBS = {"jobs/gpu-1node.yaml": 8, "jobs/gpu-2node.yaml": 16, "jobs/gpu-16node.yaml": 128}
+
+
+def intended_world_size(job) -> int:
+    """GPU jobs: their Slurm allocation (nodes x GPUs); CPU jobs: the smallest world their mesh takes
+    (tiny-cpu: 2, as README's --nproc-per-node 2)."""
+    if job.slurm.gpus_per_node:
+        return job.slurm.nodes * job.slurm.procs_per_node
+    return job.parallel.tensor * job.parallel.pipeline * job.parallel.expert
+
+
+@pytest.mark.parametrize("path", [str(p) for p in JOBS])
+def test_every_shipped_job_validates(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)
+    if "init_from:" in (REPO / path).read_text():
+        pytest.skip("a decider job loads its base run's checkpoint (tests/eval/test_decider_job.py trains one)")
+    job = load_job(REPO / path)
+    world = intended_world_size(job)
+    if path in GPU_JOBS:
+        assert world == GPU_JOBS[path]
+    layout = check_layout(job, world)
+    assert layout.tensor * layout.pipeline * layout.data == world
+
+
+def test_gpu_jobs_are_all_checked() -> None:
+    assert set(GPU_JOBS) <= {str(p) for p in JOBS}
+
+
+def tiny(*overrides: str):
+    return load_job(REPO / "jobs" / "tiny-cpu.yaml", list(overrides))
+
+
+@pytest.mark.parametrize(
+    ("world", "overrides", "message"),
+    [
+        (3, [], r"parallel.expert=2 does not divide tensor\*data = 3 \(world size 3\)"),
+        (5, ["parallel.tensor=2"], r"world size 5 is not divisible by tensor\*pipeline = 2"),
+        (3, ["parallel.tensor=3", "parallel.expert=1"], r"parallel.tensor=3 does not divide the vocabulary padding"),
+        (8, ["parallel.tensor=8", "parallel.expert=1"], r"parallel.tensor=8 does not divide model.num_heads=4"),
+        (4, ["parallel.tensor=4", "parallel.expert=1", "model.num_heads=8", "model.num_query_groups=2"],
+         r"parallel.tensor=4 does not divide model.num_query_groups \(key/value heads\)=2"),
+        (4, ["parallel.tensor=4", "parallel.expert=1", "model.ffn_hidden_size=250"],
+         r"parallel.tensor=4 does not divide model.ffn_hidden_size=250"),
+        (16, ["parallel.expert=16"], r"parallel.expert=16 does not divide the experts built \(8 = model.num_experts 4"),
+        (4, ["parallel.pipeline=2", "parallel.expert=1", "model.flatten=2"],
+         r"parallel.pipeline=2 must divide the core layers built \(1"),
+        (4, ["parallel.pipeline=4", "parallel.expert=1", "model.core_layers=4", "model.flatten=1",
+             "train.global_batch_size=12", "train.micro_batch_size=4"],
+         r"parallel.pipeline=4 needs at least 4 micro-batches per step and replica, got 3"),
+        (4, ["train.global_batch_size=24"],
+         r"train.global_batch_size=24 is not divisible by micro_batch_size\*data_parallel = 4\*4"),
+        (6, ["parallel.expert=1", "train.global_batch_size=20"], r"make it a multiple of 24"),
+        (4, ["parallel.tensor=2", "parallel.sequence_parallel='off'"], r"sequence_parallel=off with parallel.tensor=2"),
+        (2, ["parallel.sequence_parallel='on'"], r"sequence_parallel=on with parallel.tensor=1 splits nothing"),
+        (4, ["parallel.tensor=4", "parallel.expert=1", "data.seq_len=130"],
+         r"data.seq_len=130 is not divisible by parallel.tensor=4"),
+    ],
+)
+def test_each_rule_is_one_line_naming_the_fix(world: int, overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        check_layout(tiny(*overrides), world)
+    assert "\n" not in str(err.value)
+
+
+def test_a_good_layout_is_described() -> None:
+    layout = check_layout(tiny("parallel.tensor=2"), 8)
+    assert (layout.tensor, layout.data, layout.expert, layout.expert_data) == (2, 4, 2, 4)
+    assert layout.sequence_parallel and layout.micro_batches == 1 and layout.padded_vocab == 384
+
+
+def test_config_command_checks_the_world_size() -> None:
+    """`elastic-pretrain config JOB --world-size N`: a loadable YAML with the layout as comments, or exit 2."""
+    cli = [sys.executable, "-m", "elastic_pretrain.cli", "config"]
+    ok = subprocess.run([*cli, "jobs/gpu-16node.yaml", "--world-size", "128"], cwd=REPO, capture_output=True,
+                        text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert "# layout: world 128 = TP 1 x PP 1 x DP 128; EP 8" in ok.stdout
+    assert "# parameters: 5.16 B total, 1.01 B active" in ok.stdout
+    bad = subprocess.run([*cli, "jobs/gpu-16node.yaml", "--world-size", "100"], cwd=REPO, capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.count("\n") == 1 and "parallel.expert=8 does not divide" in bad.stderr

@@ -121,7 +121,7 @@ def estimate_memory(job: JobConfig, world_size: int, *, micro_batch_size: int | 
         opt_per_param = (12 if m.dtype == "bf16" else 8)  # fp32 master copy + Adam m, v
         shard_dense, shard_expert = (dp, edp) if job.train.distributed_optimizer else (1, 1)
         optimizer = opt_per_param * (math.ceil(dense / shard_dense) + math.ceil(expert / shard_expert))
-        acts = {mode: {ell: _activation_bytes(job, stage, ell, mode, mbs, spec, world_size)
+        acts: dict[str, dict[int, int]] = {mode: {ell: _activation_bytes(job, stage, ell, mode, mbs, spec, world_size)
                        for ell in range(1, m.max_loops + 1)} for mode in RECOMPUTE_MODES}
         n = dense + expert
         stages.append(StageMemory(stage=stage, params=n, param_bytes=el * n, grad_bytes=4 * n,

@@ -61,6 +61,12 @@ class ModelConfig:
         True, doc="Build the ELR loop-count conditioning head (zero-init, switched on at the mixed-depth switch)."
     )
     dtype: Literal["fp32", "bf16"] = field("fp32", doc="Parameter / compute dtype.")
+    fp8: Literal["off", "delayed", "tensorwise", "blockwise", "mxfp8"] = field(
+        "off",
+        doc="FP8 GEMMs (Transformer Engine + CUDA only; needs dtype bf16): megatron-core's recipe — 'delayed' "
+        "(amax history), 'tensorwise' (current scaling), 'blockwise' (1x128/128x128 blocks, Hopper), "
+        "'mxfp8' (Blackwell). docs/gpu.md.",
+    )
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_heads", "ffn_hidden_size", "core_layers", "loops",
@@ -87,6 +93,38 @@ class ModelConfig:
             )
         if self.moe_top_k > self.num_experts:
             raise ConfigError(f"moe_top_k: {self.moe_top_k} exceeds num_experts {self.num_experts}")
+        if self.fp8 != "off":
+            self.check_fp8_layout(tensor=1, tokens=None)
+
+    @property
+    def fp8_align(self) -> int:
+        """What every FP8 GEMM dimension must be a multiple of (TE: 16; MXFP8's 32-element blocks: 32)."""
+        return 32 if self.fp8 == "mxfp8" else 16
+
+    def check_fp8_layout(self, *, tensor: int, tokens: int | None) -> None:
+        """FP8 GEMMs need bf16 and every GEMM dimension a multiple of :attr:`fp8_align` — the per-rank
+        shards under tensor parallelism, and the tokens of one micro-batch per rank (``tokens`` = seq x
+        micro-batch / TP under sequence parallelism). Experts are padded by megatron (any token count)."""
+        if self.fp8 == "off":
+            return
+        if self.dtype != "bf16":
+            raise ConfigError(f"model.fp8={self.fp8} needs model.dtype=bf16 (got {self.dtype}): set model.dtype=bf16")
+        a = self.fp8_align
+        dims = {"hidden_size": self.hidden_size, "ffn_hidden_size": self.ffn_hidden_size,
+                "moe_ffn_hidden_size": self.moe_ffn_hidden_size}
+        for name, value in dims.items():
+            if value % (a * tensor):
+                raise ConfigError(
+                    f"model.{name}={value} is not a multiple of {a * tensor} (model.fp8={self.fp8} needs every GEMM "
+                    f"dimension per tensor-parallel rank to be a multiple of {a}): round it to a multiple of "
+                    f"{a * tensor}"
+                )
+        if tokens is not None and tokens % a:
+            raise ConfigError(
+                f"model.fp8={self.fp8}: {tokens} tokens per micro-batch and tensor-parallel rank (data.seq_len x "
+                f"train.micro_batch_size / parallel.tensor) is not a multiple of {a}: change data.seq_len or "
+                "train.micro_batch_size"
+            )
 
     # The built (flattened) shape ------------------------------------------------------------------
     @property

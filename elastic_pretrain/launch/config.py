@@ -70,6 +70,11 @@ class SlurmConfig:
 
     nodes: int = field(1, doc="Number of nodes; one torchrun per node (`--nodes`).")
     gpus_per_node: int = field(0, doc="GPUs per node (`--gpus-per-node`); 0 for CPU nodes (gloo instead of NCCL).")
+    gpu_memory: str | None = field(
+        None,
+        doc="Memory of one GPU, e.g. 80GiB (H100/A100 80 GB), 141GB (H200): `config --world-size` and `submit` "
+        "refuse a job whose memory estimate per GPU exceeds 90% of it; unset: not checked.",
+    )
     nproc_per_node: int | None = field(
         None, doc="Trainer processes per node; default: gpus_per_node on GPU nodes, 1 on CPU nodes."
     )
@@ -126,6 +131,8 @@ class SlurmConfig:
         if self.cpus_per_task is not None and self.cpus_per_task < 1:
             raise ConfigError(f"slurm.cpus_per_task must be >= 1 (got {self.cpus_per_task}); leave it unset")
         self.signal = normalize_signal(self.signal)
+        if self.gpu_memory is not None:
+            self.gpu_memory_bytes  # noqa: B018  (parses it: a bad size fails when the job loads)
         if not 0 <= self.signal_lead_s <= 65535:
             raise ConfigError(f"slurm.signal_lead_s must be in 0..65535 (got {self.signal_lead_s})")
         if self.retries < 0:
@@ -149,6 +156,20 @@ class SlurmConfig:
                 raise ConfigError(f"slurm.env: {key!r} is not a variable name (letters, digits, _; not first a digit)")
             if "\0" in str(value):
                 raise ConfigError(f"slurm.env.{key}: the value contains a NUL byte")
+
+    @property
+    def gpu_memory_bytes(self) -> int | None:
+        """``gpu_memory`` in bytes (None when unset)."""
+        if self.gpu_memory is None:
+            return None
+        from elastic_pretrain.parallel.memory import parse_bytes
+
+        try:
+            return parse_bytes(str(self.gpu_memory))
+        except ConfigError:
+            raise ConfigError(
+                f"slurm.gpu_memory: cannot read {self.gpu_memory!r}: write a size such as 80GiB, 141GB or 96G"
+            ) from None
 
     @property
     def procs_per_node(self) -> int:

@@ -119,3 +119,44 @@ def _check_sequence_parallel(job: JobConfig, tp: int) -> bool:
             "parallelism splits it by: use a sequence length that is a multiple of the tensor size"
         )
     return sp
+
+
+# Share of a GPU's memory the estimate may fill: the rest is the CUDA context, allocator fragmentation,
+# NCCL buffers and routing imbalance (the estimate assumes every expert gets its share of tokens).
+MEMORY_HEADROOM = 0.9
+
+
+def check_memory(job: JobConfig, world_size: int, gpu_memory: int | None) -> str:
+    """One line with the memory estimate per rank at L_max; with ``gpu_memory`` (bytes), a job whose
+    estimate exceeds :data:`MEMORY_HEADROOM` of it raises :class:`ConfigError` naming a setting that fits."""
+    from elastic_pretrain.parallel.memory import estimate_memory, largest_micro_batch
+
+    mode = job.train.recompute
+    spec = "te" if job.slurm.gpus_per_node or gpu_memory else "local"
+    peak = estimate_memory(job, world_size, spec=spec).peak(mode)
+    where = (f"at ℓ = L_max = {job.model.max_loops}, micro-batch {job.train.micro_batch_size} x "
+             f"{job.data.seq_len}, train.recompute={mode}")
+    if gpu_memory is None:
+        return f"memory per rank: {_size(peak)} {where} (set slurm.gpu_memory to check it)"
+    budget = MEMORY_HEADROOM * gpu_memory
+    line = f"memory per rank: {_size(peak)} {where}, of {_size(gpu_memory)} per GPU ({100 * peak / gpu_memory:.0f}%)"
+    if peak <= budget:
+        return line
+    dp = job.parallel.data_parallel_size(world_size)
+    fits = largest_micro_batch(job, world_size, gpu_memory, recompute=mode, spec=spec, headroom=MEMORY_HEADROOM)
+    sizes = [m for m in range(fits, 0, -1) if job.train.global_batch_size % (m * dp) == 0]
+    if sizes:
+        fix = f"set train.micro_batch_size={sizes[0]}"
+    elif mode != "pass" and largest_micro_batch(job, world_size, gpu_memory, recompute="pass", spec=spec,
+                                                headroom=MEMORY_HEADROOM) >= job.train.micro_batch_size:
+        fix = "set train.recompute=pass (each loop pass recomputed in backward)"
+    else:
+        fix = "shard more (raise parallel.tensor or parallel.expert) or use GPUs with more memory"
+    raise ConfigError(
+        f"memory estimate {_size(peak)} per rank {where} exceeds {MEMORY_HEADROOM:.0%} of "
+        f"slurm.gpu_memory={job.slurm.gpu_memory or f'{gpu_memory / 2**30:.0f}GiB'}: {fix}"
+    )
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"

@@ -76,3 +76,14 @@ def test_expert_params_are_swiglu() -> None:
 def test_query_groups_must_divide_heads() -> None:
     with pytest.raises(ConfigError, match="num_query_groups: 3 must divide num_heads 4"):
         ModelConfig(**{**BASE, "num_query_groups": 3})
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_memory_estimate_holds_the_same_parameters(shape: str) -> None:
+    """parallel/memory.py counts per rank on its own: at one rank it must hold every parameter."""
+    from elastic_pretrain.parallel.memory import estimate_memory
+
+    shape_kw = {**BASE, **SHAPES[shape]}
+    overrides = [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in shape_kw.items()]
+    job = load_job(REPO / "jobs" / "tiny-cpu.yaml", [*overrides, "parallel.expert=1"])
+    assert estimate_memory(job, 1).stages[0].params == count_parameters(job.model).total

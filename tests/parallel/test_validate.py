@@ -12,7 +12,8 @@ import pytest
 
 from elastic_pretrain.config import ConfigError, load_yaml, to_dict
 from elastic_pretrain.job import load_job
-from elastic_pretrain.parallel.validate import check_layout
+from elastic_pretrain.parallel.memory import estimate_memory
+from elastic_pretrain.parallel.validate import check_layout, check_memory
 from tests.conftest import REPO
 
 JOBS = sorted(p.relative_to(REPO) for p in (REPO / "jobs").rglob("*.yaml"))
@@ -43,6 +44,10 @@ def test_every_shipped_job_validates(path: str, monkeypatch: pytest.MonkeyPatch,
         assert world == GPU_JOBS[path]
     layout = check_layout(job, world)
     assert layout.tensor * layout.pipeline * layout.data == world
+    line = check_memory(job, world, job.slurm.gpu_memory_bytes)  # GPU jobs: within 90% of their GPUs
+    assert line.startswith("memory per rank: ")
+    if path in GPU_JOBS:
+        assert job.slurm.gpu_memory and "of 80.0 GiB per GPU" in line
 
 
 def test_gpu_jobs_are_all_checked() -> None:
@@ -103,3 +108,28 @@ def test_config_command_checks_the_world_size() -> None:
                          text=True)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.count("\n") == 1 and "parallel.expert=8 does not divide" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("gpu_memory", "fix"),
+    [
+        ("30GiB", "set train.micro_batch_size=1"),
+        ("20GiB", "set train.recompute=pass"),
+        ("12GiB", "shard more (raise parallel.tensor or parallel.expert)"),
+    ],
+)
+def test_memory_over_the_gpu_names_a_setting_that_fits(gpu_memory: str, fix: str) -> None:
+    job = load_job(REPO / "jobs" / "gpu-16node.yaml", [f"slurm.gpu_memory={gpu_memory}"])
+    with pytest.raises(ConfigError, match=r"memory estimate 35.4 GiB per rank at ℓ = L_max = 4, micro-batch 2") as err:
+        check_memory(job, 128, job.slurm.gpu_memory_bytes)
+    assert str(err.value).endswith(fix) or fix in str(err.value)
+    if "micro_batch_size=1" in fix:  # the advice works
+        smaller = load_job(REPO / "jobs" / "gpu-16node.yaml", [f"slurm.gpu_memory={gpu_memory}",
+                                                                "train.micro_batch_size=1"])
+        check_memory(smaller, 128, smaller.slurm.gpu_memory_bytes)
+        assert estimate_memory(smaller, 128).peak("none") < 0.9 * smaller.slurm.gpu_memory_bytes
+
+
+def test_bad_gpu_memory_is_refused_when_the_job_loads() -> None:
+    with pytest.raises(ConfigError, match=r"slurm\.gpu_memory: cannot read 'lots'"):
+        load_job(REPO / "jobs" / "gpu-16node.yaml", ["slurm.gpu_memory=lots"])

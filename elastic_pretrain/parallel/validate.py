@@ -129,10 +129,10 @@ MEMORY_HEADROOM = 0.9
 def check_memory(job: JobConfig, world_size: int, gpu_memory: int | None) -> str:
     """One line with the memory estimate per rank at L_max; with ``gpu_memory`` (bytes), a job whose
     estimate exceeds :data:`MEMORY_HEADROOM` of it raises :class:`ConfigError` naming a setting that fits."""
-    from elastic_pretrain.parallel.memory import estimate_memory, largest_micro_batch
+    from elastic_pretrain.parallel.memory import Spec, estimate_memory, largest_micro_batch
 
     mode = job.train.recompute
-    spec = "te" if job.slurm.gpus_per_node or gpu_memory else "local"
+    spec: Spec = "te" if job.slurm.gpus_per_node or gpu_memory else "local"
     peak = estimate_memory(job, world_size, spec=spec).peak(mode)
     where = (f"at ℓ = L_max = {job.model.max_loops}, micro-batch {job.train.micro_batch_size} x "
              f"{job.data.seq_len}, train.recompute={mode}")

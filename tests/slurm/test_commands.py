@@ -38,11 +38,11 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
 
 
 def test_dry_run_prints_the_script_and_writes_nothing(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["submit", str(job), "train.steps=70", "--nodes", "3", "--time", "30", "--dry-run"]
+    argv = ["submit", str(job), "train.steps=70", "--nodes", "4", "--time", "30", "--dry-run"]
     code, out, err = run_cli(argv, capsys)
     assert code == 0, err
     run_dir = Path.cwd() / "runs" / "tiny"  # default: runs/<name> under the working directory
-    assert "#SBATCH --nodes=3" in out and "#SBATCH --partition=cpu" in out and "#SBATCH --time=30" in out
+    assert "#SBATCH --nodes=4" in out and "#SBATCH --partition=cpu" in out and "#SBATCH --time=30" in out
     assert "RETRIES=5" in out  # from the YAML's slurm: section; flags override it key by key
     assert f"TRAINER=(-m elastic_pretrain.cli train '{job}' train.steps=70 --run-dir {run_dir})" in out
     assert "dry run" in err and not run_dir.exists()

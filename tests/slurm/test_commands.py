@@ -51,8 +51,8 @@ def test_dry_run_prints_the_script_and_writes_nothing(job: Path, capsys: pytest.
 def test_run_dir_from_flag_or_yaml(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(["submit", str(job), "--run-dir", "elsewhere/r 1", "--dry-run"], capsys)
     assert code == 0 and f"RUN_DIR='{Path.cwd() / 'elsewhere' / 'r 1'}'" in out
-    job.write_text(BASE + "run_dir: /scratch/x\n")
-    code, out, _ = run_cli(["submit", str(job), "--dry-run"], capsys)
+    job.write_text(BASE + "run_dir: /scratch/x\n")  # no slurm section: --nodes 2 for the EP=2 mesh
+    code, out, _ = run_cli(["submit", str(job), "--dry-run", "--nodes", "2"], capsys)
     assert code == 0 and "RUN_DIR=/scratch/x" in out and '#SBATCH --job-name="tiny job"' in out
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_pretrain.launch.config import SlurmConfig
+from elastic_pretrain.launch.environment import job_environment
 from elastic_pretrain.launch.layout import RunFiles, read_text_or_none
 from elastic_pretrain.launch.render import LaunchSpec, render
 from elastic_pretrain.launch.slurm import cancel, query_job, run_status, submit
@@ -82,7 +83,8 @@ def plan_submit(args: argparse.Namespace) -> SubmitPlan:
     run_dir = args.run_dir or job.run_path
     run_dir = run_dir.expanduser().absolute()
     trainer = trainer_command(job_path, list(args.overrides), run_dir)
-    spec = LaunchSpec(job_name=name, run_dir=run_dir, workdir=Path.cwd(), trainer=trainer)
+    env = job_environment(job.parallel, gpus=cfg.gpus_per_node > 0)
+    spec = LaunchSpec(job_name=name, run_dir=run_dir, workdir=Path.cwd(), trainer=trainer, env=env)
     return SubmitPlan(cfg, spec, tuple(summary))
 
 

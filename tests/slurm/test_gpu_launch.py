@@ -29,7 +29,10 @@ REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
 # Where a site would keep things: fixed paths, so the golden files do not depend on this machine.
 SITE = Path("/lustre/llm/elastic-pretrain")
-CONTAINER = {"container_image": "/lustre/llm/images/elastic-pretrain-25.10.sqsh", "container_mounts": ["/lustre:/lustre"]}
+CONTAINER = {
+    "container_image": "/lustre/llm/images/elastic-pretrain-25.10.sqsh",  # a derived image (docs/install.md)
+    "container_mounts": ["/lustre:/lustre"],
+}
 
 
 def render_job(name: str, **slurm: object) -> str:

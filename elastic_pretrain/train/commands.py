@@ -110,6 +110,9 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"checkpoint.resume_from={Path(args.resume_from).resolve()}")
     job = load_job(args.job, overrides)
     if args.nproc_per_node and "RANK" not in os.environ:
+        from elastic_pretrain.parallel.validate import check_layout
+
+        check_layout(job, args.nproc_per_node)  # once, here, not once per rank after torch imports
         return _launch(args, overrides)
     from elastic_pretrain.train.trainer import train
 

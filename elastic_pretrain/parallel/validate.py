@@ -17,7 +17,9 @@ The rules, and where each comes from:
   the sequence length (the scatter splits the sequence dimension);
 * pipeline: PP divides the core layers built and at least PP micro-batches per step
   (``parallel/pipeline.py``), no tied embeddings;
-* batch: global batch = micro-batch × DP × micro-batches per step.
+* batch: global batch = micro-batch × DP × micro-batches per step;
+* vocabulary: the byte tokenizer's 257 ids fit ``model.vocab_size`` (a tokenizer file is read, and
+  checked, when training starts).
 """
 
 from __future__ import annotations
@@ -64,6 +66,10 @@ def check_layout(job: JobConfig, world_size: int) -> Layout:
     if world_size < 1:
         raise ConfigError(f"world size must be >= 1, got {world_size}")
     par, model = job.parallel, job.model
+    if job.data.tokenizer.kind == "byte":  # a tokenizer file (hf, tiktoken) is checked when training starts
+        from elastic_pretrain.data.tokenizer import ByteTokenizer
+
+        job.check_vocab(ByteTokenizer.vocab_size)
     tp, pp, ep = par.tensor, par.pipeline, par.expert
     dp = par.data_parallel_size(world_size)  # world % (TP*PP), EP | TP*DP
     _check_tensor(job, tp)

@@ -82,6 +82,7 @@ def tiny(*overrides: str):
         (2, ["parallel.sequence_parallel='on'"], r"sequence_parallel=on with parallel.tensor=1 splits nothing"),
         (4, ["parallel.tensor=4", "parallel.expert=1", "data.seq_len=130"],
          r"data.seq_len=130 is not divisible by parallel.tensor=4"),
+        (2, ["model.vocab_size=200"], r"model.vocab_size=200 is smaller than the tokenizer's vocabulary 257"),
     ],
 )
 def test_each_rule_is_one_line_naming_the_fix(world: int, overrides: list[str], message: str) -> None:
@@ -133,3 +134,19 @@ def test_memory_over_the_gpu_names_a_setting_that_fits(gpu_memory: str, fix: str
 def test_bad_gpu_memory_is_refused_when_the_job_loads() -> None:
     with pytest.raises(ConfigError, match=r"slurm\.gpu_memory: cannot read 'lots'"):
         load_job(REPO / "jobs" / "gpu-16node.yaml", ["slurm.gpu_memory=lots"])
+
+
+@pytest.mark.parametrize(
+    ("preset", "job", "world"),
+    [("gpu-8", "gpu-1node", 8), ("gpu-node-tp2-ep4", "gpu-1node", 8), ("gpu-16", "gpu-2node", 16),
+     ("gpu-128", "gpu-16node", 128)],
+)
+def test_every_gpu_mesh_preset_takes_a_shipped_model(preset: str, job: str, world: int) -> None:
+    cfg = load_job(REPO / "jobs" / f"{job}.yaml", [f"parallel={preset}"])
+    check_layout(cfg, world)
+    check_memory(cfg, world, cfg.slurm.gpu_memory_bytes)
+
+
+def test_every_gpu_preset_is_covered() -> None:
+    covered = {"gpu-8", "gpu-node-tp2-ep4", "gpu-16", "gpu-128"}
+    assert {p.stem for p in (REPO / "parallel").glob("gpu-*.yaml")} == covered

@@ -181,4 +181,11 @@ def render(cfg: SlurmConfig, spec: LaunchSpec) -> str:
             f"cannot read the sbatch template {path} ({err.strerror}): set slurm.template to a copy of "
             "slurm/train.sbatch, or run from a checkout of the repository"
         ) from None
-    return fill(template, template_values(cfg, spec))
+    values = template_values(cfg, spec)
+    for name in ("SRUN_EXTRA", "TORCHRUN_EXTRA"):  # an older site template would drop them silently
+        if values[name] and f"{{{{{name}}}}}" not in template:
+            raise ConfigError(
+                f"sbatch template {path} does not use {{{{{name}}}}}, so the job's GPU/container/NUMA settings "
+                "would be ignored: add it as slurm/train.sbatch does"
+            )
+    return fill(template, values)

@@ -187,3 +187,13 @@ def test_master_port_skips_a_port_in_use() -> None:
             pytest.skip(f"port {port} is taken on this machine already")
         busy.listen()
         assert master_ports("elastic-local-16940", [3]) == [port + 1 if port < 39999 else 20000]
+
+
+def test_a_site_template_without_the_gpu_placeholders_is_refused(tmp_path: Path) -> None:
+    old = (REPO / "slurm" / "train.sbatch").read_text().replace('"${SRUN_EXTRA[@]}"', "")
+    old = old.replace("SRUN_EXTRA=({{SRUN_EXTRA}})", "")
+    template = tmp_path / "site.sbatch"
+    template.write_text(old)
+    with pytest.raises(ConfigError, match=r"does not use \{\{SRUN_EXTRA\}\}, so the job's GPU/container"):
+        render_job("gpu-16node", template=str(template))
+    assert "SRUN_EXTRA" not in render_job("gpu-16node", template=str(template), gpus_per_node=0, nproc_per_node=8)

@@ -195,7 +195,8 @@ def peak_flops(env: Env) -> float | None:
 
 
 def fp8_probe(net: torch.nn.Module) -> tuple[dict[str, int], list[Any]]:
-    """Count TE module calls made inside / outside an FP8 autocast (forward pre-hooks)."""
+    """Count TE GEMM module calls made inside / outside an FP8 autocast (forward pre-hooks). Norms and
+    the output layer run outside it, as in megatron's TransformerBlock."""
     try:
         from transformer_engine.pytorch.fp8 import FP8GlobalStateManager
     except ImportError:  # newer TE
@@ -207,14 +208,15 @@ def fp8_probe(net: torch.nn.Module) -> tuple[dict[str, int], list[Any]]:
 
     handles = [m.register_forward_pre_hook(hook) for m in net.modules()
                if type(m).__module__.startswith(("transformer_engine", "megatron.core.extensions"))
-               and hasattr(m, "fp8")]
+               and "Linear" in type(m).__name__]
     return counts, handles
 
 
 def measure_activations(net: Any, tokens: torch.Tensor, loops: int, env: Env) -> int:
-    """Peak activation bytes of one fwd+bwd. CUDA: peak allocated above the model's static
-    memory; CPU (dry run): bytes saved for backward (saved_tensors_hooks) — what the estimate models."""
-    net.zero_grad(set_to_none=True)
+    """Peak activation bytes of one fwd+bwd. CUDA: peak allocated above the model's static memory
+    (gradients stay allocated: zeroed, not freed); CPU (dry run): bytes saved for backward
+    (saved_tensors_hooks) — what the estimate models."""
+    net.zero_grad(set_to_none=False)
     if env.device.type == "cuda":
         env.sync()
         torch.cuda.reset_peak_memory_stats()
@@ -307,7 +309,7 @@ def section_fp8(env: Env) -> None:
         for h in handles:
             h.remove()
         total = counts["fp8"] + counts["other"]
-        print(f"  fp8={recipe}: {counts['fp8']}/{total} TE module calls ran inside the FP8 autocast")
+        print(f"  fp8={recipe}: {counts['fp8']}/{total} TE GEMM calls ran inside the FP8 autocast")
     window = max(1, steps // 10)
     for name, losses in results.items():
         first, last = statistics.mean(losses[:window]), statistics.mean(losses[-window:])
@@ -423,9 +425,10 @@ def main(argv: list[str] | None = None) -> int:
     from elastic_pretrain.parallel.mesh import init_mesh, teardown
 
     torch.set_num_threads(1 if args.dry_run else torch.get_num_threads())
-    mesh = init_mesh(PAR, seed=0)
-    env = Env(dry=args.dry_run, device=mesh.device if torch.cuda.is_available() else torch.device("cpu"),
-              te=pm.te_available())
+    init_mesh(PAR, seed=0)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    env = Env(dry=args.dry_run, device=device, te=pm.te_available())
     failed = []
     start = time.perf_counter()
     for name in args.only or SECTIONS:

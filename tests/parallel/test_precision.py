@@ -42,6 +42,9 @@ def test_fp8_on_a_machine_without_cuda_and_te_is_refused_not_dropped(mesh1):
         (["model.fp8=tensorwise", "model.dtype=bf16", "model.hidden_size=96", "model.moe_ffn_hidden_size=96",
           "model.ffn_hidden_size=272", "parallel=cpu-tp2"],
          r"model.ffn_hidden_size=272 is not a multiple of 32"),  # 136 per TP rank
+        (["model.fp8=delayed", "model.dtype=bf16", "model.hidden_size=96", "model.moe_ffn_hidden_size=96",
+          "train.recompute=pass"],
+         r"model.fp8=delayed with train.recompute=pass.*model.fp8=tensorwise"),
     ],
 )
 def test_fp8_incompatible_shapes_are_refused_when_the_job_is_read(overrides, message):

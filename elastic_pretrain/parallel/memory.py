@@ -249,7 +249,7 @@ def _activation_bytes(job: JobConfig, stage: int, loops: int, recompute: str, mb
     # warm-up count), chunk j of a micro-batch = pass j of this stage's core layers; of L_max chunks only
     # ℓ run layers (the rest are identity views)
     v = m.max_loops
-    micro = job.train.micro_batches(par.data_parallel_size(world_size))
+    micro = max(1, job.train.global_batch_size // (mbs * par.data_parallel_size(world_size)))  # per step, replica
     in_flight = min(micro * v, (par.pipeline - stage - 1) * 2 + (v - 1) * par.pipeline + 1)
     real = in_flight * loops / v
     per_chunk = hidden if recompute == "pass" else core * layer_pass

@@ -101,6 +101,17 @@ class ModelConfig:
         """What every FP8 GEMM dimension must be a multiple of (TE: 16; MXFP8's 32-element blocks: 32)."""
         return 32 if self.fp8 == "mxfp8" else 16
 
+    def check_fp8_recompute(self, recompute: str) -> None:
+        """Delayed scaling and per-pass recompute do not mix: Transformer Engine stashes each module's FP8
+        scaling state per forward call and hands it back first-in first-out to the recomputed forwards,
+        but the passes of a loop are recomputed in reverse order while sharing their MLP modules, so a
+        re-run pass would quantize with another pass's scales. Current/block scaling has no such state."""
+        if self.fp8 == "delayed" and recompute == "pass" and self.max_loops > 1:
+            raise ConfigError(
+                "model.fp8=delayed with train.recompute=pass: a recomputed pass would reuse another pass's FP8 "
+                "scales; use model.fp8=tensorwise (or blockwise/mxfp8), or train.recompute=none/selective"
+            )
+
     def check_fp8_layout(self, *, tensor: int, tokens: int | None) -> None:
         """FP8 GEMMs need bf16 and every GEMM dimension a multiple of :attr:`fp8_align` — the per-rank
         shards under tensor parallelism, and the tokens of one micro-batch per rank (``tokens`` = seq x

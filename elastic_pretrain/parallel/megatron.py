@@ -67,6 +67,7 @@ def transformer_config(
     """The megatron ``TransformerConfig`` for our model on this layout (CPU-safe settings when no CUDA)."""
     on_gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if model.dtype == "bf16" else torch.float32
+    model.check_fp8_recompute(recompute)
     kwargs: dict[str, Any] = {**_precision_kwargs(model, parallel), **_recompute_kwargs(recompute)}
     return TransformerConfig(
         num_layers=model.num_unique_layers,

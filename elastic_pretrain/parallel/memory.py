@@ -116,7 +116,7 @@ def estimate_memory(job: JobConfig, world_size: int, *, micro_batch_size: int | 
         raise ConfigError(f"micro_batch_size: must be >= 1, got {mbs}")
     stages = []
     for stage in range(par.pipeline):
-        dense, expert = _param_counts(job, stage)
+        dense, expert, fp32 = _param_counts(job, stage, spec)
         el = 2 if m.dtype == "bf16" else 4
         opt_per_param = (12 if m.dtype == "bf16" else 8)  # fp32 master copy + Adam m, v
         shard_dense, shard_expert = (dp, edp) if job.train.distributed_optimizer else (1, 1)
@@ -124,7 +124,7 @@ def estimate_memory(job: JobConfig, world_size: int, *, micro_batch_size: int | 
         acts: dict[str, dict[int, int]] = {mode: {ell: _activation_bytes(job, stage, ell, mode, mbs, spec, world_size)
                        for ell in range(1, m.max_loops + 1)} for mode in RECOMPUTE_MODES}
         n = dense + expert
-        stages.append(StageMemory(stage=stage, params=n, param_bytes=el * n, grad_bytes=4 * n,
+        stages.append(StageMemory(stage=stage, params=n, param_bytes=el * (n - fp32) + 4 * fp32, grad_bytes=4 * n,
                                   optimizer_bytes=optimizer, activation_bytes=acts))
     return MemoryEstimate(world_size=world_size, micro_batch_size=mbs, seq_len=job.data.seq_len,
                           max_loops=m.max_loops, spec=spec, stages=tuple(stages))
@@ -155,8 +155,9 @@ def padded_vocab(vocab: int) -> int:
     return math.ceil(vocab / VOCAB_DIVISIBLE_BY) * VOCAB_DIVISIBLE_BY
 
 
-def _param_counts(job: JobConfig, stage: int) -> tuple[int, int]:
-    """(dense, expert) parameters on one rank of pipeline stage ``stage``."""
+def _param_counts(job: JobConfig, stage: int, spec: Spec) -> tuple[int, int, int]:
+    """(dense, expert, of them kept in fp32 whatever model.dtype) parameters on one rank of ``stage``:
+    the torch heads (loop conditioning, decider) are fp32, and so are the norms of the local spec."""
     m, par = job.model, job.parallel
     tp, ep, d = par.tensor, par.expert, m.hidden_size
     norm = d if m.normalization == "RMSNorm" else 2 * d
@@ -168,7 +169,7 @@ def _param_counts(job: JobConfig, stage: int) -> tuple[int, int]:
     router = m.experts_built * d
     experts = m.experts_built // ep * 3 * d * m.moe_ffn_hidden_size  # local experts (expert-TP 1): fc1 2F, fc2
     first, last = stage == 0, stage == par.pipeline - 1
-    dense = expert = 0
+    dense = expert = fp32 = 0
     edge_layers = (m.prelude_layers if first else 0) + (m.coda_layers if last else 0)
     if m.edge_mlp == "moe":
         dense += edge_layers * (attn + norm + router)
@@ -179,17 +180,22 @@ def _param_counts(job: JobConfig, stage: int) -> tuple[int, int]:
     core = m.core_layers_built // par.pipeline
     dense += core * (passes * attn + norm + router)
     expert += core * experts
+    norms = 2 * edge_layers + core * (passes + 1) + (1 if last else 0)
     vocab = padded_vocab(m.vocab_size) // tp * d
     if first:
         dense += vocab
         if m.loop_conditioning:
             dense += (2 * m.max_loops + 1) * d + d * d
+            fp32 += (2 * m.max_loops + 1) * d + d * d
         if job.decider is not None:
             hd = job.decider.hidden_size
             dense += 4 * d + 2 * d * hd + hd + m.max_loops * hd + hd + 1
+            fp32 += 4 * d + 2 * d * hd + hd + m.max_loops * hd + hd + 1
     if last:
         dense += norm + (0 if m.tie_embeddings else vocab)
-    return dense, expert
+    if spec == "local":
+        fp32 += norms * norm
+    return dense, expert, fp32
 
 
 # Bytes saved for backward per element count, local spec (megatron's torch modules), fitted on CPU.
@@ -246,7 +252,7 @@ def _activation_bytes(job: JobConfig, stage: int, loops: int, recompute: str, mb
     # warm-up count), chunk j of a micro-batch = pass j of this stage's core layers; of L_max chunks only
     # ℓ run layers (the rest are identity views)
     v = m.max_loops
-    micro = job.train.micro_batches(par.data_parallel_size(world_size))
+    micro = max(1, job.train.global_batch_size // (mbs * par.data_parallel_size(world_size)))  # per step, replica
     in_flight = min(micro * v, (par.pipeline - stage - 1) * 2 + (v - 1) * par.pipeline + 1)
     real = in_flight * loops / v
     per_chunk = hidden if recompute == "pass" else core * layer_pass

@@ -56,6 +56,9 @@ class JobConfig:
             raise ConfigError(f"name: {self.name!r} must be a non-empty name without '/'")
         self.schedule.validate_for(self.model.max_loops)
         self.model.check_pipeline(self.parallel.pipeline)  # before any process starts (the CLI validates jobs)
+        tp = self.parallel.tensor
+        self.model.check_fp8_layout(tensor=tp, tokens=self.data.seq_len * self.train.micro_batch_size // tp)
+        self.model.check_fp8_recompute(self.train.recompute)
         if self.decider is not None and self.model.max_loops < 2:
             raise ConfigError(
                 f"decider: the base model runs L_max = {self.model.max_loops} pass; a decider needs L_max >= 2"

@@ -40,6 +40,11 @@ class TrainConfig:
     )
     distributed_optimizer: bool = field(True, doc="Shard optimizer state over data-parallel ranks (ZeRO-1).")
     threads_per_rank: int = field(1, doc="torch intra-op threads per process (CPU runs).")
+    recompute: Literal["none", "selective", "pass"] = field(
+        "none",
+        doc="Activation recompute: 'pass' keeps only each loop pass's input and recomputes the pass in backward "
+        "(activations flat in ℓ); 'selective' recomputes core attention (megatron); docs/gpu.md.",
+    )
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "global_batch_size", "log_interval", "threads_per_rank"):

@@ -37,9 +37,9 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "(no nvidia-smi)"
 
 status=0
-timeout 420 "$PY" bench/gpu_check.py "$@" || status=$?
+timeout 360 "$PY" bench/gpu_check.py "$@" || status=$?
 if [[ " $* " != *" --dry-run "* ]] && "$PY" -c 'import pytest' 2>/dev/null; then
     echo "== pytest -m gpu"
-    timeout 120 "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider -o addopts="" || status=$?
+    timeout 100 "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider -o addopts="" || status=$?
 fi
 exit $status

@@ -122,3 +122,24 @@ def test_saved_bytes_grow_linearly_in_loops_without_recompute_and_stay_flat_with
     hidden = 16 * 2 * cfg.hidden_size * 4  # one pass's input, fp32: all a recomputed pass keeps
     assert [b - flat[0] for b in flat] == [0, hidden, 3 * hidden, 5 * hidden]
     assert hidden * 20 < per_pass
+
+
+def test_a_training_session_builds_the_model_with_train_recompute(monkeypatch):
+    """The trainer hands ``train.recompute`` to the model (stopped right at model construction)."""
+    from elastic_pretrain.job import load_job
+    from elastic_pretrain.train import session
+    from tests.conftest import REPO
+
+    class Built(Exception):
+        pass
+
+    seen: dict = {}
+
+    def build(model, parallel, **kw):
+        seen.update(kw)
+        raise Built
+
+    monkeypatch.setattr(session, "build_model", build)
+    with pytest.raises(Built):
+        session.build_session(load_job(REPO / "jobs" / "tiny-cpu.yaml", ["train.recompute=pass"]), mesh=None)
+    assert seen["recompute"] == "pass"

@@ -123,6 +123,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return value
     if origin is Literal:
         choices = get_args(tp)
+        if isinstance(value, bool) and ("on" if value else "off") in choices:
+            return "on" if value else "off"  # YAML 1.1 reads an unquoted on/off as true/false
         if value not in choices:
             raise ConfigError(f"{key}: {show(value)} is not one of {', '.join(repr(c) for c in choices)}")
         return value

@@ -62,6 +62,9 @@ class JobConfig:
             )
         self.schedule.validate_for(self.model.max_loops)
         self.model.check_pipeline(self.parallel.pipeline)  # before any process starts (the CLI validates jobs)
+        tp = self.parallel.tensor
+        self.model.check_fp8_layout(tensor=tp, tokens=self.data.seq_len * self.train.micro_batch_size // tp)
+        self.model.check_fp8_recompute(self.train.recompute)
         if self.decider is not None and self.model.max_loops < 2:
             raise ConfigError(
                 f"decider: the base model runs L_max = {self.model.max_loops} pass; a decider needs L_max >= 2"
@@ -78,20 +81,6 @@ class JobConfig:
                 f"model.vocab_size={self.model.vocab_size} is smaller than the tokenizer's vocabulary "
                 f"{tokenizer_vocab}: set model.vocab_size={tokenizer_vocab}"
             )
-
-    def check_world_size(self, world_size: int, where: str, *, layout: bool = True) -> None:
-        """The batch arithmetic (and with ``layout``, the parallel layout) at ``world_size`` ranks, known at
-        submit / ``--nproc-per-node``: errors that would otherwise surface only on the nodes."""
-        try:
-            dp = self.parallel.data_parallel_size(world_size)
-        except ConfigError as err:
-            if not layout:
-                return
-            raise ConfigError(f"{err} ({where})") from None
-        try:
-            self.train.micro_batches(dp)
-        except ConfigError as err:
-            raise ConfigError(f"{err} ({where})") from None
 
     @property
     def run_path(self) -> Path:

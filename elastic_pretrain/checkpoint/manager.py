@@ -48,6 +48,8 @@ SHAPE_KEYS = (
     "vocab_size",
     "hidden_size",
     "num_heads",
+    "num_query_groups",
+    "qk_norm",
     "ffn_hidden_size",
     "prelude_layers",
     "core_layers",
@@ -67,6 +69,8 @@ SHAPE_KEYS = (
 def shape_changes(saved: dict[str, Any], job: JobConfig) -> list[str]:
     """``model.<key>: old -> new`` for every shape key that differs between a saved config and ``job``."""
     now, old = to_dict(job)["model"], saved.get("model", {})
+    # checkpoints saved before these keys existed had their defaults (multi-head attention, no QK-norm)
+    old = {"num_query_groups": None, "qk_norm": False, **old}
     return [f"model.{k}: {old.get(k)!r} -> {now.get(k)!r}" for k in SHAPE_KEYS if old.get(k) != now.get(k)]
 
 

@@ -27,7 +27,7 @@ def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         shutil.copytree(REPO / preset, tmp_path / preset)
     path = tmp_path / "jobs" / "tiny.yaml"
     path.parent.mkdir()
-    path.write_text(BASE + "name: tiny\n")
+    path.write_text(BASE + "name: tiny\nslurm:\n  nodes: 2\n")  # expert parallel 2: two ranks
     return path
 
 
@@ -83,14 +83,15 @@ def test_a_numeric_job_id_is_still_queried(tmp_path: Path, slurm_spy: Path, caps
 def test_abbreviated_managed_sbatch_options_are_refused(
     job: Path, capsys: pytest.CaptureFixture[str], arg: str, managed: str
 ) -> None:
-    job.write_text(BASE + f"name: tiny\nslurm:\n  sbatch_args: [{arg!r}]\n")
+    job.write_text(BASE + f"name: tiny\nslurm:\n  nodes: 2\n  sbatch_args: [{arg!r}]\n")
     code, _, err = run_cli(["submit", str(job), "--dry-run"], capsys)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert f"(sbatch reads it as {managed}) is managed by elastic-pretrain" in err
 
 
 def test_unmanaged_sbatch_options_still_pass(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    job.write_text(BASE + "name: tiny\nslurm:\n  sbatch_args: [--qos=high, --mem=0, --time-min=5, --exclusive]\n")
+    sbatch_args = "[--qos=high, --mem=0, --time-min=5, --exclusive]"
+    job.write_text(BASE + f"name: tiny\nslurm:\n  nodes: 2\n  sbatch_args: {sbatch_args}\n")
     code, out, err = run_cli(["submit", str(job), "--dry-run"], capsys)
     assert code == 0, err
     assert "#SBATCH --qos=high" in out and "#SBATCH --time-min=5" in out
@@ -102,7 +103,7 @@ def test_global_batch_not_divisible_at_the_submitted_world_size(job: Path, capsy
     code, _, err = run_cli(argv, capsys)
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "train.global_batch_size=24 is not divisible by micro_batch_size*data_parallel = 4*4" in err
-    assert "make it a multiple of 16" in err and "2 node(s) x 2 processes" in err
+    assert "make it a multiple of 16" in err and "world size 4 = --nodes 2 x 2 process(es) per node" in err
     code, _, err = run_cli([*argv[:3], "--nodes", "1", "--nproc-per-node", "2", "--dry-run"], capsys)
     assert code == 0, err  # 24 / (4 * 2) = 3 micro-batches
 
@@ -110,7 +111,7 @@ def test_global_batch_not_divisible_at_the_submitted_world_size(job: Path, capsy
 def test_global_batch_not_divisible_at_nproc_per_node(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run_cli(["train", str(job), "train.global_batch_size=24", "--nproc-per-node", "4"], capsys)
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert "make it a multiple of 16 (with --nproc-per-node 4)" in err
+    assert "train.global_batch_size=24 is not divisible" in err and "make it a multiple of 16" in err
 
 
 # ------------------------------------------------------------------------------------- case 11

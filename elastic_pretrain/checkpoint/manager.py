@@ -38,7 +38,7 @@ from elastic_pretrain.checkpoint.store import (
 )
 from elastic_pretrain.config import flatten, to_dict
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.job import JobConfig
+from elastic_pretrain.job import JobConfig, public_dict
 from elastic_pretrain.parallel.mesh import Mesh, describe
 
 log = logging.getLogger(__name__)
@@ -235,7 +235,7 @@ class Checkpointer:
             print(f"resumed from {ckpt} (step {state.step}, {state.tokens:,} tokens)", flush=True)
 
     def _log_changes(self, saved: dict[str, Any]) -> None:
-        old, new = flatten(saved), flatten(to_dict(self.job))
+        old, new = flatten(saved), flatten(public_dict(self.job))
         diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k != "run_dir")
         if diff:
             log.info("config changed since the checkpoint: %s", ", ".join(f"{k}={new.get(k)!r}" for k in diff))
@@ -280,7 +280,7 @@ class Checkpointer:
             "data": s.batches.state_dict(),
             "mlflow_run_id": self.run_id(),
             "layout": describe(self.mesh),
-            "config": to_dict(self.job),
+            "config": public_dict(self.job),  # checkpoints are shared: no credentials, no env values
         }
 
     def _commit(self, step: int) -> None:

@@ -101,23 +101,39 @@ def _children(pid: int) -> list[int]:
 
 def _train(args: argparse.Namespace) -> int:
     _quiet_logs()
-    from elastic_pretrain.job import load_job
-
-    overrides = list(args.overrides)
-    if args.run_dir:
-        overrides.append(f"run_dir={args.run_dir}")
-    if args.resume_from:
-        overrides.append(f"checkpoint.resume_from={Path(args.resume_from).resolve()}")
-    job = load_job(args.job, overrides)
+    job = job_from_args(args)
     if args.nproc_per_node and "RANK" not in os.environ:
         from elastic_pretrain.parallel.validate import check_layout
 
         check_layout(job, args.nproc_per_node)  # once, here, not once per rank after torch imports
-        return _launch(args, overrides)
+        return _launch(args, [*args.overrides, *(f"{flag}={path}" for flag, path in path_flags(args).items())])
     from elastic_pretrain.train.trainer import train
 
     train(job)
     return 0
+
+
+def job_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`~elastic_pretrain.job.JobConfig` that ``train`` runs for its parsed arguments.
+
+    Paths from flags are set as strings: as ``key=value`` overrides YAML would read ``#`` as a comment,
+    ``: `` as a mapping and ``~`` as null, and the trainer would write elsewhere than the flag (and the
+    Slurm batch script watching that directory) says."""
+    from elastic_pretrain.job import load_job
+
+    paths = path_flags(args)
+    values = {"run_dir": paths.get("--run-dir"), "checkpoint.resume_from": paths.get("--resume-from")}
+    return load_job(args.job, list(args.overrides), values={k: v for k, v in values.items() if v is not None})
+
+
+def path_flags(args: argparse.Namespace) -> dict[str, str]:
+    """``--run-dir`` / ``--resume-from`` as given (``~`` expanded; the checkpoint made absolute)."""
+    out = {}
+    if args.run_dir:
+        out["--run-dir"] = os.path.expanduser(args.run_dir)
+    if args.resume_from:
+        out["--resume-from"] = str(Path(args.resume_from).expanduser().resolve())
+    return out
 
 
 def _show(args: argparse.Namespace) -> int:

@@ -248,7 +248,8 @@ class TrackingCallback:
     """Metrics, validation curves and the quality-budget plot to MLflow (rank 0; never fatal)."""
 
     def __init__(self, job: JobConfig, mesh: Mesh, run_dir: Path, resume_run_id: str | None = None) -> None:
-        from elastic_pretrain.config import flatten, to_dict
+        from elastic_pretrain.config import flatten
+        from elastic_pretrain.job import public_dict
         from elastic_pretrain.tracking import names
         from elastic_pretrain.tracking.tracker import create_tracker, default_tags
 
@@ -256,7 +257,7 @@ class TrackingCallback:
         self.tracker = create_tracker(
             job.tracking, run_dir=run_dir, job_name=job.name, rank=mesh.rank, resume_run_id=resume_run_id
         )
-        self.tracker.log_params(flatten(to_dict(job)))
+        self.tracker.log_params(flatten(public_dict(job)))  # no URI credentials, no slurm.env values
         if mesh.is_logging_rank:
             self.tracker.set_tags({**default_tags(world_size=mesh.world_size), "layout": json.dumps(describe(mesh))})
         self._window: list[float] = []

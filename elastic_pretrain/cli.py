@@ -13,6 +13,7 @@ import sys
 from typing import NoReturn
 
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.quiet import third_party_warnings
 
 COMMAND_MODULES = (
     "elastic_pretrain.train.commands",
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    third_party_warnings()  # the user sees the command's own output, not its libraries' deprecations
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # key=value overrides may follow flags (train job.yaml --nproc-per-node 2 train.steps=5)

@@ -10,8 +10,9 @@ import os
 import signal
 import subprocess
 import sys
-import warnings
 from pathlib import Path
+
+from elastic_pretrain.quiet import third_party_warnings
 
 
 def _quiet_logs() -> None:
@@ -21,13 +22,7 @@ def _quiet_logs() -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    # megatron-core warns at import time that TE/Apex are absent; the CPU path is deliberate.
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
-    # megatron's optimizer probes .grad on shard views; torch warns on every such access.
-    warnings.filterwarnings("ignore", message=".*is not a leaf Tensor is being accessed.*")
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
+    third_party_warnings()
     for name in ("megatron", "megatron.core"):
         logging.getLogger(name).setLevel(logging.WARNING)
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from elastic_pretrain.checkpoint.latest import repair_latest
 from elastic_pretrain.checkpoint.manager import Checkpointer, check_resumable, resume_source
 from elastic_pretrain.checkpoint.preempt import StopRequest
 from elastic_pretrain.checkpoint.store import CheckpointStore
@@ -324,8 +325,11 @@ def train(job: JobConfig) -> dict[int, float] | None:
             write_resolved(job, run_dir)
             print(f"run {job.name}: {describe(mesh)} -> {run_dir}", flush=True)
         # refuse a corrupt checkpoint or a changed model shape before building anything
-        source = resume_source(job, CheckpointStore(run_dir / "checkpoints"))
+        store = CheckpointStore(run_dir / "checkpoints")
+        source = resume_source(job, store)
         meta = check_resumable(source, job) if source else {}
+        if mesh.rank == 0 and (repaired := repair_latest(store)):  # a crash left it naming an older/missing step
+            print(repaired, flush=True)
         session = build_session(job, mesh)
         if mesh.is_logging_rank:
             print(session.describe(), flush=True)

@@ -56,11 +56,18 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from elastic_pretrain.launch.local import peer_reported, report_user_error
+
     try:
         return int(args.handler(args) or 0)
     except UserError as err:
-        print(f"elastic-pretrain {args.command}: error: {err}", file=sys.stderr)
+        if not report_user_error(str(err)):  # a rank under train --nproc-per-node: the launcher prints it once
+            print(f"elastic-pretrain {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except Exception:
+        if peer_reported():  # another rank stopped on a user error and broke a collective here
+            return 2
+        raise
     except KeyboardInterrupt:
         print(f"elastic-pretrain {args.command}: interrupted", file=sys.stderr)
         return 130

@@ -166,6 +166,17 @@ def any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
+def every_rank(value: int) -> list[int]:
+    """Each rank's ``value``, indexed by rank, on every rank (one all-reduce of world-size ints)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        return [value]
+    t = torch.zeros(world, dtype=torch.int64)
+    t[dist.get_rank()] = value
+    dist.all_reduce(t)
+    return [int(v) for v in t.tolist()]
+
+
 def teardown() -> None:
     """Barrier, destroy megatron's groups, destroy the default group.
 

@@ -177,16 +177,19 @@ def every_rank(value: int) -> list[int]:
     return [int(v) for v in t.tolist()]
 
 
-def teardown() -> None:
+def teardown(*, barrier: bool = True) -> None:
     """Barrier, destroy megatron's groups, destroy the default group.
 
     With torch 2.13 + gloo a finished process otherwise aborts now and then ("terminate called
     without an active exception"); the explicit order below removed it (notes/megatron-cpu.md).
+    ``barrier=False`` on the way out of an error: the other ranks may never reach a barrier (one rank's
+    bad input), and waiting for them would hang this rank until gloo's timeout.
     """
     from megatron.core import parallel_state
 
     if dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 

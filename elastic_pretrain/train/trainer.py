@@ -328,6 +328,7 @@ def train(job: JobConfig) -> dict[int, float] | None:
 def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
     torch.set_num_threads(job.train.threads_per_rank)
     mesh = init_mesh(job.parallel, seed=job.train.seed)
+    done = False
     try:
         run_dir = job.run_path
         if mesh.is_logging_rank:
@@ -368,6 +369,7 @@ def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
         ckpt.close()
         if val is not None and mesh.is_logging_rank:
             RunFiles(run_dir).finished.write_text(json.dumps({"step": state.step, "tokens": state.tokens}) + "\n")
+        done = True
         return val
     finally:
-        teardown()
+        teardown(barrier=done)  # after an error (maybe this rank's alone) no rank waits for the others

@@ -34,8 +34,8 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
     Stop signals (SIGTERM, SIGUSR1/2, SIGINT) sent to this process go to every trainer, which saves at
     the next step boundary and exits 0 — the same contract as under Slurm (slurm/train.sbatch): the
     launcher runs in its own session with those signals blocked (its ranks inherit that, so a signal
-    that comes before a trainer's handler waits for it); this process signals each rank and says so.
-    A second SIGINT (Ctrl-C twice) kills the trainers at once."""
+    that comes before a trainer's handler waits for it); this process says so and signals the
+    launcher, which passes the signal to every rank. A second SIGINT (Ctrl-C twice) kills the trainers."""
     import tempfile
 
     from elastic_pretrain.checkpoint.preempt import STOP_SIGNALS

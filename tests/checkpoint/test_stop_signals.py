@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from elastic_pretrain.checkpoint.preempt import stop_reason
 from tests.checkpoint.launch import Launch
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prepared"), pytest.mark.timeout(2400)]
 RUN = ["train.steps=200", "checkpoint.keep_last=5"]
 
 
@@ -25,6 +25,18 @@ def _stopped(launch: Launch, reason: str) -> int:
     return int(match.group(1))
 
 
+@pytest.mark.parametrize(
+    ("signums", "reason"),
+    [([15, 15], "SIGTERM"), ([0, 15], "SIGTERM on rank 1"), ([15, 0, 15, 0], "SIGTERM on ranks 0, 2"),
+     ([10, 15], "SIGUSR1 on rank 0, SIGTERM on rank 1"), ([0, 0], "stop_at"), ([15], "SIGTERM")],
+)  # fmt: skip
+def test_stop_reason_words(signums: list[int], reason: str) -> None:
+    assert stop_reason(signums) == reason
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("prepared")
+@pytest.mark.timeout(2400)
 def test_stop_messages_name_the_signal_and_the_rank(tmp_path: Path) -> None:
     run = tmp_path / "run"
     summary = lambda: json.loads((run / "summary.json").read_text())  # noqa: E731

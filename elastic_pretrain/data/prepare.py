@@ -175,7 +175,12 @@ def _existing(out: Path, recipe: dict[str, Any], verify: str, inputs: dict[str, 
                 say(f"{out}: shard {split}/{shard.name} {problem}: rebuilding the shards")
                 return None
     seen = manifest.stats.get("inputs")
-    say(f"{out}: up to date" + (f" ({seen['files']:,} input files unchanged)" if seen and inputs else ""))
+    if seen and inputs:
+        say(f"{out}: up to date ({seen['files']:,} input files unchanged)")
+    elif inputs:  # built before the inputs were recorded: added files cannot be seen
+        say(f"{out}: up to date with the recipe (its input files were not recorded; delete {out} to rebuild)")
+    else:
+        say(f"{out}: up to date with the recipe (the inputs cannot be listed: shards kept as they are)")
     return manifest
 
 

@@ -102,6 +102,11 @@ def _resolve_preset(section: str, value: Any, roots: list[Path]) -> dict[str, An
     if not isinstance(value, str):
         raise ConfigError(f"{section}: expected a preset name or a mapping, got {value!r}")
     folder = PRESET_DIRS[section]
+    if value.endswith((".yaml", ".yml")):  # a file of its own (data=/path/recipe.yaml), not a preset name
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"{section}: {value}: no such file (give a YAML path or a preset name in {folder}/)")
+        return load_yaml(path)
     for root in roots:
         path = root / folder / f"{value}.yaml"
         if path.is_file():

@@ -152,7 +152,10 @@ def verify_everywhere(ckpt: Path) -> None:
 def check_resumable(ckpt: Path, job: JobConfig) -> dict[str, Any]:
     """Verify ``ckpt`` (rank 0: size + CRC32 of every file), refuse a changed model shape; returns its
     ``trainer.json``. Collective; runs before the model is built, so a refusal costs no build time."""
-    verify_everywhere(ckpt)
+    try:
+        verify_everywhere(ckpt)
+    except UserError as err:
+        raise UserError(f"{err}{_previous_hint(ckpt)}") from None
     meta = read_trainer_state(ckpt)
     changes = shape_changes(meta.get("config", {}), job) + decider_changes(meta.get("config", {}), job)
     if changes:
@@ -161,6 +164,15 @@ def check_resumable(ckpt: Path, job: JobConfig) -> dict[str, Any]:
             "restore those values or start a new run directory"
         )
     return meta
+
+
+def _previous_hint(ckpt: Path) -> str:
+    """``; to continue from the previous committed checkpoint: --resume-from <it>`` (or nothing)."""
+    step = ckpt.name.removeprefix("step_")
+    older = [c for c in CheckpointStore(ckpt.parent).committed() if step.isdigit() and c.step < int(step)]
+    if not older:
+        return ""
+    return f"; to continue from the previous committed checkpoint: --resume-from {older[-1].path}"
 
 
 def save_tensors(

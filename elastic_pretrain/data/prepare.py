@@ -18,7 +18,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -31,7 +31,7 @@ from elastic_pretrain.config import to_dict
 from elastic_pretrain.data.config import DataConfig, PrepareConfig, TokenizerConfig, local_path
 from elastic_pretrain.data.manifest import MANIFEST, Manifest, SplitInfo, read_manifest, verify_shard, write_manifest
 from elastic_pretrain.data.shards import make_sink
-from elastic_pretrain.data.sources import Document, iter_documents
+from elastic_pretrain.data.sources import Document, iter_documents, list_files
 from elastic_pretrain.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, token_dtype
 from elastic_pretrain.errors import UserError
 
@@ -194,8 +194,12 @@ class _Packer:
 
 
 # ------------------------------------------------------------------------------------------- main
-def _existing(out: Path, recipe: dict[str, Any], verify: str) -> Manifest | None:
-    """A complete, matching, intact previous preparation (then prepare-data has nothing to do)."""
+def _existing(out: Path, recipe: dict[str, Any], verify: str, inputs: dict[str, Any] | None,
+              say: Callable[[str], None]) -> Manifest | None:
+    """A complete, matching, intact previous preparation of the same inputs (then there is nothing to do).
+
+    None: build (again). Damaged or missing shards and changed inputs are rebuilt, not refused: the
+    shards are a deterministic function of the recipe and the inputs, so a re-run is the repair."""
     if not (out / MANIFEST).is_file():
         return None
     manifest = read_manifest(out)
@@ -203,11 +207,23 @@ def _existing(out: Path, recipe: dict[str, Any], verify: str) -> Manifest | None
         raise UserError(
             f"{out}: holds shards of a different recipe; choose another prepare.output or delete {out} to rebuild"
         )
+    change = inputs_change(manifest.stats.get("inputs"), inputs)
+    if change:
+        say(f"{out}: inputs changed since the shards were built ({change}): rebuilding")
+        return None
     for split, info in manifest.splits.items():
         for shard in info.shards:
             problem = verify_shard(out / split / shard.name, shard, verify)
             if problem:
-                raise UserError(f"{out}: shard {split}/{shard.name} {problem}; delete {out} and run prepare-data again")
+                say(f"{out}: shard {split}/{shard.name} {problem}: rebuilding the shards")
+                return None
+    seen = manifest.stats.get("inputs")
+    if seen and inputs:
+        say(f"{out}: up to date ({seen['files']:,} input files unchanged)")
+    elif inputs:  # built before the inputs were recorded: added files cannot be seen
+        say(f"{out}: up to date with the recipe (its input files were not recorded; delete {out} to rebuild)")
+    else:
+        say(f"{out}: up to date with the recipe (the inputs cannot be listed: shards kept as they are)")
     return manifest
 
 
@@ -244,6 +260,31 @@ def _plain(path: Path) -> bool:
     return path.is_file() and not path.is_symlink()
 
 
+def input_fingerprint(prep: PrepareConfig) -> dict[str, Any] | None:
+    """Count, bytes and a digest of the input files' names and sizes (None: the inputs cannot be listed,
+    e.g. deleted after preparing; the shards are then taken as they are)."""
+    try:
+        files = sorted(list_files(prep), key=lambda f: f[1])
+    except UserError:
+        return None
+    digest, total = hashlib.sha1(), 0
+    for path, name in files:
+        size = path.stat().st_size
+        total += size
+        digest.update(f"{name}\t{size}\n".encode())
+    return {"files": len(files), "bytes": total, "sha1": digest.hexdigest()}
+
+
+def inputs_change(before: dict[str, Any] | None, now: dict[str, Any] | None) -> str | None:
+    """What changed between two :func:`input_fingerprint` s, in words; None if nothing (or unknown)."""
+    if not before or not now or before.get("sha1") == now["sha1"]:
+        return None
+    if before.get("files") != now["files"] or before.get("bytes") != now["bytes"]:
+        files = f"{before.get('files', 0):,} -> {now['files']:,} files"
+        return f"{files}, {before.get('bytes', 0):,} -> {now['bytes']:,} bytes"
+    return f"{now['files']:,} files, same total size, different names or sizes"
+
+
 def _val_cap(prep: PrepareConfig, sample_tokens: int) -> int | None:
     if prep.max_tokens is None:
         return None
@@ -251,19 +292,22 @@ def _val_cap(prep: PrepareConfig, sample_tokens: int) -> int | None:
     return max(sample_tokens, math.ceil(prep.max_tokens * share))
 
 
-def prepare_data(cfg: DataConfig, *, progress: bool = True) -> Manifest:
-    """Build the shards and manifest described by ``cfg.prepare``; returns the (new or existing) manifest."""
+def prepare_data(cfg: DataConfig, *, progress: bool = True, say: Callable[[str], None] = lambda _: None) -> Manifest:
+    """Build the shards and manifest described by ``cfg.prepare``; returns the (new or existing) manifest.
+    ``say`` receives one line on why nothing was done or why the shards are rebuilt."""
     if cfg.prepare is None:
         raise UserError("data.prepare: the recipe has no prepare section; add one (see data/stdlib-code.yaml)")
     prep = cfg.prepare
     tok = load_tokenizer(cfg.tokenizer)
     out = local_path(prep.output)
     recipe = recipe_of(cfg, tok)
-    existing = _existing(out, recipe, cfg.verify)
+    inputs = input_fingerprint(prep)
+    existing = _existing(out, recipe, cfg.verify, inputs, say)
     if existing is not None:
         return existing
     dtype, sample_tokens = token_dtype(tok.vocab_size), cfg.seq_len + 1
-    remove_leftovers(out)  # of an interrupted run: no manifest means nothing there is trusted
+    remove_leftovers(out)  # of an interrupted run or a stale build: only prepare-data's own files go
+    (out / MANIFEST).unlink(missing_ok=True)  # a rebuild cut short then reads as an interrupted run
     caps = {"train": prep.max_tokens, "val": _val_cap(prep, sample_tokens)}
     packers = [
         _Packer(
@@ -318,6 +362,7 @@ def prepare_data(cfg: DataConfig, *, progress: bool = True) -> Manifest:
         recipe=recipe,
         stats={
             **counts,
+            **({"inputs": inputs} if inputs else {}),
             "dropped_tail_tokens": sum(p.dropped for p in packers),
             "seconds": round(time.perf_counter() - start, 2),
         },
@@ -345,4 +390,7 @@ def manifest_summary(manifest: Manifest) -> str:
             f"{name}: {s.sequences:,} sequences x {manifest.seq_len + 1} tokens = {s.tokens:,} tokens, "
             f"{s.documents:,} documents, {len(s.shards)} {manifest.format} shards, {size / 1e6:.1f} MB"
         )
+    skipped = manifest.stats.get("skipped_not_utf8", 0)
+    if skipped:
+        lines.append(f"skipped: {skipped:,} input files that are not UTF-8 text")
     return "\n".join(lines)

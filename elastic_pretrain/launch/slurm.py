@@ -70,9 +70,17 @@ def run_slurm(argv: list[str], *, cwd: Path | None = None) -> subprocess.Complet
         raise UserError(f"{argv[0]} did not answer within 120 s: is slurmctld up? (`scontrol ping`)") from None
 
 
+# sbatch's own usage errors (getopt): the line names the option; "Try sbatch --help" after it does not
+_SBATCH_USAGE = re.compile(r"unrecognized option|invalid option|unknown option|requires an argument", re.I)
+_SBATCH_NOISE = re.compile(r"^Try .*--help", re.I)
+
+
 def explain_sbatch_error(stderr: str) -> str:
-    """One line from sbatch's error output plus the flag that fixes it."""
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    """sbatch's own error line (one line) plus the flag that fixes it."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip() and not _SBATCH_NOISE.match(ln.strip())]
+    usage = [ln for ln in lines if _SBATCH_USAGE.search(ln)]
+    if usage:  # e.g. "sbatch: unrecognized option '--jobid=4321'": an option in slurm.sbatch_args
+        return f"sbatch rejected the job: {usage[0]}: fix or remove that option (slurm.sbatch_args)"
     errors = (
         [ln for ln in lines if "fatal" in ln.lower()]
         or [ln for ln in lines if "error" in ln.lower()]
@@ -85,7 +93,7 @@ def explain_sbatch_error(stderr: str) -> str:
     for pattern, hint in _SBATCH_HINTS:
         if pattern.search(message):
             return f"sbatch rejected the job: {message}: {hint}"
-    return f"sbatch rejected the job: {message}: fix the Slurm option it names"
+    return f"sbatch rejected the job: {errors[-1]}: fix the Slurm option it names"
 
 
 def submit(cfg: SlurmConfig, spec: LaunchSpec) -> str:

@@ -15,12 +15,13 @@ from typing import Any, Protocol
 
 import torch
 
+from elastic_pretrain.checkpoint.latest import repair_latest
 from elastic_pretrain.checkpoint.manager import Checkpointer, check_resumable, resume_source
-from elastic_pretrain.checkpoint.preempt import StopRequest
+from elastic_pretrain.checkpoint.preempt import StopRequest, stop_reason
 from elastic_pretrain.checkpoint.store import CheckpointStore
 from elastic_pretrain.job import JobConfig, write_resolved
 from elastic_pretrain.launch.layout import RunFiles
-from elastic_pretrain.parallel.mesh import Mesh, any_rank, describe, init_mesh, teardown
+from elastic_pretrain.parallel.mesh import Mesh, describe, every_rank, init_mesh, teardown
 from elastic_pretrain.parallel.strict import enter_strict_devices
 from elastic_pretrain.train.decider import load_base
 from elastic_pretrain.train.mfu import device_peak, step_flops, utilisation
@@ -85,9 +86,10 @@ class Trainer:
             state.elapsed_s += step_s
             for cb in self.callbacks:
                 cb.on_step(state, result, step_s)
-            if self.step_boundary():
+            reason = self.step_boundary()
+            if reason:
                 for cb in self.callbacks:
-                    cb.on_stop(state, self.stop.name)
+                    cb.on_stop(state, reason)
                 return None
             interval = job.train.eval_interval
             if interval and state.step % interval == 0 and state.step < job.train.steps:
@@ -102,15 +104,17 @@ class Trainer:
             cb.on_end(state, val)
         return val
 
-    def step_boundary(self) -> bool:
-        """Commit a finished async save, agree on a stop (signal on any rank, or checkpoint.stop_at), save
-        if due. True: every rank saved this step and stops now."""
+    def step_boundary(self) -> str | None:
+        """Commit a finished async save, agree on a stop (a signal on any rank, or checkpoint.stop_at), save
+        if due. A reason (``SIGTERM``, ``SIGTERM on rank 1``, ``stop_at``): every rank saved this step and
+        stops now; every rank learns which ranks were signalled (one all-reduce, as the flag was)."""
         c, step = self.ckpt, self.state.step
-        stop = any_rank(self.stop.requested) or 0 < c.cfg.stop_at <= step
+        signums = every_rank(self.stop.signum or 0)
+        stop = any(signums) or 0 < c.cfg.stop_at <= step
         c.poll()
         if stop or (c.due(step) and step < self.job.train.steps):
             c.save(self.state, blocking=stop)
-        return stop
+        return stop_reason(signums) if stop else None
 
     def validate(self) -> dict[int, float]:
         loops = list(range(1, self.job.model.max_loops + 1))
@@ -322,18 +326,28 @@ def train(job: JobConfig) -> dict[int, float] | None:
 
     Resumes from the run directory's newest committed checkpoint (or ``checkpoint.resume_from``);
     returns None when a stop signal (or ``checkpoint.stop_at``) ended it after a save — exit code 0,
-    no ``FINISHED`` marker, so the sbatch script requeues it."""
+    no ``FINISHED`` marker, so the sbatch script requeues it. The stop handler is installed first: a
+    signal during the setup (seconds to minutes) stops the run at its first step boundary."""
+    with StopRequest() as stop:
+        return _train(job, stop)
+
+
+def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
     torch.set_num_threads(job.train.threads_per_rank)
     mesh = init_mesh(job.parallel, seed=job.train.seed)
     strict = enter_strict_devices()  # ELASTIC_PRETRAIN_STRICT_DEVICES=1 checks every collective (parallel/strict.py)
+    done = False
     try:
         run_dir = job.run_path
         if mesh.is_logging_rank:
             write_resolved(job, run_dir)
             print(f"run {job.name}: {describe(mesh)} -> {run_dir}", flush=True)
         # refuse a corrupt checkpoint or a changed model shape before building anything
-        source = resume_source(job, CheckpointStore(run_dir / "checkpoints"))
+        store = CheckpointStore(run_dir / "checkpoints")
+        source = resume_source(job, store)
         meta = check_resumable(source, job) if source else {}
+        if mesh.rank == 0 and (repaired := repair_latest(store)):  # a crash left it naming an older/missing step
+            print(repaired, flush=True)
         session = build_session(job, mesh)
         if mesh.is_logging_rank:
             print(session.describe(), flush=True)
@@ -359,12 +373,12 @@ def train(job: JobConfig) -> dict[int, float] | None:
             SummaryWriter(run_dir, mesh, resumed_step=state.step),
             tracking,
         ]
-        with StopRequest() as stop:
-            val = Trainer(job, mesh, session, callbacks, ckpt, stop, state).fit()
+        val = Trainer(job, mesh, session, callbacks, ckpt, stop, state).fit()
         ckpt.close()
         if val is not None and mesh.is_logging_rank:
             RunFiles(run_dir).finished.write_text(json.dumps({"step": state.step, "tokens": state.tokens}) + "\n")
+        done = True
         return val
     finally:
         strict.close()
-        teardown()
+        teardown(barrier=done)  # after an error (maybe this rank's alone) no rank waits for the others

@@ -5,7 +5,8 @@ megatron-core layers work sequence-first, so hidden states inside the block are 
 
     embedding -> prelude (run once) -> core (run ℓ times) -> coda (run once per exit) -> norm -> head
 
-Core layer i at pass j = attention A[i][j] (one parameter set per pass: untied, Foil §3) + the MoE
+Core layer i at pass j = attention A[i][j] (one parameter set per pass: untied; Foil,
+seeds/000: "Each pass gets its own attention parameters while the experts and routers stay shared") + the MoE
 MLP M[i] (experts, router and the norm in front of it shared by every pass). The model contains no
 process-group code: it receives a megatron ``TransformerConfig`` built by ``parallel/``.
 """
@@ -157,7 +158,8 @@ class LoopConditioning(MegatronModule):
     """ELR loop-count conditioning: (target ℓ, pass j) → a vector added to the residual at pass entry.
 
     ``out`` is zero-initialised and the head is only switched on when the schedule enters mixed
-    depth, so the switch step's loss equals the fixed-depth model's (ELR §3: zero-init heads).
+    depth, so the switch step's loss equals the fixed-depth model's (ELR, seeds/003: "conditioning heads
+    initialized to zero at the switch").
     Parameters are replicated over TP; tagged ``sequence_parallel`` so their gradients (partial sums
     over each rank's sequence shard) are all-reduced over TP like norm weights.
     """

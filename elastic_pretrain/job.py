@@ -54,7 +54,7 @@ class JobConfig:
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
             raise ConfigError(f"name: {self.name!r} must be a non-empty name without '/'")
-        self.schedule.validate_for(self.model.max_loops)
+        self.schedule.validate_for(self.model.max_loops, loop_conditioning=self.model.loop_conditioning)
         self.model.check_pipeline(self.parallel.pipeline)  # before any process starts (the CLI validates jobs)
         tp = self.parallel.tensor
         self.model.check_fp8_layout(tensor=tp, tokens=self.data.seq_len * self.train.micro_batch_size // tp)

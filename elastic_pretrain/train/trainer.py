@@ -38,18 +38,21 @@ class TrainState:
     step: int = 0
     tokens: int = 0
     elapsed_s: float = 0.0
-    train_flops: float = 0.0  # model FLOPs of every trained token (train/mfu.py: step_flops), all replicas
+    # model FLOPs of every trained token (train/mfu.py: step_flops), all replicas; None: resumed from a
+    # checkpoint written before this count existed (its earlier steps are unknown, so no ratio is reported)
+    train_flops: float | None = 0.0
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.step, self.tokens, self.elapsed_s = int(d["step"]), int(d["tokens"]), float(d["elapsed_s"])
-        self.train_flops = float(d.get("train_flops", 0.0))  # checkpoints from before the count: 0
+        flops = d.get("train_flops")
+        self.train_flops = None if flops is None else float(flops)
 
     def flops_vs_baseline(self, job: JobConfig) -> float | None:
         """Training FLOPs so far relative to the matched non-looped baseline (ℓ = 1) on the same tokens."""
-        if not self.tokens or not self.train_flops:
+        if not self.tokens or not self.train_flops:  # nothing trained yet, or an unknown count
             return None
         return self.train_flops / (self.tokens * baseline_flops_per_token(job.model, seq_len=job.data.seq_len))
 
@@ -91,7 +94,7 @@ class Trainer:
             state.step += 1
             state.tokens += job.tokens_per_step
             state.elapsed_s += step_s
-            if result.depth is not None:
+            if result.depth is not None and state.train_flops is not None:
                 state.train_flops += job.tokens_per_step * step_flops(
                     job.model, result.depth, seq_len=job.data.seq_len,
                     micro_batch_tokens=job.train.micro_batch_size * job.data.seq_len).model

@@ -13,7 +13,7 @@ import pytest
 from elastic_pretrain.job import load_job
 from elastic_pretrain.train.mfu import DepthCounts, baseline_flops_per_token, step_flops
 from elastic_pretrain.train.schedule import ScheduleController
-from tests.checkpoint.runs import differing, tensors, train
+from tests.checkpoint.runs import COMMON, differing, tensors, train
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prepared"), pytest.mark.timeout(1200)]
@@ -23,7 +23,7 @@ LATE = [f"train.steps={STEPS}", "schedule.fixed_loops=1", "schedule.switch_at=0.
 
 def expected_flops_ratio() -> float:
     """The same draws as the run (plans are pure functions of seed, step, micro-batch), counted by hand."""
-    job = load_job(REPO / "jobs" / "tiny-cpu.yaml", ["parallel=single", *LATE])
+    job = load_job(REPO / "jobs" / "tiny-cpu.yaml", ["parallel=single", *COMMON, *LATE])
     ctl = ScheduleController(job.schedule, max_loops=job.model.max_loops,
                              total_tokens=STEPS * job.tokens_per_step, seed=job.train.seed)
     micro = job.train.micro_batches(1)

@@ -60,7 +60,7 @@ class JobConfig:
                 f"name: {show(self.name)} must be a plain name (not '.' or '..'; no '/', '\\' or control "
                 "characters), e.g. name=tiny-cpu-2"
             )
-        self.schedule.validate_for(self.model.max_loops)
+        self.schedule.validate_for(self.model.max_loops, loop_conditioning=self.model.loop_conditioning)
         self.model.check_pipeline(self.parallel.pipeline)  # before any process starts (the CLI validates jobs)
         tp = self.parallel.tensor
         self.model.check_fp8_layout(tensor=tp, tokens=self.data.seq_len * self.train.micro_batch_size // tp)

@@ -24,7 +24,7 @@ from elastic_pretrain.launch.layout import RunFiles
 from elastic_pretrain.parallel.mesh import Mesh, describe, every_rank, init_mesh, teardown
 from elastic_pretrain.parallel.strict import enter_strict_devices
 from elastic_pretrain.train.decider import load_base
-from elastic_pretrain.train.mfu import device_peak, step_flops, utilisation
+from elastic_pretrain.train.mfu import baseline_flops_per_token, device_peak, step_flops, utilisation
 from elastic_pretrain.train.schedule import ScheduleController
 from elastic_pretrain.train.session import Session, build_session
 from elastic_pretrain.train.step import MicroBatch, StepResult, evaluate
@@ -39,12 +39,23 @@ class TrainState:
     step: int = 0
     tokens: int = 0
     elapsed_s: float = 0.0
+    # model FLOPs of every trained token (train/mfu.py: step_flops), all replicas; None: resumed from a
+    # checkpoint written before this count existed (its earlier steps are unknown, so no ratio is reported)
+    train_flops: float | None = 0.0
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.step, self.tokens, self.elapsed_s = int(d["step"]), int(d["tokens"]), float(d["elapsed_s"])
+        flops = d.get("train_flops")
+        self.train_flops = None if flops is None else float(flops)
+
+    def flops_vs_baseline(self, job: JobConfig) -> float | None:
+        """Training FLOPs so far relative to the matched non-looped baseline (ℓ = 1) on the same tokens."""
+        if not self.tokens or not self.train_flops:  # nothing trained yet, or an unknown count
+            return None
+        return self.train_flops / (self.tokens * baseline_flops_per_token(job.model, seq_len=job.data.seq_len))
 
 
 class Callback(Protocol):
@@ -84,6 +95,10 @@ class Trainer:
             state.step += 1
             state.tokens += job.tokens_per_step
             state.elapsed_s += step_s
+            if result.depth is not None and state.train_flops is not None:
+                state.train_flops += job.tokens_per_step * step_flops(
+                    job.model, result.depth, seq_len=job.data.seq_len,
+                    micro_batch_tokens=job.train.micro_batch_size * job.data.seq_len).model
             for cb in self.callbacks:
                 cb.on_step(state, result, step_s)
             reason = self.step_boundary()
@@ -199,8 +214,8 @@ class SummaryWriter:
     a checkpoint kept. A resumed run keeps the lines up to its checkpoint's step and drops the rest
     (steps trained after the checkpoint are trained again)."""
 
-    def __init__(self, run_dir: Path, mesh: Mesh, resumed_step: int = 0) -> None:
-        self.path, self.enabled, self.mesh = run_dir / "summary.json", mesh.is_logging_rank, mesh
+    def __init__(self, run_dir: Path, mesh: Mesh, resumed_step: int = 0, job: JobConfig | None = None) -> None:
+        self.path, self.enabled, self.mesh, self.job = run_dir / "summary.json", mesh.is_logging_rank, mesh, job
         self.history_path = run_dir / "history.jsonl"
         self.history: list[dict[str, Any]] = []
         if resumed_step and self.history_path.is_file():  # the steps before the checkpoint, from earlier attempts
@@ -240,6 +255,8 @@ class SummaryWriter:
                 "stopped": stopped,
                 "tokens": state.tokens,
                 "elapsed_s": state.elapsed_s,
+                "train_flops": state.train_flops,
+                "train_flops_vs_baseline": state.flops_vs_baseline(self.job) if self.job else None,
                 "val_loss_by_loops": {str(k): v for k, v in val.items()},
                 "layout": describe(self.mesh),
                 "routing": self.routing,
@@ -286,6 +303,9 @@ class TrackingCallback:
                                recompute=getattr(self.job.train, "recompute", "none"))  # train.recompute: gpu-b
             u = utilisation(flops, tokens_per_s=tokens_per_s, devices=self.world_size, peak_flops_per_s=self.peak[0])
             metrics.update({n.MFU: u["mfu"], n.HFU: u["hfu"], n.GHOST_PASS_FRACTION: u["ghost_pass_fraction"]})
+        vs_baseline = state.flops_vs_baseline(self.job)
+        if vs_baseline is not None:
+            metrics[n.TRAIN_FLOPS_VS_BASELINE] = vs_baseline
         metrics.update({n.loss_loops(k): v for k, v in result.loss_by_loops.items()})
         metrics.update({n.sanitize(k): v for k, v in result.aux.items()})
         for (layer, p), stats in result.routing.items():
@@ -370,7 +390,7 @@ def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
         ckpt.run_id = lambda: tracking.tracker.run_id or resume_id
         callbacks: list[Callback] = [
             ProgressPrinter(job, mesh, session.controller),
-            SummaryWriter(run_dir, mesh, resumed_step=state.step),
+            SummaryWriter(run_dir, mesh, resumed_step=state.step, job=job),
             tracking,
         ]
         val = Trainer(job, mesh, session, callbacks, ckpt, stop, state).fit()

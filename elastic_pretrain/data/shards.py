@@ -414,7 +414,8 @@ def add_index_hashes(manifest: Manifest, out: Path) -> None:
             try:
                 data = (out / split / MDS_INDEX).read_bytes()
             except OSError as err:
-                raise UserError(f"{out}: unreadable {split}/{MDS_INDEX} ({err}); delete {out}, run prepare-data") from None
+                why = f"unreadable {split}/{MDS_INDEX} ({err})"
+                raise UserError(f"{out}: {why}; delete {out} and run prepare-data again") from None
             check_mds_index(data, manifest, info.shards, f"{out} [{split}]")
             info.index_sha256 = hashlib.sha256(data).hexdigest()
 

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from elastic_pretrain.errors import UserError
 
 _DCP = "torch.distributed.checkpoint"
+METADATA_FILE = ".metadata"  # DCP's name (filesystem._metadata_fn)
 # Every global a real metadata file refers to (torch 2.13 DCP, megatron-core 0.16.1 torch_dist,
 # sync and async saves), and nothing else. Constructing any of these has no side effect.
 _ALLOWED: frozenset[tuple[str, str]] = frozenset(
@@ -127,6 +128,15 @@ def load_sharded(sharded_state_dict: dict[str, Any], path: Path, *, what: str) -
     naming ``path`` and ``what`` was being loaded. Collective."""
     from megatron.core import dist_checkpointing
 
+    # First the metadata on its own: inside DCP a refusal is logged with a traceback before it is raised
+    try:
+        with open(path / METADATA_FILE, "rb") as f:
+            load_metadata(f)
+    except Exception as err:  # missing, truncated, a refused global, ...
+        raise UserError(
+            f"{path / METADATA_FILE}: cannot load ({_one_line(err)}); the checkpoint is damaged or not one "
+            "of ours: use another checkpoint"
+        ) from None
     try:
         with torch.no_grad(), restricted_unpickling():
             return dict(dist_checkpointing.load(sharded_state_dict, str(path)))

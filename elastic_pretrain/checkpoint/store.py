@@ -161,7 +161,8 @@ class CheckpointStore:
         return text if _STEP_DIR.match(text) else None
 
     def committed(self) -> list[Committed]:
-        """Committed checkpoints, oldest first (directories without a readable marker are skipped)."""
+        """Committed checkpoints, oldest first (directories without a readable marker are skipped;
+        a marker that parses but has another shape than ours is a UserError: someone made it)."""
         out: list[Committed] = []
         if not self.root.is_dir():
             return out
@@ -172,9 +173,6 @@ class CheckpointStore:
                     marker = check_marker(json.loads((d / COMMIT_FILE).read_text()), d)
                 except (OSError, ValueError) as err:
                     log.warning("%s: unreadable commit marker (%s), ignoring this checkpoint", d / COMMIT_FILE, err)
-                    continue
-                except UserError as err:
-                    log.warning("%s; ignoring this checkpoint", err)
                     continue
                 out.append(Committed(int(m.group(1)), d, marker))
         return sorted(out, key=lambda c: c.step)

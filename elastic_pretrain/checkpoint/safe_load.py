@@ -82,6 +82,8 @@ class _SafePickle:
     """Stands in for the ``pickle`` module inside torch.distributed.checkpoint.filesystem."""
 
     def __getattr__(self, name: str) -> Any:
+        if "load" in name.lower() or "unpickler" in name.lower():  # only our load below reads a pickle
+            raise AttributeError(f"pickle.{name} is not available while loading a checkpoint")
         return getattr(pickle, name)
 
     @staticmethod

@@ -99,15 +99,23 @@ def hostile_copy(base: Path, tmp_path: Path, marker: Path) -> Path:
 
 # ------------------------------------------------------- case 1: the metadata unpickler bypass
 def test_dotted_global_in_metadata_is_refused_before_anything_runs(base: Path, tmp_path: Path) -> None:
-    from elastic_pretrain.checkpoint.safe_load import load_metadata
+    """DCP's own metadata read (``filesystem.pickle.load``) inside ``restricted_unpickling``."""
+    from torch.distributed.checkpoint import filesystem
+
+    from elastic_pretrain.checkpoint.safe_load import restricted_unpickling
 
     marker = tmp_path / "PWNED"
-    with pytest.raises(pickle.UnpicklingError, match=r"os\.system.*not allowed"):
-        load_metadata(io.BytesIO(dotted_global_pickle(f"touch {marker}")))
-    assert not marker.exists()
-    # the real file still loads: every global it names is on the exact list
-    with open(base / "model_optim" / ".metadata", "rb") as f:
-        assert load_metadata(f).state_dict_metadata
+    with restricted_unpickling():
+        try:
+            filesystem.pickle.load(io.BytesIO(dotted_global_pickle(f"touch {marker}")))
+            error = None
+        except pickle.UnpicklingError as err:
+            error = str(err)
+        assert not marker.exists(), "the metadata ran a shell command"
+        assert error is not None and "os.system, which is not allowed" in error
+        # the real file still loads: every global it names is on the exact list
+        with open(base / "model_optim" / ".metadata", "rb") as f:
+            assert filesystem.pickle.load(f).state_dict_metadata
 
 
 ENTRY_POINTS = {

@@ -1,4 +1,8 @@
-"""Atomic file replacement that never writes through a link planted in the target directory.
+"""File names from untrusted files, and atomic replacement that never writes through a planted link.
+
+A name read from a manifest or a checkpoint's metadata becomes a path only if :func:`is_plain_name`
+holds (one file name: no separator, not ``.``/``..``) and the joined path stays inside its directory
+(:func:`inside`, links followed).
 
 A run directory or a prepared dataset may come from someone else (docs/security.md): a fixed
 temporary name such as ``.latest.tmp`` could already be a symlink to any file the user can write,
@@ -11,8 +15,22 @@ replaces a link at ``path`` itself, never its target.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from pathlib import Path
+
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def is_plain_name(name: object) -> bool:
+    """One file name, no separator, not ``.``/``..``: joined to a directory it stays in that directory."""
+    return isinstance(name, str) and bool(_PLAIN_NAME.fullmatch(name)) and name not in (".", "..")
+
+
+def inside(path: Path, root: Path) -> bool:
+    """``path`` resolves (links followed) to a place under ``root`` (resolved the same way)."""
+    return path.resolve().is_relative_to(root.resolve())
+
 
 _FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint import default_planner, filesystem
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import inside, is_plain_name
 
 _DCP = "torch.distributed.checkpoint"
 METADATA_FILE = ".metadata"  # DCP's name (filesystem._metadata_fn)
@@ -96,6 +97,20 @@ def load_metadata(f: Any) -> Any:
     return _MetadataUnpickler(f).load()
 
 
+def _check_metadata(meta: Any, path: Path) -> None:
+    """The metadata is DCP's, and every data file it names is a plain file name inside ``path``:
+    ``../../home/you/.ssh/id_rsa`` would be read into the weights (and saved again with them)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(meta, Metadata):
+        raise ValueError(f"holds a {type(meta).__name__}, not checkpoint metadata")
+    storage = meta.storage_data if isinstance(meta.storage_data, dict) else {}
+    for info in storage.values():
+        rel = getattr(info, "relative_path", None)
+        if not is_plain_name(rel) or not inside(path / str(rel), path):
+            raise ValueError(f"names the data file {rel!r}, which is not a file inside the checkpoint")
+
+
 def _load_bytes(self: Any, read_item: Any, value: io.BytesIO) -> None:
     obj = torch.load(value, weights_only=True)
     if self.flatten_state_dict:
@@ -133,8 +148,8 @@ def load_sharded(sharded_state_dict: dict[str, Any], path: Path, *, what: str) -
     # First the metadata on its own: inside DCP a refusal is logged with a traceback before it is raised
     try:
         with open(path / METADATA_FILE, "rb") as f:
-            load_metadata(f)
-    except Exception as err:  # missing, truncated, a refused global, ...
+            _check_metadata(load_metadata(f), path)
+    except Exception as err:  # missing, truncated, a refused global, a data file outside, ...
         raise UserError(
             f"{path / METADATA_FILE}: cannot load ({_one_line(err)}); the checkpoint is damaged or not one "
             "of ours: use another checkpoint"

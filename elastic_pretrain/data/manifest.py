@@ -15,24 +15,17 @@ import dataclasses
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 from elastic_pretrain.data.tokenizer import Tokenizer
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.files import write_atomic
+from elastic_pretrain.files import is_plain_name, write_atomic
 
 MANIFEST = "manifest.json"
 VERSION = 1
 FORMATS = ("mds", "wds")
 DTYPES = ("uint16", "uint32")  # token_dtype(): the only arrays prepare-data writes
-_PLAIN_NAME = re.compile(r"[A-Za-z0-9._-]+")
-
-
-def is_plain_name(name: object) -> bool:
-    """One file name, no separator, not ``.``/``..``: joined to a directory it stays in that directory."""
-    return isinstance(name, str) and bool(_PLAIN_NAME.fullmatch(name)) and name not in (".", "..")
 
 
 def _is_count(v: object) -> bool:

@@ -41,7 +41,6 @@ from elastic_pretrain.data.manifest import (
     ShardInfo,
     SplitInfo,
     check_compatible,
-    is_plain_name,
     read_manifest,
     sha256_file,
     verify_shard,
@@ -49,6 +48,7 @@ from elastic_pretrain.data.manifest import (
 from elastic_pretrain.data.streaming_compat import import_streaming
 from elastic_pretrain.data.tokenizer import Tokenizer
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import inside, is_plain_name
 
 log = logging.getLogger(__name__)
 WDS_PATTERN = "shard-%06d.tar"
@@ -189,11 +189,6 @@ def fetch(remote: str, local: Path, *, timeout: float = 120.0) -> Path:
     return local
 
 
-def _inside(path: Path, root: Path) -> bool:
-    """``path`` resolves (links followed) to a place under ``root`` (resolved the same way)."""
-    return path.resolve().is_relative_to(root.resolve())
-
-
 class StreamFiles:
     """Where a stream's files live locally: the directory itself, or a cache filled from a remote.
 
@@ -216,7 +211,7 @@ class StreamFiles:
         The names come from the manifest, which may be someone else's (docs/security.md); read_manifest
         already refuses other names: this is the last line before a delete or a download."""
         path = self.root / split / name
-        if not (is_plain_name(split) and is_plain_name(name)) or not _inside(path, self.root):
+        if not (is_plain_name(split) and is_plain_name(name)) or not inside(path, self.root):
             raise UserError(
                 f"{self.where}: the manifest names {split}/{name}, which is not a file inside {self.root}; "
                 "the manifest is damaged or hostile: delete the cache and prepare the data again"

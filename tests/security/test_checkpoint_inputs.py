@@ -172,6 +172,28 @@ def test_poisoned_byte_item_is_one_line_not_a_traceback(base: Path, tmp_path: Pa
     one_line_error(proc, "cannot load model tensors", "use another checkpoint")
 
 
+@pytest.mark.slow
+def test_metadata_naming_a_data_file_outside_the_checkpoint_is_refused(base: Path, tmp_path: Path) -> None:
+    """``_StorageInfo.relative_path = "../../../../outside.distcp"``: DCP would read tensors from any file
+    the user can read (e.g. into a frozen backbone that a decider job then saves and shares)."""
+    from elastic_pretrain.checkpoint.safe_load import load_metadata
+
+    ckpt = tmp_path / "run" / "checkpoints" / "step_2"
+    shutil.copytree(base, ckpt)
+    outside = tmp_path / "outside.distcp"
+    (ckpt / "model_optim" / "__0_0.distcp").rename(outside)
+    meta_path = ckpt / "model_optim" / ".metadata"
+    with open(meta_path, "rb") as f:
+        meta = load_metadata(f)
+    rel = os.path.relpath(outside, ckpt / "model_optim")
+    assert rel == "../../../../outside.distcp"
+    meta.storage_data = {k: dataclasses.replace(v, relative_path=rel) for k, v in meta.storage_data.items()}
+    meta_path.write_bytes(pickle.dumps(meta))
+    recommit(ckpt)
+    proc = run_cli("eval", str(ckpt), "--sequences", "2", "--out", str(tmp_path / "eval"))
+    one_line_error(proc, ".metadata", repr(rel), "not a file inside the checkpoint")
+
+
 # ------------------------------------------------------------- case 5: planted symlinks
 def _save(store: CheckpointStore, step: int) -> Path:
     tmp = store.prepare(step)

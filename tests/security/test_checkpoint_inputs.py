@@ -20,6 +20,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+from torch.distributed.checkpoint import FileSystemReader
 
 from elastic_pretrain.checkpoint.store import CheckpointStore, file_records, read_trainer_state, verify
 from elastic_pretrain.errors import UserError
@@ -149,14 +150,11 @@ def test_poisoned_byte_item_is_one_line_not_a_traceback(base: Path, tmp_path: Pa
     import torch
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from elastic_pretrain.checkpoint.safe_load import load_metadata
-
     marker = tmp_path / "PWNED"
     ckpt = tmp_path / "run" / "checkpoints" / "step_2"
     shutil.copytree(base, ckpt)
     meta_path, data_path = ckpt / "model_optim" / ".metadata", ckpt / "model_optim" / "__0_0.distcp"
-    with open(meta_path, "rb") as f:
-        meta = load_metadata(f)
+    meta = FileSystemReader(str(base / "model_optim")).read_metadata()  # our own base checkpoint
     payload = io.BytesIO()
     torch.save({"evil": _RunsCommand(f"touch {marker}")}, payload)
     offset = data_path.stat().st_size
@@ -176,15 +174,12 @@ def test_poisoned_byte_item_is_one_line_not_a_traceback(base: Path, tmp_path: Pa
 def test_metadata_naming_a_data_file_outside_the_checkpoint_is_refused(base: Path, tmp_path: Path) -> None:
     """``_StorageInfo.relative_path = "../../../../outside.distcp"``: DCP would read tensors from any file
     the user can read (e.g. into a frozen backbone that a decider job then saves and shares)."""
-    from elastic_pretrain.checkpoint.safe_load import load_metadata
-
     ckpt = tmp_path / "run" / "checkpoints" / "step_2"
     shutil.copytree(base, ckpt)
     outside = tmp_path / "outside.distcp"
     (ckpt / "model_optim" / "__0_0.distcp").rename(outside)
     meta_path = ckpt / "model_optim" / ".metadata"
-    with open(meta_path, "rb") as f:
-        meta = load_metadata(f)
+    meta = FileSystemReader(str(base / "model_optim")).read_metadata()  # our own base checkpoint
     rel = os.path.relpath(outside, ckpt / "model_optim")
     assert rel == "../../../../outside.distcp"
     meta.storage_data = {k: dataclasses.replace(v, relative_path=rel) for k, v in meta.storage_data.items()}

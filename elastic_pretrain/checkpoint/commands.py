@@ -32,10 +32,10 @@ def checkpoint_index(run_dir: Path, *, check: bool = False) -> list[dict[str, An
     store = CheckpointStore(run_dir / "checkpoints")
     if not run_dir.is_dir():
         raise UserError(f"{run_dir}: no such run directory")
-    latest = store.latest_file.read_text().strip() if store.latest_file.is_file() else None
+    latest = store.read_latest()
     rows = []
     for c in store.committed():
-        meta = read_trainer_state(c.path)
+        meta = read_trainer_state(c.path, require=("trainer",))
         if check:
             verify(c.path)
         rows.append(

@@ -24,11 +24,12 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 
 from elastic_pretrain.checkpoint import optim_state, rng
 from elastic_pretrain.checkpoint.preempt import start_helper_manager
-from elastic_pretrain.checkpoint.safe_load import restricted_unpickling
+from elastic_pretrain.checkpoint.safe_load import load_sharded
 from elastic_pretrain.checkpoint.store import (
     MODEL_DIR,
     RNG_DIR,
     TRAINER_FILE,
+    TRAINER_KEYS,
     CheckpointStore,
     fault_point,
     rank_records,
@@ -156,7 +157,7 @@ def check_resumable(ckpt: Path, job: JobConfig) -> dict[str, Any]:
         verify_everywhere(ckpt)
     except UserError as err:
         raise UserError(f"{err}{_previous_hint(ckpt)}") from None
-    meta = read_trainer_state(ckpt)
+    meta = read_trainer_state(ckpt, require=tuple(TRAINER_KEYS))
     changes = shape_changes(meta.get("config", {}), job) + decider_changes(meta.get("config", {}), job)
     if changes:
         raise UserError(
@@ -193,14 +194,7 @@ def load_tensors(net: Any, optimizer: Any, path: Path, *, adam_step: float) -> N
     model_sd = net.sharded_state_dict()
     optim_state.ensure_state(optimizer)
     template = optim_state.loading_template(optimizer, model_sd)
-    try:
-        with torch.no_grad(), restricted_unpickling():
-            loaded = dist_checkpointing.load({"model": model_sd, "optimizer": template}, str(path))
-    except UserError:
-        raise
-    except Exception as err:  # megatron/DCP wrap the cause; name the checkpoint, keep one line
-        first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-        raise UserError(f"{path}: cannot load model/optimizer tensors ({first})") from err
+    loaded = load_sharded({"model": model_sd, "optimizer": template}, path, what="model/optimizer tensors")
     with torch.no_grad():
         net.load_state_dict(loaded["model"], strict=True)
         # a fresh sharded view: megatron's load rewrites the one it was given in place

@@ -1,12 +1,21 @@
-"""Loading a checkpoint never unpickles arbitrary objects.
+"""Loading a checkpoint never unpickles arbitrary objects (docs/security.md).
 
 torch.distributed.checkpoint (under megatron's ``torch_dist`` format) reads its ``.metadata`` file
 with plain ``pickle.load`` and every byte item (megatron's ``_extra_state`` objects) with
 ``torch.load(weights_only=False)``. :func:`restricted_unpickling` swaps both for the duration of a
-load: the metadata goes through an unpickler that accepts only the checkpoint-metadata classes of
-torch.distributed.checkpoint plus ``torch.Size``/dtypes, and byte items load with
-``weights_only=True``. megatron's own ``common.pt`` already loads through ``torch.load``'s default
-(``weights_only=True`` since torch 2.6). Everything else we write is JSON or plain tensors.
+load: the metadata goes through an unpickler that resolves only the exact ``(module, name)`` pairs
+a DCP metadata file holds (the checkpoint-metadata dataclasses and enums, ``torch.Size``, dtypes,
+the layout helper), and byte items load with ``weights_only=True``. megatron's own ``common.pt``
+already loads through ``torch.load``'s default (``weights_only=True`` since torch 2.6). Everything
+else we write is JSON or plain tensors.
+
+Why exact pairs: pickle protocol 4 resolves a *dotted* name as an attribute path, so
+``("torch.distributed.checkpoint.metadata", "os.system")`` is ``os.system`` reached through the
+metadata module's ``import os``. A check on the module name alone is no check at all.
+
+:func:`load_sharded` is the one place that calls ``dist_checkpointing.load`` on a checkpoint from
+disk (eval/generate, resume, ``decider.init_from``): it also turns DCP's ``CheckpointException`` —
+a ``BaseException``, which ``except Exception`` does not catch — into a one-line :class:`UserError`.
 """
 
 from __future__ import annotations
@@ -15,36 +24,58 @@ import contextlib
 import io
 import pickle
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import default_planner, filesystem
+from torch.distributed.checkpoint.api import CheckpointException
 
-_ALLOWED_MODULES = (
-    "torch.distributed.checkpoint.metadata",
-    "torch.distributed.checkpoint.planner",
-    "torch.distributed.checkpoint.filesystem",
+from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import inside, is_plain_name
+
+_DCP = "torch.distributed.checkpoint"
+METADATA_FILE = ".metadata"  # DCP's name (filesystem._metadata_fn)
+# Every global a real metadata file refers to (torch 2.13 DCP, megatron-core 0.16.1 torch_dist,
+# sync and async saves), and nothing else. Constructing any of these has no side effect.
+_ALLOWED: frozenset[tuple[str, str]] = frozenset(
+    {
+        *(
+            (f"{_DCP}.metadata", n)
+            for n in (
+                "Metadata",
+                "MetadataIndex",
+                "ChunkStorageMetadata",
+                "TensorStorageMetadata",
+                "BytesStorageMetadata",
+                "TensorProperties",
+                "StorageMeta",
+                "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        *(
+            (f"{_DCP}.planner", n)
+            for n in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData")
+        ),
+        (f"{_DCP}.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # looks a layout up by name in torch's namespace
+        ("collections", "OrderedDict"),
+        ("builtins", "slice"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id of a plain DCP save
+        ("pathlib", "PurePosixPath"),
+        *(("torch", n) for n, v in vars(torch).items() if isinstance(v, torch.dtype)),
+    }
 )
-_ALLOWED_NAMES = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    ("builtins", "slice"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
-        if module in _ALLOWED_MODULES and not name.startswith("__"):
-            obj = super().find_class(module, name)
-            if isinstance(obj, type) or module.endswith("metadata"):
-                return obj
-        if (module, name) in _ALLOWED_NAMES:
+        # "." in name: protocol 4 would walk attributes (module.os.system); never needed by metadata
+        if "." not in name and (module, name) in _ALLOWED:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
 
 
@@ -52,11 +83,32 @@ class _SafePickle:
     """Stands in for the ``pickle`` module inside torch.distributed.checkpoint.filesystem."""
 
     def __getattr__(self, name: str) -> Any:
+        if "load" in name.lower() or "unpickler" in name.lower():  # only our load below reads a pickle
+            raise AttributeError(f"pickle.{name} is not available while loading a checkpoint")
         return getattr(pickle, name)
 
     @staticmethod
     def load(f: Any) -> Any:
         return _MetadataUnpickler(f).load()
+
+
+def load_metadata(f: Any) -> Any:
+    """A DCP ``.metadata`` file's object through the restricted unpickler (used by tools and tests)."""
+    return _MetadataUnpickler(f).load()
+
+
+def _check_metadata(meta: Any, path: Path) -> None:
+    """The metadata is DCP's, and every data file it names is a plain file name inside ``path``:
+    ``../../home/you/.ssh/id_rsa`` would be read into the weights (and saved again with them)."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    if not isinstance(meta, Metadata):
+        raise ValueError(f"holds a {type(meta).__name__}, not checkpoint metadata")
+    storage = meta.storage_data if isinstance(meta.storage_data, dict) else {}
+    for info in storage.values():
+        rel = getattr(info, "relative_path", None)
+        if not is_plain_name(rel) or not inside(path / str(rel), path):
+            raise ValueError(f"names the data file {rel!r}, which is not a file inside the checkpoint")
 
 
 def _load_bytes(self: Any, read_item: Any, value: io.BytesIO) -> None:
@@ -78,3 +130,37 @@ def restricted_unpickling() -> Iterator[None]:
     finally:
         filesystem.pickle = saved_pickle
         default_planner.DefaultLoadPlanner.load_bytes = saved_load_bytes  # type: ignore[method-assign]
+
+
+def _one_line(err: BaseException) -> str:
+    """The root cause of a load failure in one line (DCP wraps per-rank failures with tracebacks)."""
+    if isinstance(err, CheckpointException) and err.failures:
+        err = next(iter(err.failures.values()))[0]
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[-1]}" if text else type(err).__name__
+
+
+def load_sharded(sharded_state_dict: dict[str, Any], path: Path, *, what: str) -> dict[str, Any]:
+    """``dist_checkpointing.load`` of ``path`` with restricted unpickling; any failure is one UserError
+    naming ``path`` and ``what`` was being loaded. Collective."""
+    from megatron.core import dist_checkpointing
+
+    # First the metadata on its own: inside DCP a refusal is logged with a traceback before it is raised
+    try:
+        with open(path / METADATA_FILE, "rb") as f:
+            _check_metadata(load_metadata(f), path)
+    except Exception as err:  # missing, truncated, a refused global, a data file outside, ...
+        raise UserError(
+            f"{path / METADATA_FILE}: cannot load ({_one_line(err)}); the checkpoint is damaged or not one "
+            "of ours: use another checkpoint"
+        ) from None
+    try:
+        with torch.no_grad(), restricted_unpickling():
+            return dict(dist_checkpointing.load(sharded_state_dict, str(path)))
+    except UserError:
+        raise
+    except (Exception, CheckpointException) as err:  # megatron/DCP wrap the cause; keep one line
+        raise UserError(
+            f"{path}: cannot load {what} ({_one_line(err)}); the checkpoint is damaged or not one of ours: "
+            "use another checkpoint"
+        ) from err

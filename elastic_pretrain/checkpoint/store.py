@@ -11,6 +11,10 @@ Layout (the contract with ``launch/layout.py`` and the sbatch script)::
             COMMITTED             JSON: step, size and CRC32 of every file above; written last
         latest                    text ``step_<N>``, replaced atomically (write + rename) after the commit
 
+Everything read here may come from someone else's run (docs/security.md): a marker's file names
+must stay inside the checkpoint, the marker's and ``trainer.json``'s shapes are checked before
+use, and ``latest`` must be a plain file; each violation is a one-line :class:`UserError`.
+
 A step directory counts only if it is named ``step_<N>`` *and* holds ``COMMITTED``: the marker is
 written after every rank's files are complete (a barrier), and the rename that makes the
 directory visible comes after it, so a crash at any moment leaves either the old or the new
@@ -31,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import fsync_dir as _fsync_dir
+from elastic_pretrain.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -66,31 +72,42 @@ def fault_point(point: str, rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write + fsync a temporary file beside ``path``, then rename it over ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def crc32_file(path: Path) -> int:
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
             crc = zlib.crc32(chunk, crc)
     return crc
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def check_marker(marker: Any, ckpt: Path) -> dict[str, Any]:
+    """``marker`` if it has the shape :meth:`CheckpointStore.commit` writes, with every file name a
+    relative path that stays inside ``ckpt``; otherwise a one-line UserError naming what is wrong."""
+    where = ckpt / COMMIT_FILE
+    if not isinstance(marker, dict):
+        raise UserError(f"{where}: malformed commit marker (a {type(marker).__name__}, not an object); {_NOT_OURS}")
+    if marker.get("version") != FORMAT_VERSION:
+        raise UserError(f"{where}: checkpoint format {marker.get('version')!r} is not {FORMAT_VERSION}")
+    files = marker.get("files")
+    if not _is_count(marker.get("step")) or not isinstance(files, dict):
+        raise UserError(f"{where}: malformed commit marker (needs an integer step and a files object); {_NOT_OURS}")
+    root = ckpt.resolve()
+    for rel, record in files.items():
+        parts = Path(rel).parts
+        if not rel or Path(rel).is_absolute() or ".." in parts or "\\" in rel or "\0" in rel:
+            raise UserError(f"{where}: lists {rel!r}, which is not a path inside the checkpoint; {_NOT_OURS}")
+        if not (ckpt / rel).resolve().is_relative_to(root):  # a symlink inside the checkpoint
+            raise UserError(f"{where}: {rel!r} leads outside the checkpoint (a symbolic link); {_NOT_OURS}")
+        if not (isinstance(record, list) and len(record) == 2 and all(_is_count(v) for v in record)):
+            raise UserError(f"{where}: the record of {rel!r} is not [size, crc32]; {_NOT_OURS}")
+    return marker
+
+
+_NOT_OURS = "it was not written by elastic-pretrain: use another checkpoint"
 
 
 def file_records(root: Path, paths: list[Path]) -> dict[str, list[int]]:
@@ -128,8 +145,24 @@ class CheckpointStore:
         return self.root / step_name(step)
 
     # --- reading ---------------------------------------------------------------------------------
+    def read_latest(self) -> str | None:
+        """The ``step_<N>`` that ``latest`` names, None without one. A symlink is refused: we write a
+        plain file, and following a link planted by someone else would read anything on the machine."""
+        path = self.latest_file
+        if path.is_symlink():
+            raise UserError(
+                f"{path}: is a symbolic link, not the plain file elastic-pretrain writes; delete it "
+                "(resume uses the newest committed step_<N> without it)"
+            )
+        if not path.is_file():
+            return None
+        with open(path, "rb") as f:  # a step name is short: read no more than a bounded prefix
+            text = f.read(64).decode("utf-8", "replace").strip()
+        return text if _STEP_DIR.match(text) else None
+
     def committed(self) -> list[Committed]:
-        """Committed checkpoints, oldest first (directories without a readable marker are skipped)."""
+        """Committed checkpoints, oldest first (directories without a readable marker are skipped;
+        a marker that parses but has another shape than ours is a UserError: someone made it)."""
         out: list[Committed] = []
         if not self.root.is_dir():
             return out
@@ -137,9 +170,9 @@ class CheckpointStore:
             m = _STEP_DIR.match(d.name)
             if m and d.is_dir() and (d / COMMIT_FILE).is_file():
                 try:
-                    marker = json.loads((d / COMMIT_FILE).read_text())
-                except (OSError, ValueError):
-                    log.warning("%s: unreadable commit marker, ignoring this checkpoint", d / COMMIT_FILE)
+                    marker = check_marker(json.loads((d / COMMIT_FILE).read_text()), d)
+                except (OSError, ValueError) as err:
+                    log.warning("%s: unreadable commit marker (%s), ignoring this checkpoint", d / COMMIT_FILE, err)
                     continue
                 out.append(Committed(int(m.group(1)), d, marker))
         return sorted(out, key=lambda c: c.step)
@@ -223,8 +256,7 @@ def verify(ckpt: Path) -> dict[str, Any]:
         raise UserError(f"{ckpt}: not a committed checkpoint (no {COMMIT_FILE}; it was never finished)") from None
     except (OSError, ValueError) as err:
         raise UserError(f"{marker_path}: unreadable commit marker ({err})") from None
-    if marker.get("version") != FORMAT_VERSION:
-        raise UserError(f"{marker_path}: checkpoint format {marker.get('version')} is not {FORMAT_VERSION}")
+    check_marker(marker, ckpt)
     for rel, (size, crc) in marker["files"].items():
         path = ckpt / rel
         if not path.is_file():
@@ -236,11 +268,40 @@ def verify(ckpt: Path) -> dict[str, Any]:
     return marker
 
 
-def read_trainer_state(ckpt: Path) -> dict[str, Any]:
+# What the checkpointer writes into trainer.json (Checkpointer._trainer_state), and each value's type.
+TRAINER_KEYS: dict[str, tuple[type, ...]] = {
+    "trainer": (dict,),
+    "adam_step": (int, float),
+    "scheduler": (dict,),
+    "controller": (dict,),
+    "data": (dict,),
+    "mlflow_run_id": (str, type(None)),
+    "layout": (dict,),
+    "config": (dict,),
+}
+_COUNTERS = {"step": (int,), "tokens": (int,), "elapsed_s": (int, float)}
+
+
+def read_trainer_state(ckpt: Path, require: tuple[str, ...] = ("config",)) -> dict[str, Any]:
+    """``trainer.json`` of ``ckpt``: an object whose known keys have the types the checkpointer writes
+    and which holds every key of ``require`` (``TRAINER_KEYS`` for a resume); else a one-line UserError."""
     path = ckpt / TRAINER_FILE
     try:
-        return json.loads(path.read_text())
+        meta = json.loads(path.read_text())
     except FileNotFoundError:
         raise UserError(f"{path}: missing; {ckpt} is not an elastic-pretrain checkpoint") from None
     except (OSError, ValueError) as err:
         raise UserError(f"{path}: unreadable ({err})") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"{path}: malformed (a {type(meta).__name__}, not an object); {_NOT_OURS}")
+    missing = [k for k in require if k not in meta]
+    if missing:
+        raise UserError(f"{path}: malformed (no {', '.join(missing)}); {_NOT_OURS}")
+    shapes = [(k, meta[k], TRAINER_KEYS[k]) for k in TRAINER_KEYS if k in meta]
+    if isinstance(meta.get("trainer"), dict):
+        shapes += [(f"trainer.{k}", meta["trainer"].get(k), t) for k, t in _COUNTERS.items()]
+    for key, value, types in shapes:
+        if isinstance(value, bool) or not isinstance(value, types):
+            want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise UserError(f"{path}: malformed ({key} is {type(value).__name__}, not {want}); {_NOT_OURS}")
+    return meta

@@ -20,9 +20,20 @@ from typing import Any
 
 from elastic_pretrain.data.tokenizer import Tokenizer
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import is_plain_name, write_atomic
 
 MANIFEST = "manifest.json"
 VERSION = 1
+FORMATS = ("mds", "wds")
+DTYPES = ("uint16", "uint32")  # token_dtype(): the only arrays prepare-data writes
+
+
+def _is_count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _is_sha256(v: object) -> bool:
+    return isinstance(v, str) and len(v) == 64 and all(c in "0123456789abcdef" for c in v)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -43,6 +54,8 @@ class SplitInfo:
     tokens: int
     documents: int
     shards: list[ShardInfo]
+    # sha256 of the split's MDS index.json (None for wds, and in manifests written before it was hashed)
+    index_sha256: str | None = None
 
     def shard_offsets(self) -> list[int]:
         """Global index of the first sample of each shard, plus the total at the end."""
@@ -74,7 +87,29 @@ class Manifest:
             name: SplitInfo(**{**s, "shards": [ShardInfo(**sh) for sh in s["shards"]]})
             for name, s in obj["splits"].items()
         }
-        return cls(**{**obj, "splits": splits})
+        manifest = cls(**{**obj, "splits": splits})
+        manifest.check_shape()
+        return manifest
+
+    def check_shape(self) -> None:
+        """Every name a file path is built from is one plain file name, every count an integer.
+
+        Shard and split names come from a file that may be someone else's (docs/security.md):
+        ``../x`` or ``/abs`` would make a refetch delete and rewrite a file outside the cache."""
+        if self.format not in FORMATS:
+            raise TypeError(f"format {self.format!r} is not one of {', '.join(FORMATS)}")
+        if not _is_count(self.seq_len) or self.dtype not in DTYPES:
+            raise TypeError(f"seq_len {self.seq_len!r} / dtype {self.dtype!r} are not a length and {DTYPES}")
+        for split, info in self.splits.items():
+            names = [split] + [s.name for s in info.shards]
+            bad = next((n for n in names if not is_plain_name(n)), None)
+            if bad is not None:
+                raise TypeError(f"{bad!r} is not a plain file name (letters, digits, '.', '_', '-')")
+            if info.index_sha256 is not None and not _is_sha256(info.index_sha256):
+                raise TypeError(f"splits.{split}.index_sha256 is not a sha256 hex digest")
+            for s in info.shards:
+                if not (_is_count(s.samples) and _is_count(s.bytes) and _is_sha256(s.sha256)):
+                    raise TypeError(f"shard {s.name}: samples/bytes/sha256 are not counts and a hex digest")
 
     def split(self, name: str, where: str) -> SplitInfo:
         if name not in self.splits:
@@ -94,7 +129,7 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     try:
         obj = json.loads(p.read_text())
         manifest = Manifest.from_json(obj)
-    except (json.JSONDecodeError, TypeError, KeyError, UnicodeDecodeError) as err:
+    except (json.JSONDecodeError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as err:
         raise UserError(f"{p}: malformed manifest ({err}); delete the directory and run prepare-data again") from None
     if manifest.version != VERSION:
         raise UserError(f"{p}: manifest version {manifest.version}, expected {VERSION}; run prepare-data again")
@@ -104,9 +139,7 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
 def write_manifest(manifest: Manifest, directory: Path) -> Path:
     """Write atomically (tmp + rename), so readers see either no manifest or a complete one."""
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{MANIFEST}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, directory / MANIFEST)
+    write_atomic(directory / MANIFEST, json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n")
     return directory / MANIFEST
 
 

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from elastic_pretrain.config import to_dict
 from elastic_pretrain.data.config import DataConfig, PrepareConfig, TokenizerConfig, local_path
 from elastic_pretrain.data.manifest import MANIFEST, Manifest, SplitInfo, read_manifest, verify_shard, write_manifest
-from elastic_pretrain.data.shards import make_sink
+from elastic_pretrain.data.shards import add_index_hashes, make_sink
 from elastic_pretrain.data.sources import Document, iter_documents, list_files
 from elastic_pretrain.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, token_dtype
 from elastic_pretrain.errors import UserError
@@ -190,7 +190,10 @@ class _Packer:
     def finish(self) -> SplitInfo:
         self._flush(final=True)
         shards = self.sink.finish()
-        return SplitInfo(sequences=self.rows, tokens=self.rows * self.n, documents=self.documents, shards=shards)
+        index = getattr(self.sink, "index_sha256", None)  # MDS: index.json's checksum
+        return SplitInfo(
+            sequences=self.rows, tokens=self.rows * self.n, documents=self.documents, shards=shards, index_sha256=index
+        )
 
 
 # ------------------------------------------------------------------------------------------- main
@@ -217,6 +220,9 @@ def _existing(out: Path, recipe: dict[str, Any], verify: str, inputs: dict[str, 
             if problem:
                 say(f"{out}: shard {split}/{shard.name} {problem}: rebuilding the shards")
                 return None
+    if manifest.format == "mds" and any(s.index_sha256 is None for s in manifest.splits.values()):
+        add_index_hashes(manifest, out)  # a manifest from before index.json was hashed: check it, then hash it
+        write_manifest(manifest, out)
     seen = manifest.stats.get("inputs")
     if seen and inputs:
         say(f"{out}: up to date ({seen['files']:,} input files unchanged)")

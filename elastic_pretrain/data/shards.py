@@ -1,8 +1,11 @@
 """Shard files of packed token sequences: writers (prepare-data) and per-split readers (training).
 
 MDS goes through mosaicml-streaming's own ``MDSWriter`` and shard reader (``reader_from_json`` ->
-``MDSReader.get_item``: random access by sample). WebDataset goes through ``wds.ShardWriter`` and
-webdataset's tar pipeline (``SimpleShardList -> tarfile_to_samples -> decode``), one shard at a time.
+``MDSReader.get_item``: random access by sample); the reader is built from the entry prepare-data
+writes (one raw ``ndarray`` token column), checked against ``index.json``, whose sha256 is in the
+manifest. WebDataset is written with ``wds.TarWriter`` and read member by member with ``tarfile``
+and ``np.load(allow_pickle=False)``, one shard at a time: webdataset's default decoders would
+unpickle ``.pyd``/``.pkl`` members and ``torch.load`` ``.pth`` ones (docs/security.md).
 
 Why not ``StreamingDataset``: its sample order, partitioning and resume state are its own
 (canonical nodes, shared memory keyed by the local directory, file locks in the system temp dir,
@@ -19,8 +22,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import fcntl
+import hashlib
+import io
 import json
 import logging
+import re
+import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,9 +48,12 @@ from elastic_pretrain.data.manifest import (
 from elastic_pretrain.data.streaming_compat import import_streaming
 from elastic_pretrain.data.tokenizer import Tokenizer
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import inside, is_plain_name
 
 log = logging.getLogger(__name__)
 WDS_PATTERN = "shard-%06d.tar"
+WDS_MEMBER = re.compile(r"(\d{10})\.tokens\.npy")  # the only tar member WDSSink writes: <row key>.tokens.npy
+MDS_INDEX = "index.json"
 WDS_MEMBER_TOKENS = 1 << 16  # tokens per tar member (see WDSSink)
 
 
@@ -75,7 +85,8 @@ class MDSSink:
 
     def finish(self) -> list[ShardInfo]:
         self._writer.finish()
-        index = json.loads((self.directory / "index.json").read_text())
+        self.index_sha256 = sha256_file(self.directory / MDS_INDEX)  # the manifest covers index.json too
+        index = json.loads((self.directory / MDS_INDEX).read_text())
         return [
             ShardInfo(
                 name=s["raw_data"]["basename"],
@@ -194,9 +205,22 @@ class StreamFiles:
         self.root = local_path(stream.local) if stream.local else local_path(stream.path)
         self.where = stream.path
 
+    def local(self, split: str, name: str) -> Path:
+        """``<root>/<split>/<name>``, refused unless both are plain names and the path stays in ``root``.
+
+        The names come from the manifest, which may be someone else's (docs/security.md); read_manifest
+        already refuses other names: this is the last line before a delete or a download."""
+        path = self.root / split / name
+        if not (is_plain_name(split) and is_plain_name(name)) or not inside(path, self.root):
+            raise UserError(
+                f"{self.where}: the manifest names {split}/{name}, which is not a file inside {self.root}; "
+                "the manifest is damaged or hostile: delete the cache and prepare the data again"
+            )
+        return path
+
     def refetch(self, split: str, name: str) -> Path:
         """Drop a cached copy that failed verification and download it again (remote streams only)."""
-        local = self.root / split / name
+        local = self.local(split, name)
         with _file_lock(local):
             local.unlink(missing_ok=True)
         return self.file(split, name)
@@ -207,7 +231,7 @@ class StreamFiles:
         return read_manifest(self.root)
 
     def file(self, split: str, name: str) -> Path:
-        local = self.root / split / name
+        local = self.local(split, name)
         if self.remote and not local.is_file():
             fetch(f"{self.remote.rstrip('/')}/{split}/{name}", local)
         return local
@@ -291,20 +315,31 @@ class SplitReader:
             import_streaming()
             from streaming.base.format import reader_from_json
 
-            index = self._mds_index()
-            obj = next((s for s in index["shards"] if s["raw_data"]["basename"] == name), None)
-            if obj is None or obj["samples"] != self.shards[k].samples:
-                raise UserError(f"{self.where}: index.json does not match the manifest for {name}; re-run prepare-data")
-            self._mds[name] = reader_from_json(str(path.parent), "", obj)
+            # the entry built from the manifest (checked against index.json), not index.json's own
+            self._mds[name] = reader_from_json(str(path.parent), "", self._mds_index()[name])
         return self._mds[name]
 
-    def _mds_index(self) -> dict[str, Any]:
+    def _mds_index(self) -> dict[str, dict[str, Any]]:
+        """Shard name -> its index.json entry, once index.json matched the manifest's hash and entries."""
         if not hasattr(self, "_index"):
-            path = self.files.file(self.split_name, "index.json")
+            expected = self.manifest.splits[self.split_name].index_sha256
+            if expected is None:
+                raise UserError(
+                    f"{self.where}: manifest.json has no checksum of index.json (written before "
+                    "elastic-pretrain hashed it); run `elastic-pretrain prepare-data <recipe>` on that output "
+                    "again to add it (it checks the shards and index.json, and re-tokenises nothing)"
+                )
+            path = self.files.file(self.split_name, MDS_INDEX)
             try:
-                self._index: dict[str, Any] = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError) as err:
+                data = path.read_bytes()
+            except OSError as err:
                 raise UserError(f"{self.where}: unreadable index.json ({err}); re-run prepare-data") from None
+            if hashlib.sha256(data).hexdigest() != expected:
+                raise UserError(
+                    f"{self.where}: index.json fails its sha256 checksum (corrupt or replaced); delete it and "
+                    "re-run prepare-data (or re-download)"
+                )
+            self._index = check_mds_index(data, self.manifest, self.shards, self.where)
         return self._index
 
     def _wds_rows(self, k: int) -> np.ndarray:
@@ -312,26 +347,112 @@ class SplitReader:
         if name in self._wds:
             self._wds.move_to_end(name)
             return self._wds[name]
-        rows = read_wds_shard(self._shard(k), self.shards[k].samples, self.where)
+        rows = read_wds_shard(self._shard(k), self.shards[k].samples, self.where, self.manifest.dtype)
         self._wds[name] = rows
         while len(self._wds) > self.cfg.wds_window + 1:  # the window being read, plus one across a boundary
             self._wds.popitem(last=False)
         return rows
 
 
-def read_wds_shard(path: Path, samples: int, where: str) -> np.ndarray:
-    """All rows of one tar shard via webdataset's pipeline, in key order, as one 2-D array."""
-    import webdataset as wds
+def mds_entry(manifest: Manifest, info: ShardInfo) -> dict[str, Any]:
+    """The index.json entry MDSSink writes for shard ``info`` (one raw ``ndarray`` column of tokens):
+    the only entry a reader accepts, so streaming never decodes a pickled (``pkl``) or other column."""
+    n = manifest.seq_len + 1
+    return {
+        "column_encodings": [f"ndarray:{manifest.dtype}:{n}"],
+        "column_names": ["tokens"],
+        "column_sizes": [n * np.dtype(manifest.dtype).itemsize],
+        "compression": None,
+        "format": "mds",
+        "hashes": [],
+        "raw_data": {"basename": info.name, "bytes": info.bytes, "hashes": {}},
+        "samples": info.samples,
+        "version": 2,
+        "zip_data": None,
+    }
 
-    pipeline = wds.DataPipeline(wds.SimpleShardList([str(path)]), wds.tarfile_to_samples(), wds.decode())
+
+def check_mds_index(data: bytes, manifest: Manifest, shards: list[ShardInfo], where: str) -> dict[str, dict[str, Any]]:
+    """Shard name -> reader entry for ``shards``, after index.json (``data``) matched :func:`mds_entry`
+    for each of them; a one-line UserError naming the first difference otherwise."""
     try:
-        blocks = sorted((s["__key__"], s["tokens.npy"]) for s in pipeline)
-        rows = np.concatenate([b for _, b in blocks]) if blocks else np.empty((0, 0))
-    except Exception as err:  # tarfile.ReadError, ValueError from npy decoding, ...
-        raise UserError(
-            f"{where}: shard {path.name} cannot be read ({type(err).__name__}: {err}); delete it and "
-            "re-run prepare-data, or set data.on_bad_shard=skip"
-        ) from None
+        index = json.loads(data)
+        entries = index["shards"] if isinstance(index, dict) and isinstance(index.get("shards"), list) else None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise UserError(f"{where}: unreadable index.json ({err}); re-run prepare-data") from None
+    if entries is None:
+        raise UserError(f"{where}: malformed index.json (no list of shards); re-run prepare-data")
+    by_name = {
+        e["raw_data"].get("basename"): e for e in entries if isinstance(e, dict) and isinstance(e.get("raw_data"), dict)
+    }
+    out = {}
+    for info in shards:
+        want, got = mds_entry(manifest, info), by_name.get(info.name)
+        if got is None:
+            raise UserError(f"{where}: index.json has no entry for {info.name}; re-run prepare-data")
+        diff = next((key for key in want if got.get(key) != want[key]), None)
+        if diff is not None:
+            raise UserError(
+                f"{where}: index.json declares {info.name} with {diff}={got.get(diff)!r}, prepare-data writes "
+                f"{want[diff]!r} (only raw token columns are read, never pickled ones); re-run prepare-data"
+            )
+        size_limit = got.get("size_limit")
+        out[info.name] = {**want, "size_limit": size_limit if isinstance(size_limit, int) else None}
+    return out
+
+
+def add_index_hashes(manifest: Manifest, out: Path) -> None:
+    """Fill in the index.json checksum of each split of a manifest written before it was hashed, once
+    index.json matches :func:`mds_entry` for every shard the (already verified) manifest lists."""
+    for split, info in manifest.splits.items():
+        if info.index_sha256 is None:
+            try:
+                data = (out / split / MDS_INDEX).read_bytes()
+            except OSError as err:
+                why = f"unreadable {split}/{MDS_INDEX} ({err})"
+                raise UserError(f"{out}: {why}; delete {out} and run prepare-data again") from None
+            check_mds_index(data, manifest, info.shards, f"{out} [{split}]")
+            info.index_sha256 = hashlib.sha256(data).hexdigest()
+
+
+def read_wds_shard(path: Path, samples: int, where: str, dtype: str | None = None) -> np.ndarray:
+    """All rows of one tar shard, in key order, as one 2-D array.
+
+    Only what WDSSink writes is read: regular members named ``<10-digit key>.tokens.npy``, each a
+    2-D integer ``.npy`` array loaded with ``allow_pickle=False``. Any other member — a ``.pyd``,
+    ``.pkl`` or ``.pth`` that webdataset's default decoders would unpickle, a link, a directory —
+    is refused, so no byte of a shard is ever unpickled (docs/security.md)."""
+
+    def refuse(why: str) -> UserError:
+        return UserError(
+            f"{where}: shard {path.name} {why}; delete it and re-run prepare-data, or set data.on_bad_shard=skip"
+        )
+
+    blocks: list[tuple[str, np.ndarray]] = []
+    try:
+        with tarfile.open(path, mode="r:") as tar:
+            for member in tar:
+                m = WDS_MEMBER.fullmatch(member.name)
+                if m is None or not member.isreg():
+                    raise refuse(
+                        f"holds member {member.name!r}, which prepare-data never writes (only "
+                        "<key>.tokens.npy token arrays are read)"
+                    )
+                f = tar.extractfile(member)
+                assert f is not None  # a regular member
+                block = np.load(io.BytesIO(f.read()), allow_pickle=False)
+                if block.ndim != 2 or block.dtype.kind != "u" or (dtype is not None and block.dtype != dtype):
+                    raise refuse(
+                        f"member {member.name} holds a {block.dtype} array of shape {block.shape}, "
+                        f"not rows of {dtype or 'unsigned'} token ids"
+                    )
+                blocks.append((m.group(1), block))
+    except UserError:
+        raise
+    except (tarfile.TarError, OSError, ValueError, EOFError) as err:  # bad tar, bad npy header, pickled npy
+        raise refuse(f"cannot be read ({type(err).__name__}: {err})") from None
+    blocks.sort(key=lambda b: b[0])
+    rows = np.concatenate([b for _, b in blocks]) if blocks else np.empty((0, 0))
     if len(rows) != samples:
         raise UserError(
             f"{where}: shard {path.name} holds {len(rows)} samples, the manifest says {samples}; re-run prepare-data"

@@ -20,10 +20,8 @@ def load_model(ckpt: Path) -> tuple[Any, Any]:
 
     Needs an initialised one-process mesh (``init_mesh(ParallelConfig(), seed=...)``).
     """
-    import torch
-    from megatron.core import dist_checkpointing
 
-    from elastic_pretrain.checkpoint.safe_load import restricted_unpickling
+    from elastic_pretrain.checkpoint.safe_load import load_sharded
     from elastic_pretrain.checkpoint.store import MODEL_DIR, read_trainer_state, verify
     from elastic_pretrain.config import build
     from elastic_pretrain.job import JobConfig
@@ -35,12 +33,7 @@ def load_model(ckpt: Path) -> tuple[Any, Any]:
     meta = read_trainer_state(ckpt)
     job = build(JobConfig, meta["config"])
     net = build_model(job.model, ParallelConfig(), decider=job.decider)  # a decider job's decider rides along
-    try:
-        with torch.no_grad(), restricted_unpickling():
-            loaded = dist_checkpointing.load({"model": net.sharded_state_dict()}, str(ckpt / MODEL_DIR))
-    except Exception as err:  # name the checkpoint, keep one line
-        first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-        raise UserError(f"{ckpt / MODEL_DIR}: cannot load model tensors ({first})") from err
+    loaded = load_sharded({"model": net.sharded_state_dict()}, ckpt / MODEL_DIR, what="model tensors")
     net.load_state_dict(loaded["model"], strict=True)
     # the ELR conditioning heads are on exactly in the mixed phase (as in the trainer's session)
     net.conditioning_active = meta.get("controller", {}).get("phase") == "mixed" and net.loop_conditioning is not None

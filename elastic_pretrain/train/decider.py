@@ -101,20 +101,13 @@ def freeze_backbone(net: LoopedMoEModel) -> None:
 def load_base(net: LoopedMoEModel, ckpt: Path) -> None:
     """The base model's tensors (``decider.init_from``) into a decider job's model at this layout; the
     decider keeps its initialisation. Only model tensors are read (no optimizer state). Collective."""
-    from megatron.core import dist_checkpointing
-
     from elastic_pretrain.checkpoint.manager import verify_everywhere
-    from elastic_pretrain.checkpoint.safe_load import restricted_unpickling
+    from elastic_pretrain.checkpoint.safe_load import load_sharded
     from elastic_pretrain.checkpoint.store import MODEL_DIR
 
     verify_everywhere(ckpt)
     model_sd = {k: v for k, v in net.sharded_state_dict().items() if not k.startswith("decider.")}
-    try:
-        with torch.no_grad(), restricted_unpickling():
-            loaded = dist_checkpointing.load({"model": model_sd}, str(ckpt / MODEL_DIR))
-    except Exception as err:  # name the checkpoint, keep one line
-        first = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-        raise UserError(f"{ckpt / MODEL_DIR}: cannot load the base model tensors ({first})") from err
+    loaded = load_sharded({"model": model_sd}, ckpt / MODEL_DIR, what="the base model tensors")
     missing, unexpected = net.load_state_dict(loaded["model"], strict=False)
     left = [k for k in missing if not k.startswith("decider.")] + list(unexpected)
     if left:

@@ -22,7 +22,8 @@ from tests.checkpoint.runs import train
 def _commit(store: CheckpointStore, step: int) -> None:
     """A committed step_<N> written by the store itself (trainer.json only: no tensors needed here)."""
     tmp = store.prepare(step)
-    (tmp / TRAINER_FILE).write_text(json.dumps({"trainer": {"step": step, "tokens": 100 * step}, "layout": {}}))
+    counters = {"step": step, "tokens": 100 * step, "elapsed_s": 0.0}
+    (tmp / TRAINER_FILE).write_text(json.dumps({"trainer": counters, "layout": {}}))
     store.commit(step, {})
 
 

@@ -47,8 +47,10 @@ _REQUIRED: tuple[tuple[str, Any, str], ...] = (
 def check_supported(tconfig: Any) -> None:
     for attr, want, what in _REQUIRED:
         if getattr(tconfig, attr, want) != want:
-            raise UserError(f"export: the model uses {what} ({attr}={getattr(tconfig, attr)!r}), which the "
-                            "exported modelling file does not implement: extend export/hf/modeling_elastic.py")
+            raise UserError(
+                f"export: the model uses {what} ({attr}={getattr(tconfig, attr)!r}), which the "
+                "exported modelling file does not implement: extend export/hf/modeling_elastic.py"
+            )
     if tconfig.moe_router_load_balancing_type == "sinkhorn":
         raise UserError("export: sinkhorn routing is not implemented by the exported model")
     if tconfig.activation_func.__name__ != "silu":
@@ -116,8 +118,9 @@ def hf_config(net: Any, decider: Any, *, eos_id: int | None) -> Any:
     return config
 
 
-def write_export(net: Any, tokenizer: Any, out: Path, *, decider: Any = None,
-                 provenance: dict[str, Any] | None = None) -> Path:
+def write_export(
+    net: Any, tokenizer: Any, out: Path, *, decider: Any = None, provenance: dict[str, Any] | None = None
+) -> Path:
     """Write the Hugging Face files of a loaded one-process model into ``out`` (created; must be empty)."""
     from safetensors.torch import save_file
 
@@ -133,8 +136,12 @@ def write_export(net: Any, tokenizer: Any, out: Path, *, decider: Any = None,
     config.save_pretrained(out)
     for name in MODEL_FILES:
         shutil.copyfile(HF_DIR / name, out / name)
-    meta = {"model": dataclasses.asdict(net.cfg), "conditioning_active": bool(net.conditioning_active),
-            "decider": net.decider is not None, **(provenance or {})}
+    meta = {
+        "model": dataclasses.asdict(net.cfg),
+        "conditioning_active": bool(net.conditioning_active),
+        "decider": net.decider is not None,
+        **(provenance or {}),
+    }
     (out / PROVENANCE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
     return out
 

@@ -93,8 +93,9 @@ def _tiktoken_fast(cfg: Any, ours: Any) -> Any:
         ranks = Path(tmp) / "ranks.tiktoken"  # named encodings: their ranks, written as a file
         ranks.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in enc._mergeable_ranks.items()))
         pattern = enc._pat_str if cfg.name else (cfg.pattern or GPT2_PATTERN)
-        converted = TikTokenConverter(vocab_file=str(ranks), pattern=pattern,
-                                      additional_special_tokens=[eos_name]).converted()
+        converted = TikTokenConverter(
+            vocab_file=str(ranks), pattern=pattern, additional_special_tokens=[eos_name]
+        ).converted()
     return PreTrainedTokenizerFast(tokenizer_object=converted, eos_token=eos_name)
 
 
@@ -104,7 +105,9 @@ def check_round_trip(out: Path, ours: Any) -> None:
     fast = AutoTokenizer.from_pretrained(str(out))
     theirs = fast(PROBE, add_special_tokens=False)["input_ids"]
     if theirs != ours.encode(PROBE) or fast.eos_token_id != ours.eos_id:
-        raise UserError(f"export: the exported tokenizer in {out} does not reproduce the run's token ids "
-                        f"(eos {fast.eos_token_id} vs {ours.eos_id}): report this tokenizer kind as unsupported")
+        raise UserError(
+            f"export: the exported tokenizer in {out} does not reproduce the run's token ids "
+            f"(eos {fast.eos_token_id} vs {ours.eos_id}): report this tokenizer kind as unsupported"
+        )
     if fast.decode(theirs) != PROBE:
         raise UserError(f"export: the exported tokenizer in {out} does not decode back to the text it encoded")

@@ -90,4 +90,3 @@ class ElasticLoopedConfig(PretrainedConfig):
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
-

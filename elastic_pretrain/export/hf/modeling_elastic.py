@@ -210,8 +210,12 @@ class Layer(nn.Module):
             self.mlp: nn.Module = MoE(cfg) if mlp == "moe" else MLP(cfg.hidden_size, cfg.ffn_hidden_size)
 
     def attend(
-        self, h_BSD: Tensor, freqs_Sd: Tensor, past: tuple[Tensor, Tensor] | None,
-        frozen: tuple[Tensor, Tensor, Tensor] | None, key_mask_BK: Tensor | None,
+        self,
+        h_BSD: Tensor,
+        freqs_Sd: Tensor,
+        past: tuple[Tensor, Tensor] | None,
+        frozen: tuple[Tensor, Tensor, Tensor] | None,
+        key_mask_BK: Tensor | None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """Attention half for S new tokens after the cached ones; also returns the step's K/V.
         ``frozen = (mask_BS, k, v)``: tokens stopped by adaptive depth contribute their frozen K/V."""
@@ -328,8 +332,15 @@ class ElasticLoopedModel(ElasticLoopedPreTrainedModel):
         freqs = torch.outer(seq, self.inv_freq)
         return torch.cat((freqs, freqs), dim=-1)
 
-    def decode(self, ids_BS: Tensor, cache: LoopedKVCache, *, loops: int, stop_threshold: float | None = None,
-               key_mask_BK: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def decode(
+        self,
+        ids_BS: Tensor,
+        cache: LoopedKVCache,
+        *,
+        loops: int,
+        stop_threshold: float | None = None,
+        key_mask_BK: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """(final-norm states ``[B, S, D]``, passes per token ``[B, S]``) of S new tokens.
 
         ``last-loop`` runs them one by one: each token's later passes need the last-pass K/V of every
@@ -342,8 +353,9 @@ class ElasticLoopedModel(ElasticLoopedPreTrainedModel):
             return torch.cat([o[0] for o in outs], 1), torch.cat([o[1] for o in outs], 1)
         return self._chunk(ids_BS, cache, loops, stop_threshold, key_mask_BK)
 
-    def _chunk(self, ids_BS: Tensor, cache: LoopedKVCache, loops: int, stop_threshold: float | None,
-               key_mask_BK: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _chunk(
+        self, ids_BS: Tensor, cache: LoopedKVCache, loops: int, stop_threshold: float | None, key_mask_BK: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
         p0, s = cache.length, ids_BS.shape[1]
         freqs_Sd = self.rope(p0, p0 + s)
         emb_BSD = self.embedding.word_embeddings(ids_BS)
@@ -353,16 +365,31 @@ class ElasticLoopedModel(ElasticLoopedPreTrainedModel):
         cache.length += s
         return h_BSD, passes_BS
 
-    def _edge(self, layers: nn.ModuleList, name: str, h_BSD: Tensor, freqs_Sd: Tensor, cache: LoopedKVCache,
-              key_mask_BK: Tensor | None) -> Tensor:
+    def _edge(
+        self,
+        layers: nn.ModuleList,
+        name: str,
+        h_BSD: Tensor,
+        freqs_Sd: Tensor,
+        cache: LoopedKVCache,
+        key_mask_BK: Tensor | None,
+    ) -> Tensor:
         for i, layer in enumerate(layers):
             h_BSD, k, v = layer.attend(h_BSD, freqs_Sd, cache.get((name, i)), None, key_mask_BK)
             cache.append((name, i), k, v)
             h_BSD, _ = layer.mlp_half(h_BSD)
         return h_BSD
 
-    def _core(self, h_BSD: Tensor, emb_BSD: Tensor, freqs_Sd: Tensor, cache: LoopedKVCache, loops: int,
-              stop_threshold: float | None, key_mask_BK: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _core(
+        self,
+        h_BSD: Tensor,
+        emb_BSD: Tensor,
+        freqs_Sd: Tensor,
+        cache: LoopedKVCache,
+        loops: int,
+        stop_threshold: float | None,
+        key_mask_BK: Tensor | None,
+    ) -> tuple[Tensor, Tensor]:
         cfg = self.config
         active_BS = torch.ones(h_BSD.shape[:2], dtype=torch.bool, device=h_BSD.device)
         passes_BS = torch.zeros(h_BSD.shape[:2], dtype=torch.long, device=h_BSD.device)
@@ -474,15 +501,17 @@ class ElasticLoopedForCausalLM(ElasticLoopedPreTrainedModel, GenerationMixin):
         key_mask = None
         if attention_mask is not None and not bool(attention_mask.bool().all()):
             key_mask = attention_mask.bool()
-        h_BSD, passes_BS = self.model.decode(input_ids, cache, loops=depth, stop_threshold=threshold,
-                                             key_mask_BK=key_mask)
+        h_BSD, passes_BS = self.model.decode(
+            input_ids, cache, loops=depth, stop_threshold=threshold, key_mask_BK=key_mask
+        )
         logits_BSV = self.lm_head(h_BSD)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits_BSV[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        return ElasticCausalLMOutput(loss=loss, logits=logits_BSV, past_key_values=cache if use_cache else None,
-                                     passes=passes_BS)
+        return ElasticCausalLMOutput(
+            loss=loss, logits=logits_BSV, past_key_values=cache if use_cache else None, passes=passes_BS
+        )
 
     def prepare_inputs_for_generation(
         self,
@@ -498,5 +527,12 @@ class ElasticLoopedForCausalLM(ElasticLoopedPreTrainedModel, GenerationMixin):
             input_ids = input_ids[:, past_key_values.length :]  # only the tokens not yet cached
         else:
             past_key_values = None
-        return {"input_ids": input_ids, "past_key_values": past_key_values, "attention_mask": attention_mask,
-                "use_cache": True, "loops": loops, "kv_cache": kv_cache, "decider_threshold": decider_threshold}
+        return {
+            "input_ids": input_ids,
+            "past_key_values": past_key_values,
+            "attention_mask": attention_mask,
+            "use_cache": True,
+            "loops": loops,
+            "kv_cache": kv_cache,
+            "decider_threshold": decider_threshold,
+        }

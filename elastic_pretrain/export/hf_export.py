@@ -155,7 +155,7 @@ def export_hf(ckpt: Path, out: Path) -> Path:
     ckpt = resolve_checkpoint(Path(ckpt))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"export: {out} exists and is not an empty folder: pick a new output folder")
-    step = read_trainer_state(ckpt).get("step")
+    step = read_trainer_state(ckpt).get("trainer", {}).get("step")
     init_mesh(ParallelConfig(), seed=0)
     try:
         job, net = load_model(ckpt)

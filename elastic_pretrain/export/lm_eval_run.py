@@ -107,7 +107,7 @@ def run_lm_eval(
     result = LmEvalResult(loops=loops, flops_per_token={}, scores={}, samples={})
     for ell in loops:
         model.config.loops = ell  # the forward's default loop count: what HFLM's calls run
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, backend="causal")
         out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=limit,
                                       num_fewshot=num_fewshot, log_samples=True)  # fmt: skip
         assert out is not None

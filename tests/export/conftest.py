@@ -7,7 +7,6 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from elastic_pretrain.data.config import TokenizerConfig

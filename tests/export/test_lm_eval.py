@@ -9,17 +9,17 @@ import os
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # before lm_eval/datasets are imported: no network
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from pathlib import Path  # noqa: E402
-from typing import Any  # noqa: E402
+from pathlib import Path
+from typing import Any
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 pytest.importorskip("lm_eval", reason="the lm-eval extra is not installed (requirements/lock-cpu.txt has it)")
 
-from elastic_pretrain.export.tasks.elastic_tiny_mc import docs  # noqa: E402
-from elastic_pretrain.model.config import DeciderConfig  # noqa: E402
-from tests.export.conftest import build, tiny  # noqa: E402
+from elastic_pretrain.export.tasks.elastic_tiny_mc import docs
+from elastic_pretrain.model.config import DeciderConfig
+from tests.export.conftest import build, tiny
 
 TASK = "elastic_tiny_mc"
 

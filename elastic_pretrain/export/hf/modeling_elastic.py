@@ -31,7 +31,7 @@ G key/value groups, d head width, E experts, V vocabulary, N tokens (B·S flatte
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -241,8 +241,11 @@ class CoreLayer(nn.Module):
         self.passes = nn.ModuleList([Layer(cfg, "moe")] + [Layer(cfg, None) for _ in range(n_attn - 1)])
 
     def attention_for(self, pass_idx: int) -> Layer:
-        layer: Layer = self.passes[min(pass_idx, len(self.passes) - 1)]
-        return layer
+        return cast(Layer, self.passes[min(pass_idx, len(self.passes) - 1)])
+
+    def mlp_half(self, h_BSD: Tensor, replay_NK: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        """The shared MoE MLP half (held by ``passes.0``), for any pass."""
+        return cast(Layer, self.passes[0]).mlp_half(h_BSD, replay_NK)
 
 
 class LoopConditioning(nn.Module):
@@ -287,22 +290,19 @@ class _Embedding(nn.Module):
 
 
 class ElasticLoopedPreTrainedModel(PreTrainedModel):
-    config_class = ElasticLoopedConfig
+    config_class = ElasticLoopedConfig  # type: ignore[assignment]
     base_model_prefix = "model"
     main_input_name = "input_ids"
     _no_split_modules = ["CoreLayer", "Layer"]  # noqa: RUF012 (transformers API)
 
     def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, nn.Linear | nn.Embedding):
-            module.weight.data.normal_(0.0, 0.02)
-            if getattr(module, "bias", None) is not None:
-                module.bias.data.zero_()
-        elif isinstance(module, Router):
-            module.weight.data.normal_(0.0, 0.02)
-        elif isinstance(module, nn.RMSNorm | nn.LayerNorm):
-            module.weight.data.fill_(1.0)
-            if getattr(module, "bias", None) is not None:
-                module.bias.data.zero_()
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        if isinstance(module, nn.Linear | nn.Embedding | Router) and isinstance(weight, Tensor):
+            weight.data.normal_(0.0, 0.02)
+        elif isinstance(module, nn.RMSNorm | nn.LayerNorm) and isinstance(weight, Tensor):
+            weight.data.fill_(1.0)
+        if isinstance(bias, Tensor):
+            bias.data.zero_()
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
@@ -311,6 +311,8 @@ class ElasticLoopedPreTrainedModel(PreTrainedModel):
 
 class ElasticLoopedModel(ElasticLoopedPreTrainedModel):
     """Everything up to the final norm; :meth:`decode` runs S new tokens against a cache."""
+
+    inv_freq: Tensor
 
     def __init__(self, config: ElasticLoopedConfig) -> None:
         super().__init__(config)
@@ -374,7 +376,8 @@ class ElasticLoopedModel(ElasticLoopedPreTrainedModel):
         cache: LoopedKVCache,
         key_mask_BK: Tensor | None,
     ) -> Tensor:
-        for i, layer in enumerate(layers):
+        for i, module in enumerate(layers):
+            layer = cast(Layer, module)
             h_BSD, k, v = layer.attend(h_BSD, freqs_Sd, cache.get((name, i)), None, key_mask_BK)
             cache.append((name, i), k, v)
             h_BSD, _ = layer.mlp_half(h_BSD)
@@ -402,14 +405,15 @@ class ElasticLoopedModel(ElasticLoopedPreTrainedModel):
             x_BSD = h_BSD
             if self.loop_conditioning is not None:
                 x_BSD = h_BSD + self.loop_conditioning(loops, j).to(h_BSD.dtype)
-            for i, core in enumerate(self.core):
+            for i, module in enumerate(self.core):
+                core = cast(CoreLayer, module)
                 prev = last[i]
                 frozen = None if prev is None or bool(active_BS.all()) else (~active_BS, prev[0], prev[1])
                 x_BSD, k, v = core.attention_for(j).attend(
                     x_BSD, freqs_Sd, cache.get(cache.core_key(i, j)), frozen, key_mask_BK
                 )
                 replay = routes[i] if cfg.route_replay and j > 0 else None
-                x_BSD, idx = core.passes[0].mlp_half(x_BSD, replay)
+                x_BSD, idx = core.mlp_half(x_BSD, replay)
                 if j == 0:
                     routes[i] = idx
                 last[i] = (k, v)
@@ -438,8 +442,8 @@ class ElasticCausalLMOutput(CausalLMOutputWithPast):
     passes: torch.LongTensor | None = None
 
 
-class ElasticLoopedForCausalLM(ElasticLoopedPreTrainedModel, GenerationMixin):
-    _tied_weights_keys = ["lm_head.weight"]  # noqa: RUF012 (transformers API)
+class ElasticLoopedForCausalLM(ElasticLoopedPreTrainedModel, GenerationMixin):  # type: ignore[misc]
+    _tied_weights_keys = ["lm_head.weight"]  # type: ignore[assignment]  # noqa: RUF012 (transformers API)
 
     def __init__(self, config: ElasticLoopedConfig) -> None:
         super().__init__(config)
@@ -509,11 +513,15 @@ class ElasticLoopedForCausalLM(ElasticLoopedPreTrainedModel, GenerationMixin):
         if labels is not None:
             loss = F.cross_entropy(logits_BSV[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
         use_cache = self.config.use_cache if use_cache is None else use_cache
-        return ElasticCausalLMOutput(
-            loss=loss, logits=logits_BSV, past_key_values=cache if use_cache else None, passes=passes_BS
-        )
+        fields: dict[str, Any] = {
+            "loss": loss,
+            "logits": logits_BSV,
+            "passes": passes_BS,
+            "past_key_values": cache if use_cache else None,
+        }  # our own cache class
+        return ElasticCausalLMOutput(**fields)
 
-    def prepare_inputs_for_generation(
+    def prepare_inputs_for_generation(  # type: ignore[override]
         self,
         input_ids: torch.LongTensor,
         past_key_values: Any = None,
@@ -523,12 +531,13 @@ class ElasticLoopedForCausalLM(ElasticLoopedPreTrainedModel, GenerationMixin):
         decider_threshold: float | None = None,
         **kwargs: Any,
     ) -> dict[str, Any]:
+        new_ids: Tensor = input_ids
         if isinstance(past_key_values, LoopedKVCache):
-            input_ids = input_ids[:, past_key_values.length :]  # only the tokens not yet cached
+            new_ids = input_ids[:, past_key_values.length :]  # only the tokens not yet cached
         else:
             past_key_values = None
         return {
-            "input_ids": input_ids,
+            "input_ids": new_ids,
             "past_key_values": past_key_values,
             "attention_mask": attention_mask,
             "use_cache": True,

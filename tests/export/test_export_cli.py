@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,11 @@ def test_export_equals_the_checkpoint(exported, layout: str, mesh1, tmp_path: Pa
         name = "output_layer.weight" if key == "lm_head.weight" else key.removeprefix("model.")
         for te, local in _TE_RENAMES:  # megatron's checkpoint keys name the norms as Transformer Engine does
             name = name.replace(local, te) if name.replace(local, te) in saved else name
+        expert = re.fullmatch(r"(.*\.experts)\.local_experts\.(\d+)\.(.*)", name)
+        if expert:  # ... and stack the experts of a layer into one [E, ...] tensor
+            name, index = f"{expert[1]}.experts.{expert[3]}", int(expert[2])
+            assert torch.equal(t, saved[name][index]), key
+            continue
         assert name in saved, (name, sorted(saved)[:5])
         assert torch.equal(t, saved[name][: t.shape[0]]), key
     # logits at every ℓ on held-out tokens: the transformers model vs the project's (resharded) model

@@ -48,13 +48,13 @@ def check_supported(tconfig: Any) -> None:
     for attr, want, what in _REQUIRED:
         if getattr(tconfig, attr, want) != want:
             raise UserError(
-                f"export: the model uses {what} ({attr}={getattr(tconfig, attr)!r}), which the "
+                f"the model uses {what} ({attr}={getattr(tconfig, attr)!r}), which the "
                 "exported modelling file does not implement: extend export/hf/modeling_elastic.py"
             )
     if tconfig.moe_router_load_balancing_type == "sinkhorn":
-        raise UserError("export: sinkhorn routing is not implemented by the exported model")
+        raise UserError("sinkhorn routing is not implemented by the exported model: use top-k routing")
     if tconfig.activation_func.__name__ != "silu":
-        raise UserError(f"export: activation {tconfig.activation_func.__name__} is not implemented (SwiGLU only)")
+        raise UserError(f"activation {tconfig.activation_func.__name__} is not implemented (SwiGLU only)")
 
 
 # Transformer Engine layer specs fuse the norms into the next linear layer: map them back.
@@ -127,7 +127,7 @@ def write_export(
     from elastic_pretrain.export.tokenizer import export_tokenizer
 
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"export: {out} exists and is not an empty folder: pick a new output folder")
+        raise UserError(f"{out} exists and is not an empty folder: pick a new output folder")
     tensors = hf_state_dict(net)
     out.mkdir(parents=True, exist_ok=True)
     eos_id = export_tokenizer(tokenizer, out)
@@ -154,7 +154,7 @@ def export_hf(ckpt: Path, out: Path) -> Path:
 
     ckpt = resolve_checkpoint(Path(ckpt))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"export: {out} exists and is not an empty folder: pick a new output folder")
+        raise UserError(f"{out} exists and is not an empty folder: pick a new output folder")
     step = read_trainer_state(ckpt).get("trainer", {}).get("step")
     init_mesh(ParallelConfig(), seed=0)
     try:

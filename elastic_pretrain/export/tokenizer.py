@@ -106,8 +106,8 @@ def check_round_trip(out: Path, ours: Any) -> None:
     theirs = fast(PROBE, add_special_tokens=False)["input_ids"]
     if theirs != ours.encode(PROBE) or fast.eos_token_id != ours.eos_id:
         raise UserError(
-            f"export: the exported tokenizer in {out} does not reproduce the run's token ids "
+            f"the exported tokenizer in {out} does not reproduce the run's token ids "
             f"(eos {fast.eos_token_id} vs {ours.eos_id}): report this tokenizer kind as unsupported"
         )
     if fast.decode(theirs) != PROBE:
-        raise UserError(f"export: the exported tokenizer in {out} does not decode back to the text it encoded")
+        raise UserError(f"the exported tokenizer in {out} does not decode back to the text it encoded")

@@ -21,6 +21,8 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
+from elastic_pretrain.parallel.device import device
+
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
 
@@ -127,9 +129,12 @@ def _dp_group(opt: Any) -> Any:
 
 
 def _assemble(entries: list[_Entry], state: str, group: Any) -> torch.Tensor:
-    """The full flat fp32 tensors of every entry, concatenated; each DP rank fills its own slices."""
+    """The full flat fp32 tensors of every entry, concatenated; each DP rank fills its own slices.
+
+    Assembled on the device (the DP group is NCCL on GPU machines), returned on the host: the
+    checkpoint writer reads host memory, and the full copy must not stay in GPU memory."""
     total = sum(e.param.numel() for e in entries)
-    flat = torch.zeros(total, dtype=torch.float32)
+    flat = torch.zeros(total, dtype=torch.float32, device=device())
     offset = 0
     for e in entries:
         if e.end > e.start:
@@ -138,7 +143,7 @@ def _assemble(entries: list[_Entry], state: str, group: Any) -> torch.Tensor:
     if group is not None and dist.get_world_size(group) > 1:
         bits = flat.view(torch.int32)  # disjoint slices: integer sum of bit patterns is exact
         dist.all_reduce(bits, group=group)
-    return flat
+    return flat.cpu()
 
 
 def sharded_optimizer_state(optimizer: Any, model_sharded: ShardedStateDict) -> tuple[ShardedStateDict, float]:
@@ -162,7 +167,7 @@ def sharded_optimizer_state(optimizer: Any, model_sharded: ShardedStateDict) -> 
                 out.setdefault(state, {})[f"{o}.{i}"] = make_sharded_optimizer_tensor(
                     e.sharded, full, f"optimizer.{state}"
                 )
-    t = torch.tensor([step], dtype=torch.float64)
+    t = torch.tensor([step], dtype=torch.float64, device=device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a rank may own no slice of some optimizer
     return out, float(t.item())

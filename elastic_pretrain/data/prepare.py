@@ -9,14 +9,18 @@ preparation starts the split directories over.
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import itertools
 import math
 import multiprocessing
 import os
-import shutil
+import re
 import sys
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -99,11 +103,50 @@ def _tokenised(cfg: DataConfig, tok: Tokenizer, docs: Iterable[tuple[int, str]])
         for split, text in docs:
             yield split, _encode(tok, text)
         return
+    for chunk in ordered_map(_encode_chunk, _chunks(docs), workers, _init_worker, (cfg.tokenizer,)):
+        yield from chunk
+
+
+def ordered_map(
+    fn: Any, items: Iterable[Any], workers: int, initializer: Any, initargs: tuple[Any, ...]
+) -> Iterator[Any]:
+    """``fn`` over ``items`` in ``workers`` processes, results in input order, at most ``2 * workers``
+    items in flight. A worker that raises, or dies (a Rust panic, a segfault, the OOM killer), ends the
+    map with a :class:`UserError`: ``multiprocessing.Pool`` would replace the dead worker and wait forever
+    for its result."""
     # spawn: the parent may hold torch / Rust tokenizer threads, which fork would copy half-initialised
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(cfg.tokenizer,)) as pool:
-        for chunk in pool.imap(_encode_chunk, _chunks(docs), chunksize=1):
-            yield from chunk
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=initializer, initargs=initargs)
+    pending: collections.deque[Future[Any]] = collections.deque()
+    try:
+        it = iter(items)
+        for item in it:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= 2 * workers:
+                break
+        while pending:
+            result = _result(pending.popleft())
+            for item in itertools.islice(it, 1):
+                pending.append(pool.submit(fn, item))
+            yield result
+    finally:
+        for future in pending:
+            future.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _result(future: Future[Any]) -> Any:
+    try:
+        return future.result()
+    except UserError:
+        raise
+    except BrokenProcessPool:
+        raise UserError(
+            "prepare-data: a tokenizer worker process died (crashed, or killed for memory): rerun with "
+            "prepare.num_workers=1 to see the error, or fix the tokenizer file"
+        ) from None
+    except Exception as err:
+        raise UserError(f"prepare-data: a tokenizer worker failed ({type(err).__name__}: {str(err)[:200]})") from None
 
 
 # --------------------------------------------------------------------------------------- packing
@@ -168,6 +211,39 @@ def _existing(out: Path, recipe: dict[str, Any], verify: str) -> Manifest | None
     return manifest
 
 
+# The files prepare-data writes into a split directory: MDS shards and index, WebDataset shards.
+_OWN_FILE = re.compile(r"shard\.\d{5,}\.mds|shard-\d{6,}\.tar|index\.json")
+
+
+def remove_leftovers(out: Path) -> None:
+    """Delete the split directories of an interrupted preparation (there is no manifest), but only if they
+    hold nothing except files prepare-data writes: ``prepare.output`` may name a folder with data of its own."""
+    for split in SPLITS:
+        folder = out / split
+        if not folder.exists() and not folder.is_symlink():
+            continue
+        if folder.is_symlink() or not folder.is_dir():
+            foreign = ""
+        else:
+            names = sorted(p.name for p in folder.iterdir() if not _OWN_FILE.fullmatch(p.name) or not _plain(p))
+            if not names:
+                continue
+            foreign = "/" + names[0]
+        raise UserError(
+            f"{out}: {split}{foreign} was not written by prepare-data and there is no {MANIFEST}, so the "
+            f"folder is not overwritten: set prepare.output to a new or empty folder, or move {folder} away"
+        )
+    for split in SPLITS:
+        if (out / split).is_dir():
+            for path in (out / split).iterdir():
+                path.unlink()
+            (out / split).rmdir()
+
+
+def _plain(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink()
+
+
 def _val_cap(prep: PrepareConfig, sample_tokens: int) -> int | None:
     if prep.max_tokens is None:
         return None
@@ -187,8 +263,7 @@ def prepare_data(cfg: DataConfig, *, progress: bool = True) -> Manifest:
     if existing is not None:
         return existing
     dtype, sample_tokens = token_dtype(tok.vocab_size), cfg.seq_len + 1
-    for split in SPLITS:  # leftovers of an interrupted run: no manifest means nothing here is trusted
-        shutil.rmtree(out / split, ignore_errors=True)
+    remove_leftovers(out)  # of an interrupted run: no manifest means nothing there is trusted
     caps = {"train": prep.max_tokens, "val": _val_cap(prep, sample_tokens)}
     packers = [
         _Packer(

@@ -310,7 +310,7 @@ def teacher_forced_loss(
     total, count, passes, kv_bytes, correct = 0.0, 0, 0.0, 0.0, 0
     try:
         for start in range(0, tokens_NT1.shape[0], batch_size):
-            chunk = tokens_NT1[start : start + batch_size]
+            chunk = tokens_NT1[start : start + batch_size].to(_device(model))  # host rows → the model's device
             dec = LoopedDecoder(model, loops=loops, kv_cache=kv_cache, stop=stop)
             out = dec.step(chunk[:, :-1])
             ce = F.cross_entropy(out.logits_BSV.float().flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum")
@@ -360,6 +360,7 @@ def generate(
     Sequences stop being extended after ``eos_id`` (they are padded with it).
     """
     ids_BP = torch.tensor([prompt_ids], dtype=torch.long) if isinstance(prompt_ids, list) else prompt_ids
+    ids_BP = ids_BP.to(_device(model))  # every tensor below lives where the model does
     if ids_BP.dim() != 2 or ids_BP.shape[1] < 1:
         raise ValueError("prompt_ids: need at least one token ([B, P] or a list of ids)")
     if loops == "auto":
@@ -372,7 +373,7 @@ def generate(
     model.eval()
     try:
         dec = LoopedDecoder(model, loops=depth, kv_cache=kv_cache, stop=stop)
-        out = dec.step(ids_BP.to(model.embedding.word_embeddings.weight.device))
+        out = dec.step(ids_BP)
         tokens, passes = [ids_BP], []
         done = torch.zeros(ids_BP.shape[0], dtype=torch.bool, device=ids_BP.device)
         for n in range(max_new_tokens):
@@ -387,7 +388,8 @@ def generate(
             passes.append(out.passes_BS)
     finally:
         model.train(was_training)
-    passes_BN = torch.cat(passes, 1) if passes else torch.zeros(ids_BP.shape[0], 0, dtype=torch.long)
+    passes_BN = torch.cat(passes, 1) if passes else torch.zeros(ids_BP.shape[0], 0, dtype=torch.long,
+                                                                device=ids_BP.device)
     return Generation(torch.cat(tokens, 1), passes_BN, dec.cache.bytes_per_token())
 
 
@@ -395,4 +397,10 @@ def _sample(logits_BV: Tensor, temperature: float, generator: torch.Generator | 
     if temperature <= 0:
         return logits_BV.argmax(-1)
     probs = torch.softmax(logits_BV / temperature, dim=-1)
+    if generator is not None and generator.device != probs.device:  # a seeded CPU generator, a CUDA model:
+        return torch.multinomial(probs.cpu(), 1, generator=generator)[:, 0].to(probs.device)  # same draws
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+def _device(model: LoopedMoEModel) -> torch.device:
+    return model.embedding.word_embeddings.weight.device

@@ -69,20 +69,26 @@ class RoutingProbe:
         top_NK = probs_NE.topk(min(k + 1, e), dim=-1)
         margin = (top_NK.values[:, k - 1] - top_NK.values[:, k]) if k < e else top_NK.values[:, k - 1]
         topk_NK = top_NK.indices[:, :k]
-        load_E = torch.zeros(e, dtype=torch.float64).index_add_(
-            0, topk_NK.reshape(-1), torch.ones(topk_NK.numel(), dtype=torch.float64))
+        dev = logits_NE.device  # the router's device: CUDA kernels do not mix in CPU buffers
+        load_E = torch.zeros(e, dtype=torch.float64, device=dev).index_add_(
+            0, topk_NK.reshape(-1), torch.ones(topk_NK.numel(), dtype=torch.float64, device=dev))
         mean_load = load_E.mean()
         if pass_idx == 0:
             self._pass0_topk[(layer, key)] = topk_NK
-            overlap = torch.ones(())
+            overlap = torch.ones((), device=dev)
         else:
             ref = self._pass0_topk.get((layer, key))
-            overlap = _topk_overlap(topk_NK, ref) if ref is not None and ref.shape == topk_NK.shape else torch.ones(())
+            if ref is not None and ref.shape == topk_NK.shape:
+                overlap = _topk_overlap(topk_NK, ref)
+            else:
+                overlap = torch.ones((), device=dev)
         entropy = -(probs_NE * probs_NE.clamp_min(1e-12).log()).sum(-1)
         values = torch.stack([
             probs_NE.max(-1).values.double().mean(), margin.double().mean(), entropy.double().mean(),
             load_E.std(unbiased=False) / mean_load, load_E.max() / mean_load - 1, overlap.double(),
         ])
+        if self.sums_KLS.device != dev:  # first observation: the sums live where the router runs
+            self.sums_KLS, self.counts_KL = self.sums_KLS.to(dev), self.counts_KL.to(dev)
         self.sums_KLS[layer, pass_idx] += values * n
         self.counts_KL[layer, pass_idx] += n
 

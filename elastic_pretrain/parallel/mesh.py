@@ -20,6 +20,7 @@ import torch.distributed as dist
 from elastic_pretrain.config import ConfigError
 from elastic_pretrain.parallel import cpu_compat
 from elastic_pretrain.parallel.config import ParallelConfig  # re-exported (light: job validation imports it)
+from elastic_pretrain.parallel.device import device
 
 log = logging.getLogger(__name__)
 
@@ -153,14 +154,14 @@ def expert_group_max_each(values: list[int]) -> list[int]:
     group = parallel_state.get_expert_model_parallel_group()
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return list(values)
-    t = torch.tensor(values, dtype=torch.int64)
+    t = torch.tensor(values, dtype=torch.int64, device=device())  # NCCL reduces device tensors only
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return [int(v) for v in t.tolist()]
 
 
 def any_rank(flag: bool) -> bool:
     """True on every rank if any rank passed True (used for stop/save decisions at step boundaries)."""
-    t = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())

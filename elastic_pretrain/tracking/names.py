@@ -15,7 +15,9 @@ LR = "lr"
 GRAD_NORM = "grad_norm"
 TOKENS_PER_S = "tokens_per_s"
 MFU = "mfu"  # model FLOPs utilisation in [0, 1]; the peak used is the tag MFU_PEAK_TAG
-MFU_PEAK_TAG = "mfu.peak_flops_per_s"  # e.g. "989e12 (H100 SXM bf16 dense)"
+HFU = "hfu"  # hardware FLOPs utilisation: MFU + recomputed forward + ghost-pass MoE calls (train/mfu.py)
+GHOST_PASS_FRACTION = "ghost_pass_fraction"  # ghost passes / executed passes (expert-parallel mixed depth)
+MFU_PEAK_TAG = "mfu.peak_flops_per_s"  # e.g. "989 TFLOP/s (H100 SXM bf16 dense)"
 SYSTEM_PREFIX = "system/"
 
 _VAL_LOSS_LOOPS = re.compile(r"^val_loss_loops_(\d+)$")

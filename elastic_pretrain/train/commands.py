@@ -12,6 +12,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 
 def _quiet_logs() -> None:
@@ -100,27 +101,72 @@ def _children(pid: int) -> list[int]:
 
 def _train(args: argparse.Namespace) -> int:
     _quiet_logs()
-    from elastic_pretrain.job import load_job
-
-    overrides = list(args.overrides)
-    if args.run_dir:
-        overrides.append(f"run_dir={args.run_dir}")
-    if args.resume_from:
-        overrides.append(f"checkpoint.resume_from={Path(args.resume_from).resolve()}")
-    job = load_job(args.job, overrides)
+    job = job_from_args(args)
     if args.nproc_per_node and "RANK" not in os.environ:
-        return _launch(args, overrides)
+        from elastic_pretrain.parallel.validate import check_layout
+
+        check_layout(job, args.nproc_per_node)  # once, here, not once per rank after torch imports
+        return _launch(args, [*args.overrides, *(f"{flag}={path}" for flag, path in path_flags(args).items())])
     from elastic_pretrain.train.trainer import train
 
     train(job)
     return 0
 
 
+def job_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`~elastic_pretrain.job.JobConfig` that ``train`` runs for its parsed arguments.
+
+    Paths from flags are set as strings: as ``key=value`` overrides YAML would read ``#`` as a comment,
+    ``: `` as a mapping and ``~`` as null, and the trainer would write elsewhere than the flag (and the
+    Slurm batch script watching that directory) says."""
+    from elastic_pretrain.job import load_job
+
+    paths = path_flags(args)
+    values = {"run_dir": paths.get("--run-dir"), "checkpoint.resume_from": paths.get("--resume-from")}
+    return load_job(args.job, list(args.overrides), values={k: v for k, v in values.items() if v is not None})
+
+
+def path_flags(args: argparse.Namespace) -> dict[str, str]:
+    """``--run-dir`` / ``--resume-from`` as given (``~`` expanded; the checkpoint made absolute)."""
+    out = {}
+    if args.run_dir:
+        out["--run-dir"] = os.path.expanduser(args.run_dir)
+    if args.resume_from:
+        out["--resume-from"] = str(Path(args.resume_from).expanduser().resolve())
+    return out
+
+
 def _show(args: argparse.Namespace) -> int:
     from elastic_pretrain.job import dump_job, load_job
 
-    print(dump_job(load_job(args.job, list(args.overrides))), end="")
+    overrides = list(args.overrides)
+    if args.gpu_memory is not None:
+        overrides.append(f"slurm.gpu_memory={args.gpu_memory}")
+    job = load_job(args.job, overrides)
+    summary = layout_summary(job, args.world_size) if args.world_size is not None else []
+    print(dump_job(job), end="")
+    for line in summary:  # YAML comments: the output stays a loadable job file
+        print(f"# {line}")
     return 0
+
+
+def layout_summary(job: Any, world_size: int) -> list[str]:
+    """Check the job's layout at ``world_size`` ranks (one-line error on the first broken rule) and
+    describe it: the mesh, parameter counts, tokens per step."""
+    from elastic_pretrain.model.params import count_parameters, format_count
+    from elastic_pretrain.parallel.validate import check_layout, check_memory
+
+    layout = check_layout(job, world_size)
+    memory = check_memory(job, world_size, job.slurm.gpu_memory_bytes)
+    counts = count_parameters(job.model)
+    return [
+        f"layout: {layout.describe()}",
+        memory,
+        f"parameters: {format_count(counts.total)} total, {format_count(counts.active)} active "
+        f"({format_count(counts.experts)} in experts, {format_count(counts.embedding)} embedding + output)",
+        f"tokens per step: {job.tokens_per_step:,} ({job.train.global_batch_size} x {job.data.seq_len}); "
+        f"run: {job.tokens_per_step * job.train.steps:,} tokens in {job.train.steps:,} steps",
+    ]
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -147,4 +193,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("config", help="print the resolved job config (presets and overrides applied)")
     c.add_argument("job")
     c.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    c.add_argument(
+        "--world-size",
+        type=int,
+        metavar="N",
+        help="check the layout for N ranks (divisibility of heads, experts, layers, batch, vocabulary; memory)",
+    )
+    c.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        help="with --world-size: memory of one GPU (80GiB, 141GB); default: the job's slurm.gpu_memory",
+    )
     c.set_defaults(handler=_show)

@@ -30,20 +30,39 @@ class TrainConfig:
     eval_interval: int = field(100, doc="Steps between validation runs (0: only at the end).")
     eval_sequences: int = field(64, doc="Held-out sequences evaluated at every loop count.")
     routing_interval: int = field(50, doc="Steps between routing-health probes (0: never).")
+    peak_tflops: float | None = field(
+        None,
+        doc="Peak TFLOP/s of one device that MFU/HFU divide by; None: known GPUs by name (bf16, or fp8 when the "
+        "model trains in FP8; dense data-sheet figures, train/mfu.py), no MFU on CPU.",
+    )
     peak_flops_per_s: float | None = field(
-        None, doc="Peak FLOP/s of one device for MFU; None: known GPUs by name (bf16 dense), no MFU on CPU."
+        None, doc="Deprecated (older configs): the same peak in FLOP/s; use peak_tflops."
     )
     distributed_optimizer: bool = field(True, doc="Shard optimizer state over data-parallel ranks (ZeRO-1).")
     threads_per_rank: int = field(1, doc="torch intra-op threads per process (CPU runs).")
+    recompute: Literal["none", "selective", "pass"] = field(
+        "none",
+        doc="Activation recompute: 'pass' keeps only each loop pass's input and recomputes the pass in backward "
+        "(activations flat in ℓ); 'selective' recomputes core attention (megatron); docs/gpu.md.",
+    )
 
     def __post_init__(self) -> None:
         for name in ("steps", "micro_batch_size", "global_batch_size", "log_interval", "threads_per_rank"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"global_batch_size: {self.global_batch_size} is not a multiple of micro_batch_size="
+                f"{self.micro_batch_size}: make it one (each rank runs whole micro-batches)"
+            )
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"lr/min_lr: need 0 <= min_lr <= lr and lr > 0, got lr={self.lr} min_lr={self.min_lr}")
         if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
             raise ConfigError(f"warmup_steps: {self.warmup_steps} must be in [0, steps={self.steps})")
+        if self.peak_tflops is not None and self.peak_flops_per_s is not None:
+            raise ConfigError("train.peak_tflops and train.peak_flops_per_s both set: keep peak_tflops only")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ConfigError(f"train.peak_tflops: must be > 0 (e.g. 989 for an H100 SXM), got {self.peak_tflops}")
         if self.eval_interval < 0:
             raise ConfigError("eval_interval: must be >= 0 (0 evaluates only at the end)")
 

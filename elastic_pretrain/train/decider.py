@@ -59,10 +59,10 @@ def _loss_func(cfg: DeciderConfig, out: tuple[dict[int, torch.Tensor], torch.Ten
         stats = torch.tensor(
             [float(bce), target_LTB.numel(), float(target_LTB.sum()),
              float(((logit_LTB > 0).float() == target_LTB).sum()), float(passes.sum()), passes.numel()],
-            dtype=torch.float64,
+            dtype=torch.float64, device=logit_LTB.device,
         )  # fmt: skip
     report = {"by_exit": {e: (losses[e].detach().sum(), n) for e in losses}, "decider": stats}
-    return objective, torch.tensor(n, dtype=torch.int), report
+    return objective, torch.tensor(n, dtype=torch.int, device=objective.device), report
 
 
 class DeciderStep(TrainStep):

@@ -1,29 +1,134 @@
-"""Model FLOPs utilisation: achieved matmul FLOP/s per device over a named peak."""
+"""Model and hardware FLOPs utilisation of a step, against a named per-device peak (docs/gpu.md, "MFU").
+
+**MFU** counts the FLOPs the model needs for what a step trained: per micro-batch of every replica
+(global means over data-parallel ranks, not one rank's), the prelude once, ℓ passes of the core,
+and the coda + output layer once per **supervised exit** (telescopic training supervises two), all
+× 3 for forward + backward. **HFU** adds what the hardware also executed: the forward recomputed in
+backward (``train.recompute``: ``selective`` recomputes the attention-score matmuls, ``pass`` each
+core pass) and the one-token MoE calls of **ghost passes** (a rank joining its expert-parallel
+group's deeper micro-batch). Ghost passes cost almost no FLOPs but idle time: their share of
+executed passes is reported on its own (``ghost_pass_fraction``).
+
+Peaks are vendor data-sheet dense numbers per device (no sparsity), bf16 or FP8, matched on
+``torch.cuda.get_device_name()``; ``train.peak_tflops`` overrides them (and is the only way to get
+an MFU on CPU).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Literal
+
 import torch
 
-# bf16 dense peak FLOP/s per device (vendor data sheets), matched against torch's device name.
-KNOWN_PEAKS: dict[str, tuple[float, str]] = {
-    "H200": (989e12, "H200 SXM bf16 dense"),
-    "H100": (989e12, "H100 SXM bf16 dense"),
-    "A100": (312e12, "A100 bf16 dense"),
-}
+from elastic_pretrain.eval.quality import attention_flops, dense_mlp_flops, moe_mlp_flops
+from elastic_pretrain.model.config import ModelConfig
+
+Precision = Literal["bf16", "fp8"]
+Recompute = Literal["none", "selective", "pass"]
 
 
-def device_peak(configured: float | None) -> tuple[float, str] | None:
-    """The peak MFU is measured against, with its name; None when unknown (CPU without a setting)."""
-    if configured:
-        return configured, f"{configured:.3g} FLOP/s (train.peak_flops_per_s)"
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name()
-        for key, peak in KNOWN_PEAKS.items():
-            if key in name:
-                return peak
+@dataclasses.dataclass(frozen=True)
+class Peak:
+    """Dense tensor-core peak FLOP/s of one device (data sheet, no sparsity)."""
+
+    name: str
+    bf16: float
+    fp8: float | None  # None: no FP8 tensor cores (A100)
+
+
+# Matched in order against torch.cuda.get_device_name(): specific names before the family.
+# "NVIDIA H100 80GB HBM3" is the SXM part; PCIe and NVL name themselves.
+PEAKS: tuple[tuple[str, Peak], ...] = (
+    ("H100 NVL", Peak("H100 NVL", 835e12, 1671e12)),
+    ("H100 PCIe", Peak("H100 PCIe", 756e12, 1513e12)),
+    ("H100", Peak("H100 SXM", 989e12, 1979e12)),
+    ("H200 NVL", Peak("H200 NVL", 835e12, 1671e12)),
+    ("H200", Peak("H200 SXM", 989e12, 1979e12)),
+    ("A100", Peak("A100", 312e12, None)),
+    ("B200", Peak("B200", 2250e12, 4500e12)),
+)
+
+
+def known_peak(device_name: str) -> Peak | None:
+    for key, peak in PEAKS:
+        if key in device_name:
+            return peak
     return None
 
 
-def training_flops_per_token(forward_flops_per_token: float) -> float:
-    """Forward + backward ≈ 3 × forward matmul FLOPs (no activation recomputation)."""
-    return 3.0 * forward_flops_per_token
+def device_peak(
+    configured_tflops: float | None, *, precision: Precision = "bf16", device_name: str | None = None
+) -> tuple[float, str] | None:
+    """(peak FLOP/s, its name) that MFU divides by; None when unknown (CPU or an unlisted GPU, no setting).
+
+    ``precision``: ``fp8`` when the model trains in FP8 (the FP8 peak; a device without FP8 uses its
+    bf16 peak). fp32 models are measured against the bf16 peak, the figure clusters are sized by."""
+    if configured_tflops:
+        return configured_tflops * 1e12, f"{configured_tflops:g} TFLOP/s (train.peak_tflops)"
+    if device_name is None:
+        if not torch.cuda.is_available():
+            return None
+        device_name = torch.cuda.get_device_name()
+    peak = known_peak(device_name)
+    if peak is None:
+        return None
+    if precision == "fp8" and peak.fp8 is not None:
+        return peak.fp8, f"{peak.fp8 / 1e12:g} TFLOP/s ({peak.name} fp8 dense)"
+    return peak.bf16, f"{peak.bf16 / 1e12:g} TFLOP/s ({peak.name} bf16 dense)"
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthCounts:
+    """What one step ran, as means per micro-batch over every data-parallel replica."""
+
+    loops: float  # passes ℓ
+    exits: float  # supervised exits (coda + output layer runs)
+    ghost_passes: float  # passes joined as a ghost (expert-parallel group deeper than this micro-batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFlops:
+    """FLOPs per token of one training step (forward + backward)."""
+
+    model: float  # what the model needs: MFU's numerator
+    hardware: float  # + recompute + ghost calls: HFU's numerator
+    ghost_pass_fraction: float  # ghost passes / executed passes
+
+
+def step_flops(cfg: ModelConfig, depth: DepthCounts, *, seq_len: int, micro_batch_tokens: int,
+               recompute: Recompute = "none", padded_vocab: int | None = None) -> StepFlops:
+    """Matmul FLOPs per trained token (the formula of ``eval/quality.py``, per part of the model)."""
+    from elastic_pretrain.parallel.megatron import padded_vocab_size
+
+    vocab = padded_vocab_size(cfg.vocab_size, 1) if padded_vocab is None else padded_vocab
+    ctx = (seq_len + 1) / 2  # keys a query sees on average under a causal mask (as eval/quality.py counts)
+    attn = attention_flops(cfg, ctx)
+    edge = attn + (moe_mlp_flops(cfg) if cfg.edge_mlp == "moe" else dense_mlp_flops(cfg))
+    core_pass = cfg.core_layers_built * (attn + moe_mlp_flops(cfg))
+    head = cfg.coda_layers * edge + 2 * cfg.hidden_size * vocab
+    forward = cfg.prelude_layers * edge + depth.loops * core_pass + depth.exits * head
+    model = 3.0 * forward
+    # a ghost pass sends one token through every core layer's MoE MLP, forward and backward
+    ghost = 3.0 * depth.ghost_passes * cfg.core_layers_built * moe_mlp_flops(cfg) / micro_batch_tokens
+    if recompute == "pass":
+        extra = depth.loops * core_pass + depth.ghost_passes * cfg.core_layers_built * moe_mlp_flops(
+            cfg) / micro_batch_tokens
+    elif recompute == "selective":  # megatron recomputes core attention (QKᵀ, softmax, ·V) of every layer run
+        attentions = cfg.prelude_layers + depth.loops * cfg.core_layers_built + depth.exits * cfg.coda_layers
+        extra = attentions * 4 * ctx * cfg.hidden_size
+    else:
+        extra = 0.0
+    executed = depth.loops + depth.ghost_passes
+    return StepFlops(model=model, hardware=model + ghost + extra,
+                     ghost_pass_fraction=depth.ghost_passes / executed if executed else 0.0)
+
+
+def utilisation(flops: StepFlops, *, tokens_per_s: float, devices: int, peak_flops_per_s: float) -> dict[str, float]:
+    """``mfu``, ``hfu`` in [0, 1] and ``ghost_pass_fraction`` for a step rate over ``devices`` devices."""
+    per_device = tokens_per_s / devices
+    return {
+        "mfu": per_device * flops.model / peak_flops_per_s,
+        "hfu": per_device * flops.hardware / peak_flops_per_s,
+        "ghost_pass_fraction": flops.ghost_pass_fraction,
+    }

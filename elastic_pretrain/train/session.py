@@ -94,7 +94,7 @@ def wrap_ddp(job: JobConfig, net: LoopedMoEModel) -> DistributedDataParallel:
 def build_session(job: JobConfig, mesh: Mesh) -> Session:
     tokenizer = load_tokenizer(job.data.tokenizer)
     job.check_vocab(tokenizer.vocab_size)
-    net = build_model(job.model, job.parallel, decider=job.decider)
+    net = build_model(job.model, job.parallel, decider=job.decider, recompute=job.train.recompute)
     if job.decider is not None and job.decider.backbone == "frozen":
         freeze_backbone(net)
     model = wrap_ddp(job, net)

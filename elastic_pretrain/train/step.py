@@ -18,6 +18,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
 from elastic_pretrain.model.routing import RoutingProbe
+from elastic_pretrain.parallel.device import device, to_device
 from elastic_pretrain.parallel.mesh import (
     all_reduce_sum,
     data_parallel_group,
@@ -26,6 +27,7 @@ from elastic_pretrain.parallel.mesh import (
     pipeline_group,
 )
 from elastic_pretrain.parallel.pipeline import AttachLoss, PassChunk, Pipeline
+from elastic_pretrain.train.mfu import DepthCounts
 from elastic_pretrain.train.schedule import DepthPlan
 
 
@@ -44,7 +46,7 @@ class StepResult:
     skipped: bool
     aux: dict[str, float]
     routing: dict[tuple[int, int], dict[str, float]] = dataclasses.field(default_factory=dict)
-    mean_loops: float = 0.0  # passes per micro-batch on this rank (for FLOPs / MFU)
+    depth: DepthCounts | None = None  # passes, exits, ghost passes per micro-batch over all replicas (MFU)
 
 
 def _loss_func(plan: DepthPlan, losses_BT: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -53,7 +55,8 @@ def _loss_func(plan: DepthPlan, losses_BT: dict[int, torch.Tensor]) -> tuple[tor
     objective = torch.stack([losses_BT[e].sum() for e in plan.exits]).sum()
     report = {e: (losses_BT[e].detach().sum(), n) for e in plan.exits}
     # megatron divides the returned loss by num_tokens and by the number of micro-batches.
-    return objective, torch.tensor(n, dtype=torch.int), {"by_exit": report, "exits": len(plan.exits)}
+    num_tokens = torch.tensor(n, dtype=torch.int, device=objective.device)
+    return objective, num_tokens, {"by_exit": report, "exits": len(plan.exits)}
 
 
 def _forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module) -> tuple[Any, Any]:
@@ -107,7 +110,7 @@ def _reduce_by_loops(reports: list[dict], max_loops: int) -> tuple[float, dict[i
             objective += float(s) / n
     keys = list(range(1, max_loops + 1))  # the same key space on every DP rank: one all-reduce
     packed = torch.tensor([objective / max(len(reports), 1)] + [sums[k] for k in keys] + [counts[k] for k in keys],
-                          dtype=torch.float64)
+                          dtype=torch.float64, device=device())
     all_reduce_sum(packed)
     all_reduce_sum(packed, pipeline_group())  # only the last stage has reports; the others add zeros
     packed[0] /= torch.distributed.get_world_size(data_parallel_group()) if torch.distributed.is_initialized() else 1
@@ -132,7 +135,7 @@ def reduce_routing(probe: RoutingProbe | None) -> dict[tuple[int, int], dict[str
     """Routing statistics summed over DP ranks (each rank saw its own tokens), as means."""
     if probe is None:
         return {}
-    packed = torch.cat([probe.sums_KLS.flatten(), probe.counts_KL.flatten()])
+    packed = to_device(torch.cat([probe.sums_KLS.flatten(), probe.counts_KL.flatten()]))
     all_reduce_sum(packed)
     all_reduce_sum(packed, pipeline_group())  # each pipeline stage filled the rows of its own core layers
     n = probe.sums_KLS.numel()
@@ -154,6 +157,8 @@ class TrainStep:
 
     def __call__(self, micro_batches: list[MicroBatch], *, probe_routing: bool = False) -> StepResult:
         net: Any = self.model.module
+        # the data loader's batches are host tensors: pinned, copied without blocking (parallel/device.py)
+        micro_batches = [dataclasses.replace(mb, tokens_BT1=to_device(mb.tokens_BT1)) for mb in micro_batches]
         if probe_routing:
             net.start_routing_probe()
         try:
@@ -161,7 +166,7 @@ class TrainStep:
         finally:
             probe = net.stop_routing_probe()
         result.routing = reduce_routing(probe) if probe_routing else {}
-        result.mean_loops = sum(mb.plan.loops for mb in micro_batches) / len(micro_batches)
+        result.depth = depth_counts(micro_batches)
         return result
 
     def _step(self, micro_batches: list[MicroBatch]) -> StepResult:
@@ -188,11 +193,22 @@ class TrainStep:
         return *_reduce_by_loops(reports, self.max_loops), {}
 
 
+def depth_counts(micro_batches: list[MicroBatch]) -> DepthCounts:
+    """Passes, supervised exits and ghost passes per micro-batch, means over every data-parallel replica
+    (the TP ranks and pipeline stages of a replica run the same plans; replicas draw their own ℓ)."""
+    loops = [mb.plan.loops for mb in micro_batches]
+    sync = expert_group_max_each(loops)  # the passes each micro-batch's MoE calls ran for (ghosts beyond ℓ)
+    local = [sum(loops), sum(len(mb.plan.exits) for mb in micro_batches), sum(s - n for s, n in zip(sync, loops)),
+             len(micro_batches)]
+    packed = all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=device())).tolist()
+    return DepthCounts(loops=packed[0] / packed[3], exits=packed[1] / packed[3], ghost_passes=packed[2] / packed[3])
+
+
 def run_pipeline(pipeline: Pipeline, micro_batches: list[MicroBatch], *, seq_len: int, training: bool) -> list[dict]:
     """The interleaved pipeline schedule over one step's micro-batches (forward+backward or forward only)."""
     sync = expert_group_max_each([mb.plan.loops for mb in micro_batches])  # EP-safe mixed depth, one all-reduce
     grad_scale = pipeline.config.grad_scale_func
-    loss_scale = float(grad_scale(torch.ones(1))) if grad_scale is not None and training else 1.0
+    loss_scale = float(grad_scale(torch.ones(1, device=device()))) if grad_scale is not None and training else 1.0
     forward = _ChunkForward(sync, loss_scale=loss_scale / len(micro_batches), training=training)
     return pipeline.run(forward, micro_batches, seq_length=seq_len,
                         micro_batch_size=micro_batches[0].tokens_BT1.shape[0], forward_only=not training)
@@ -201,9 +217,9 @@ def run_pipeline(pipeline: Pipeline, micro_batches: list[MicroBatch], *, seq_len
 def _evaluate_pipeline(pipeline: Pipeline, tokens_NT1: torch.Tensor, runs: list[tuple[int, tuple[int, ...]]],
                        loops: list[int], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-exit CE sums and token count of this replica's rows, through the pipeline (sums on the last stage)."""
-    sums = torch.zeros(len(loops), dtype=torch.float64)
-    count = torch.zeros(1, dtype=torch.float64)
-    batches = list(tokens_NT1.split(batch_size))
+    sums = torch.zeros(len(loops), dtype=torch.float64, device=device())
+    count = torch.zeros(1, dtype=torch.float64, device=device())
+    batches = [to_device(b) for b in tokens_NT1.split(batch_size)]
     for ell, exits in runs:
         plan = DepthPlan(ell, exits)
         reports = run_pipeline(pipeline, [MicroBatch(b, plan) for b in batches], seq_len=tokens_NT1.shape[1] - 1,
@@ -232,10 +248,10 @@ def evaluate(model: torch.nn.Module, tokens_NT1: torch.Tensor, *, loops: list[in
     if pipeline is not None:
         sums, count = _evaluate_pipeline(pipeline, tokens_NT1, runs, loops, batch_size)
     else:
-        sums = torch.zeros(len(loops), dtype=torch.float64)
-        count = torch.zeros(1, dtype=torch.float64)
+        sums = torch.zeros(len(loops), dtype=torch.float64, device=device())
+        count = torch.zeros(1, dtype=torch.float64, device=device())
         for start in range(0, tokens_NT1.shape[0], batch_size):
-            batch = tokens_NT1[start : start + batch_size]
+            batch = to_device(tokens_NT1[start : start + batch_size])
             inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
             for ell, exits in runs:
                 losses = model(inputs, labels=labels, loops=ell, exits=exits)

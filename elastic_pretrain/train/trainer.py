@@ -18,12 +18,12 @@ import torch
 from elastic_pretrain.checkpoint.manager import Checkpointer, check_resumable, resume_source
 from elastic_pretrain.checkpoint.preempt import StopRequest
 from elastic_pretrain.checkpoint.store import CheckpointStore
-from elastic_pretrain.eval.quality import flops_per_token
 from elastic_pretrain.job import JobConfig, write_resolved
 from elastic_pretrain.launch.layout import RunFiles
 from elastic_pretrain.parallel.mesh import Mesh, any_rank, describe, init_mesh, teardown
+from elastic_pretrain.parallel.strict import enter_strict_devices
 from elastic_pretrain.train.decider import load_base
-from elastic_pretrain.train.mfu import device_peak, training_flops_per_token
+from elastic_pretrain.train.mfu import device_peak, step_flops, utilisation
 from elastic_pretrain.train.schedule import ScheduleController
 from elastic_pretrain.train.session import Session, build_session
 from elastic_pretrain.train.step import MicroBatch, StepResult, evaluate
@@ -248,7 +248,8 @@ class TrackingCallback:
     """Metrics, validation curves and the quality-budget plot to MLflow (rank 0; never fatal)."""
 
     def __init__(self, job: JobConfig, mesh: Mesh, run_dir: Path, resume_run_id: str | None = None) -> None:
-        from elastic_pretrain.config import flatten, to_dict
+        from elastic_pretrain.config import flatten
+        from elastic_pretrain.job import public_dict
         from elastic_pretrain.tracking import names
         from elastic_pretrain.tracking.tracker import create_tracker, default_tags
 
@@ -256,12 +257,15 @@ class TrackingCallback:
         self.tracker = create_tracker(
             job.tracking, run_dir=run_dir, job_name=job.name, rank=mesh.rank, resume_run_id=resume_run_id
         )
-        self.tracker.log_params(flatten(to_dict(job)))
+        self.tracker.log_params(flatten(public_dict(job)))  # no URI credentials, no slurm.env values
         if mesh.is_logging_rank:
             self.tracker.set_tags({**default_tags(world_size=mesh.world_size), "layout": json.dumps(describe(mesh))})
         self._window: list[float] = []
         self.world_size, self.is_logging_rank = mesh.world_size, mesh.is_logging_rank
-        self.peak = device_peak(job.train.peak_flops_per_s)
+        t = job.train
+        tflops = t.peak_tflops or (t.peak_flops_per_s / 1e12 if t.peak_flops_per_s else None)
+        # model.fp8 arrives with the precision work (gpu-b); until then every model is measured against bf16
+        self.peak = device_peak(tflops, precision="fp8" if getattr(job.model, "fp8", "off") != "off" else "bf16")
         if self.peak and mesh.is_logging_rank:
             self.tracker.set_tags({names.MFU_PEAK_TAG: self.peak[1]})
 
@@ -272,9 +276,12 @@ class TrackingCallback:
         n = self.names
         tokens_per_s = self.job.tokens_per_step * len(self._window) / sum(self._window)
         metrics = {n.LOSS: result.loss, n.LR: result.lr, n.GRAD_NORM: result.grad_norm, n.TOKENS_PER_S: tokens_per_s}
-        if self.peak:  # model FLOPs at this rank's mean depth; forward + backward = 3 x forward
-            fwd = flops_per_token(self.job.model, result.mean_loops, seq_len=self.job.data.seq_len)
-            metrics[n.MFU] = tokens_per_s / self.world_size * training_flops_per_token(fwd) / self.peak[0]
+        if self.peak and result.depth is not None:  # global depth of the step; train/mfu.py
+            flops = step_flops(self.job.model, result.depth, seq_len=self.job.data.seq_len,
+                               micro_batch_tokens=self.job.train.micro_batch_size * self.job.data.seq_len,
+                               recompute=getattr(self.job.train, "recompute", "none"))  # train.recompute: gpu-b
+            u = utilisation(flops, tokens_per_s=tokens_per_s, devices=self.world_size, peak_flops_per_s=self.peak[0])
+            metrics.update({n.MFU: u["mfu"], n.HFU: u["hfu"], n.GHOST_PASS_FRACTION: u["ghost_pass_fraction"]})
         metrics.update({n.loss_loops(k): v for k, v in result.loss_by_loops.items()})
         metrics.update({n.sanitize(k): v for k, v in result.aux.items()})
         for (layer, p), stats in result.routing.items():
@@ -318,6 +325,7 @@ def train(job: JobConfig) -> dict[int, float] | None:
     no ``FINISHED`` marker, so the sbatch script requeues it."""
     torch.set_num_threads(job.train.threads_per_rank)
     mesh = init_mesh(job.parallel, seed=job.train.seed)
+    strict = enter_strict_devices()  # ELASTIC_PRETRAIN_STRICT_DEVICES=1 checks every collective (parallel/strict.py)
     try:
         run_dir = job.run_path
         if mesh.is_logging_rank:
@@ -358,4 +366,5 @@ def train(job: JobConfig) -> dict[int, float] | None:
             RunFiles(run_dir).finished.write_text(json.dumps({"step": state.step, "tokens": state.tokens}) + "\n")
         return val
     finally:
+        strict.close()
         teardown()

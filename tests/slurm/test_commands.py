@@ -38,11 +38,11 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
 
 
 def test_dry_run_prints_the_script_and_writes_nothing(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["submit", str(job), "train.steps=70", "--nodes", "3", "--time", "30", "--dry-run"]
+    argv = ["submit", str(job), "train.steps=70", "--nodes", "4", "--time", "30", "--dry-run"]
     code, out, err = run_cli(argv, capsys)
     assert code == 0, err
     run_dir = Path.cwd() / "runs" / "tiny"  # default: runs/<name> under the working directory
-    assert "#SBATCH --nodes=3" in out and "#SBATCH --partition=cpu" in out and "#SBATCH --time=30" in out
+    assert "#SBATCH --nodes=4" in out and "#SBATCH --partition=cpu" in out and "#SBATCH --time=30" in out
     assert "RETRIES=5" in out  # from the YAML's slurm: section; flags override it key by key
     assert f"TRAINER=(-m elastic_pretrain.cli train '{job}' train.steps=70 --run-dir {run_dir})" in out
     assert "dry run" in err and not run_dir.exists()
@@ -51,8 +51,8 @@ def test_dry_run_prints_the_script_and_writes_nothing(job: Path, capsys: pytest.
 def test_run_dir_from_flag_or_yaml(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(["submit", str(job), "--run-dir", "elsewhere/r 1", "--dry-run"], capsys)
     assert code == 0 and f"RUN_DIR='{Path.cwd() / 'elsewhere' / 'r 1'}'" in out
-    job.write_text(BASE + "run_dir: /scratch/x\n")
-    code, out, _ = run_cli(["submit", str(job), "--dry-run"], capsys)
+    job.write_text(BASE + "run_dir: /scratch/x\n")  # no slurm section: --nodes 2 for the EP=2 mesh
+    code, out, _ = run_cli(["submit", str(job), "--dry-run", "--nodes", "2"], capsys)
     assert code == 0 and "RUN_DIR=/scratch/x" in out and '#SBATCH --job-name="tiny job"' in out
 
 

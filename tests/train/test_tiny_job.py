@@ -19,7 +19,7 @@ def test_tiny_job_trains_and_reports_every_loop_count(tmp_path):
     proc = subprocess.run(
         [cli, "train", "jobs/tiny-cpu.yaml", "--nproc-per-node", "2", "--run-dir", str(run_dir),
          "train.steps=30", "train.warmup_steps=5", "train.log_interval=10", "train.eval_interval=0",
-         "train.eval_sequences=16", "train.peak_flops_per_s=1e11"],
+         "train.eval_sequences=16", "train.peak_tflops=0.1"],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -41,10 +41,11 @@ def test_tiny_job_trains_and_reports_every_loop_count(tmp_path):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [10, 20, 30]
     assert {f"val_loss_loops_{k}" for k in range(1, 5)} <= set(run.data.metrics)
     assert run.data.params["model.flatten"] == "2"
-    # MFU against the named peak (1e11 FLOP/s given on the command line: CPUs have no known peak)
+    # MFU against the named peak (0.1 TFLOP/s given on the command line: CPUs have no known peak)
     index = [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")]
     assert index == ["checkpoints/index.json"]  # the checkpoint index, logged at the end
-    assert 0 < run.data.metrics["mfu"] < 1 and "train.peak_flops_per_s" in run.data.tags["mfu.peak_flops_per_s"]
+    assert 0 < run.data.metrics["mfu"] < 1 and "train.peak_tflops" in run.data.tags["mfu.peak_flops_per_s"]
+    assert run.data.metrics["hfu"] >= run.data.metrics["mfu"] and 0 <= run.data.metrics["ghost_pass_fraction"] < 1
 
 
 def test_tiny_model_trains_from_webdataset_shards(tmp_path):

@@ -24,6 +24,7 @@ COMMAND_MODULES = (
     "elastic_pretrain.eval.commands",
     "elastic_pretrain.experiments.commands",
     "elastic_pretrain.parallel.commands",
+    "elastic_pretrain.export.commands",
 )
 
 

@@ -9,7 +9,7 @@ stamp=.venv/.setup-$(cat pyproject.toml requirements/*.txt scripts/setup.sh | sh
 if [ -f "$stamp" ]; then exit 0; fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=(.venv/bin/python -m pip install --quiet --disable-pip-version-check -c requirements/constraints-cpu.txt)
-echo "setup: installing into .venv (torch CPU wheel, megatron-core, streaming, mlflow, ...)"
+echo "setup: installing into .venv (torch CPU wheel, megatron-core, streaming, mlflow, lm-eval, ...)"
 # torch first, from the local CPU wheel; the constraints file keeps it there for everything after.
 # mosaicml-streaming pulls PyPI's torchvision (a CUDA build that cannot import beside CPU torch; it
 # is never imported: elastic_pretrain/data/streaming_compat.py stands in for the two names used).

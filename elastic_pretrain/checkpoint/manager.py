@@ -204,6 +204,8 @@ class Checkpointer:
         self.pending: int | None = None  # step of the async save in flight
         self.last_saved: int | None = None
         self.stale_cleaned = False
+        # name -> object with state_dict()/load_state_dict(), kept in trainer.json under "extras"
+        self.extras: dict[str, Any] = {}
         start_write_results_queue()
 
     # --- resume ------------------------------------------------------------------------------------
@@ -216,6 +218,7 @@ class Checkpointer:
         s.controller.load_state_dict(meta["controller"])
         s.batches.load_state_dict(meta["data"])
         state.load_state_dict(meta["trainer"])
+        self._load_extras(meta.get("extras", {}))
         same_layout = meta.get("layout") == describe(self.mesh)
         if same_layout:
             rng.restore(rng.load(ckpt / RNG_DIR / f"rank_{self.mesh.rank:05d}.pt"))
@@ -229,6 +232,11 @@ class Checkpointer:
         if self.mesh.rank == 0:
             self._log_changes(meta.get("config", {}))
             print(f"resumed from {ckpt} (step {state.step}, {state.tokens:,} tokens)", flush=True)
+
+    def _load_extras(self, saved: dict[str, Any]) -> None:
+        for name, obj in self.extras.items():
+            if name in saved:  # a checkpoint from before the extra existed starts it fresh
+                obj.load_state_dict(saved[name])
 
     def _log_changes(self, saved: dict[str, Any]) -> None:
         old, new = flatten(saved), flatten(to_dict(self.job))
@@ -275,6 +283,7 @@ class Checkpointer:
             "controller": s.controller.state_dict(),
             "data": s.batches.state_dict(),
             "mlflow_run_id": self.run_id(),
+            "extras": {name: obj.state_dict() for name, obj in self.extras.items()},
             "layout": describe(self.mesh),
             "config": to_dict(self.job),
         }

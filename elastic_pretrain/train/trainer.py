@@ -23,10 +23,14 @@ from elastic_pretrain.job import JobConfig, write_resolved
 from elastic_pretrain.launch.layout import RunFiles
 from elastic_pretrain.parallel.mesh import Mesh, any_rank, describe, init_mesh, teardown
 from elastic_pretrain.train.decider import load_base
+from elastic_pretrain.train.faults import FaultMonitor
 from elastic_pretrain.train.mfu import device_peak, training_flops_per_token
+from elastic_pretrain.train.profiling import ProfileWindow
 from elastic_pretrain.train.schedule import ScheduleController
 from elastic_pretrain.train.session import Session, build_session
 from elastic_pretrain.train.step import MicroBatch, StepResult, evaluate
+from elastic_pretrain.train.stragglers import DATA_WAIT_KEY, StragglerReport
+from elastic_pretrain.train.watchdog import HangWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,7 @@ class Callback(Protocol):
     def on_eval(self, state: TrainState, val: dict[int, float]) -> None: ...
     def on_end(self, state: TrainState, val: dict[int, float]) -> None: ...
     def on_stop(self, state: TrainState, reason: str) -> None: ...
+    def on_rollback(self, state: TrainState) -> None: ...
 
 
 class Trainer:
@@ -63,10 +68,12 @@ class Trainer:
         ckpt: Checkpointer,
         stop: StopRequest,
         state: TrainState | None = None,
+        faults: FaultMonitor | None = None,
     ) -> None:
         self.job, self.mesh, self.s, self.callbacks = job, mesh, session, callbacks
         self.ckpt, self.stop = ckpt, stop
         self.state = state or TrainState()
+        self.faults = faults or FaultMonitor(job, mesh, session, ckpt)
 
     def fit(self) -> dict[int, float] | None:
         """Train to ``train.steps`` (returns validation loss per ℓ), or save and return None when stopped."""
@@ -74,17 +81,24 @@ class Trainer:
         while state.step < job.train.steps:
             if s.controller.update(step=state.step, tokens_seen=state.tokens):
                 s.on_switch_to_mixed(state.step)
+            self.faults.before_step(state.step + 1)
             t0 = time.perf_counter()
             tokens = s.batches.next_step()
+            data_s = time.perf_counter() - t0
             plans = [s.controller.plan(step=state.step, micro=i, replica=self.mesh.replica) for i in range(len(tokens))]
             probe = bool(job.train.routing_interval) and (state.step + 1) % job.train.routing_interval == 0
             result = s.step([MicroBatch(t, p) for t, p in zip(tokens, plans)], probe_routing=probe)
+            result.aux[DATA_WAIT_KEY] = data_s
             step_s = time.perf_counter() - t0
             state.step += 1
             state.tokens += job.tokens_per_step
             state.elapsed_s += step_s
             for cb in self.callbacks:
                 cb.on_step(state, result, step_s)
+            if self.faults.after_step(state):  # rolled back to the last checkpoint (skip/stop act inside)
+                for cb in self.callbacks:
+                    cb.on_rollback(state)
+                continue
             if self.step_boundary():
                 for cb in self.callbacks:
                     cb.on_stop(state, self.stop.name)
@@ -173,6 +187,9 @@ class ProgressPrinter:
             print(print_routing(self.routing))
         print(f"trained {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.1f}s", flush=True)
 
+    def on_rollback(self, state: TrainState) -> None:
+        self._window.clear()
+
     def on_stop(self, state: TrainState, reason: str) -> None:
         if self.enabled:
             print(
@@ -225,6 +242,12 @@ class SummaryWriter:
             self.routing = {f"{layer}/{p}": stats for (layer, p), stats in result.routing.items()}
 
     def on_eval(self, state: TrainState, val: dict[int, float]) -> None: ...
+
+    def on_rollback(self, state: TrainState) -> None:
+        """The steps after the checkpoint are trained again (on later data): drop their lines."""
+        self.history = [h for h in self.history if h["step"] <= state.step]
+        if self.enabled:
+            self.history_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
 
     def on_stop(self, state: TrainState, reason: str) -> None:
         self.on_end(state, {}, stopped=reason)
@@ -285,6 +308,9 @@ class TrackingCallback:
     def on_eval(self, state: TrainState, val: dict[int, float]) -> None:
         self.tracker.log_quality_budget(val, step=state.step)
 
+    def on_rollback(self, state: TrainState) -> None:
+        self._window.clear()  # MLflow keeps the first value logged at a step; the re-trained steps add none
+
     def on_end(self, state: TrainState, val: dict[int, float]) -> None:
         self.on_eval(state, val)
         if (self.run_dir / "config.yaml").is_file():
@@ -310,6 +336,24 @@ class TrackingCallback:
             (self.run_dir / "mlflow_run_id").write_text(self.tracker.run_id)
 
 
+def fault_callbacks(job: JobConfig, mesh: Mesh, run_dir: Path, faults: FaultMonitor, tracker: Any) -> list[Any]:
+    """Wire the fault policy, hang watchdog, straggler report and profiler window to MLflow (docs/faults.md)."""
+    t = job.train
+    faults.log_metrics, faults.set_tags = tracker.log_metrics, tracker.set_tags
+    faults.close_tracking = lambda: tracker.close(job.tracking.close_timeout_s, status="FAILED")
+
+    def hung(dump: Path, line: str) -> None:
+        tracker.set_tags({"fault.hang": line})
+        tracker.log_artifact(dump, "hang")
+        tracker.close(min(job.tracking.close_timeout_s, 10.0), status="FAILED")
+
+    return [
+        HangWatchdog(t.hang_timeout_s, run_dir, mesh.rank, on_fire=hung),
+        StragglerReport(t.straggler_interval, mesh.rank, mesh.is_logging_rank, tracker.log_metrics, tracker.set_tags),
+        ProfileWindow(t.profile, run_dir, mesh.rank, tracker.log_artifact),
+    ]
+
+
 def train(job: JobConfig) -> dict[int, float] | None:
     """Run a job in this process (one rank of a torchrun launch, or a single process).
 
@@ -330,6 +374,8 @@ def train(job: JobConfig) -> dict[int, float] | None:
         if mesh.is_logging_rank:
             print(session.describe(), flush=True)
         ckpt, state = Checkpointer(job, mesh, session, run_dir), TrainState()
+        faults = FaultMonitor(job, mesh, session, ckpt)
+        ckpt.extras["faults"] = faults
         if source:
             ckpt.restore(source, meta, state)
         elif job.decider is not None:  # a decider job starts from its base model (decider.init_from)
@@ -350,9 +396,10 @@ def train(job: JobConfig) -> dict[int, float] | None:
             ProgressPrinter(job, mesh, session.controller),
             SummaryWriter(run_dir, mesh, resumed_step=state.step),
             tracking,
+            *fault_callbacks(job, mesh, run_dir, faults, tracking.tracker),
         ]
         with StopRequest() as stop:
-            val = Trainer(job, mesh, session, callbacks, ckpt, stop, state).fit()
+            val = Trainer(job, mesh, session, callbacks, ckpt, stop, state, faults).fit()
         ckpt.close()
         if val is not None and mesh.is_logging_rank:
             RunFiles(run_dir).finished.write_text(json.dumps({"step": state.step, "tokens": state.tokens}) + "\n")

@@ -24,6 +24,9 @@ from typing import Any
 
 HANG_EXIT_CODE = 124  # like timeout(1): the sbatch script requeues on any non-zero exit (slurm.on_failure=requeue)
 GRACE_S = 15.0  # at most this long for the dump to reach MLflow before the process exits anyway
+# Every rank stopped beating at about the same moment and fires within a poll of the others; exiting at
+# once would break its peers' collectives, and they would die of that error before writing their dumps.
+EXIT_DELAY_S = 5.0
 
 
 def format_stacks() -> str:
@@ -92,8 +95,10 @@ class HangWatchdog:
             f.flush()
             faulthandler.dump_traceback(f, all_threads=True)
         print(line, file=sys.stderr, flush=True)
-        if self.on_fire is not None:  # never let reporting keep a hung process alive
-            threading.Timer(GRACE_S, os._exit, args=(HANG_EXIT_CODE,)).start()
+        threading.Timer(GRACE_S, os._exit, args=(HANG_EXIT_CODE,)).start()  # reporting never keeps it alive
+        started = time.monotonic()
+        if self.on_fire is not None:
             with contextlib.suppress(Exception):
                 self.on_fire(self.path, line)
+        time.sleep(max(0.0, EXIT_DELAY_S - (time.monotonic() - started)))
         os._exit(HANG_EXIT_CODE)

@@ -90,3 +90,34 @@ def test_stop_policy_and_consecutive_events_stop_with_a_one_line_reason(tmp_path
     proc = train(tmp_path / "many", 1, "train.steps=5", "train.max_consecutive_faults=2",
                  env={"ELASTIC_PRETRAIN_INJECT": "nonfinite:2,nonfinite:3"}, expect=2)  # fmt: skip
     assert "stopped at step 3: 2 non-finite/spike events in a row (train.max_consecutive_faults=2)" in proc.stderr
+
+
+def test_guarded_step_updates_exactly_as_megatrons_optimizer_step(mesh1, prepared):
+    """The veto path (prepare_grads, norm, veto, clip, step_with_ready_grads) is bitwise megatron's step()."""
+    import torch
+    from megatron.core import tensor_parallel
+
+    from elastic_pretrain.job import load_job
+    from elastic_pretrain.parallel.mesh import seed_everything
+    from elastic_pretrain.train.session import build_session
+    from elastic_pretrain.train.step import MicroBatch
+    from tests.conftest import REPO
+
+    overrides = ["parallel=single", "train.eval_sequences=4", "train.clip_grad=0.5"]
+    job = load_job(REPO / "jobs" / "tiny-cpu.yaml", overrides)
+    sessions = []
+    for _ in range(2):
+        seed_everything(7)
+        tensor_parallel.model_parallel_cuda_manual_seed(7)
+        sessions.append(build_session(job, mesh1))
+    plain, guarded = sessions
+    vetoes: list[tuple[bool, float, float]] = []
+    guarded.step.veto = lambda found_inf, norm, loss: vetoes.append((found_inf, norm, loss)) is not None
+    before = {k: p.detach().clone() for k, p in plain.net.named_parameters()}
+    tokens = plain.batches.next_step()
+    plan = plain.controller.plan(step=0, micro=0, replica=0)
+    results = [s.step([MicroBatch(t, plan) for t in tokens]) for s in (plain, guarded)]
+    assert len(vetoes) == 1 and vetoes[0][1] == results[0].grad_norm > 0.5  # clipping was active
+    assert results[0].loss == results[1].loss and results[1].skipped is False
+    a, b = (dict(s.net.named_parameters()) for s in sessions)
+    assert all(torch.equal(a[k], b[k]) for k in a) and any(not torch.equal(a[k], before[k]) for k in a)

@@ -22,7 +22,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-from elastic_pretrain.checkpoint import optim_state, rng
+from elastic_pretrain.checkpoint import optim_state, parallel_io, rng
 from elastic_pretrain.checkpoint.preempt import start_helper_manager
 from elastic_pretrain.checkpoint.safe_load import restricted_unpickling
 from elastic_pretrain.checkpoint.store import (
@@ -33,7 +33,6 @@ from elastic_pretrain.checkpoint.store import (
     fault_point,
     rank_records,
     read_trainer_state,
-    verify,
     write_atomic,
 )
 from elastic_pretrain.config import flatten, to_dict
@@ -132,23 +131,16 @@ def resume_source(job: JobConfig, store: CheckpointStore) -> Path | None:
     return newest.path if newest else None
 
 
-def verify_everywhere(ckpt: Path) -> None:
-    """Rank 0 verifies ``ckpt`` (size + CRC32 of every file); every rank raises its error. Collective."""
-    error = None
-    if _rank() == 0:
-        try:
-            verify(ckpt)
-        except UserError as err:
-            error = str(err)
-    error = _from_rank0(error)
-    if error:
-        raise UserError(error)
+def verify_everywhere(ckpt: Path, timeout_minutes: float = 30.0) -> None:
+    """Verify ``ckpt`` (size + CRC32 of every file), each rank its share; every rank raises the first
+    error. Collective (checkpoint/parallel_io.py)."""
+    parallel_io.verify_spread(ckpt, timeout_minutes)
 
 
 def check_resumable(ckpt: Path, job: JobConfig) -> dict[str, Any]:
     """Verify ``ckpt`` (rank 0: size + CRC32 of every file), refuse a changed model shape; returns its
     ``trainer.json``. Collective; runs before the model is built, so a refusal costs no build time."""
-    verify_everywhere(ckpt)
+    verify_everywhere(ckpt, job.checkpoint.io_timeout_minutes)
     meta = read_trainer_state(ckpt)
     changes = shape_changes(meta.get("config", {}), job) + decider_changes(meta.get("config", {}), job)
     if changes:
@@ -179,7 +171,9 @@ def load_tensors(net: Any, optimizer: Any, path: Path, *, adam_step: float) -> N
     template = optim_state.loading_template(optimizer, model_sd)
     try:
         with torch.no_grad(), restricted_unpickling():
-            loaded = dist_checkpointing.load({"model": model_sd, "optimizer": template}, str(path))
+            loaded = dist_checkpointing.load(
+                {"model": model_sd, "optimizer": template}, str(path), sharded_strategy=parallel_io.load_strategy()
+            )
     except UserError:
         raise
     except Exception as err:  # megatron/DCP wrap the cause; name the checkpoint, keep one line
@@ -199,7 +193,7 @@ class Checkpointer:
         self.job, self.mesh, self.s, self.cfg = job, mesh, session, job.checkpoint
         self.store = CheckpointStore(run_dir / "checkpoints")
         self.run_id: Callable[[], str | None] = lambda: None
-        self.strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+        self.strategy = parallel_io.save_strategy(TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1))
         self.queue = AsyncCallsQueue() if self.cfg.async_save else None
         self.pending: int | None = None  # step of the async save in flight
         self.last_saved: int | None = None
@@ -296,7 +290,7 @@ class Checkpointer:
         gathered: list[Any] = [records]
         if dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, records)
+            dist.all_gather_object(gathered, records, group=parallel_io.io_group(self.cfg.io_timeout_minutes))
         if rank == 0:
             merged = {k: v for r in gathered for k, v in r.items()}
             self.store.commit(step, merged, rank=rank)

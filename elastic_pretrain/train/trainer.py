@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from elastic_pretrain.checkpoint import parallel_io
 from elastic_pretrain.checkpoint.manager import Checkpointer, check_resumable, resume_source
 from elastic_pretrain.checkpoint.preempt import StopRequest
 from elastic_pretrain.checkpoint.store import CheckpointStore
@@ -405,4 +406,5 @@ def train(job: JobConfig) -> dict[int, float] | None:
             RunFiles(run_dir).finished.write_text(json.dumps({"step": state.step, "tokens": state.tokens}) + "\n")
         return val
     finally:
+        parallel_io.reset()  # its group goes with the others
         teardown()

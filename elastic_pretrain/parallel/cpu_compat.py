@@ -1,7 +1,7 @@
 """Named, minimal patches that let megatron-core 0.16.1 run on CPU with gloo.
 
 megatron-core assumes CUDA in a handful of places. On a machine without CUDA we apply exactly these
-eight patches (each was shown necessary by removing it; ``shared/notes/megatron-cpu.md``), and only
+nine patches (each was shown necessary by removing it; ``shared/notes/megatron-cpu.md``), and only
 there: :func:`apply_cpu_patches` is a no-op when ``torch.cuda.is_available()``.
 
 Every patch names the megatron-core code it works around as a :class:`Probe` (module, attribute,
@@ -251,6 +251,18 @@ def _tensor_type_string() -> None:
     torch.Tensor.type = type_  # type: ignore[method-assign,assignment]
 
 
+# 9 ------------------------------------------------------------------------------------------------
+def _sharded_tensor_init_data() -> None:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    original = ShardedTensor.init_data
+
+    def init_data(self: Any, device: Any, init_fn: Any = torch.empty) -> None:
+        original(self, _on_cpu(device), init_fn)
+
+    ShardedTensor.init_data = init_data  # type: ignore[method-assign]
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "rng_tracker",
@@ -318,6 +330,14 @@ PATCHES: tuple[Patch, ...] = (
             Probe("megatron.core.optimizer.distrib_optimizer", None, "torch.cuda.FloatTensor"),
         ),
         _tensor_type_string,
+    ),
+    Patch(
+        "sharded_tensor_init_data",
+        "The fully parallel checkpoint load allocates the exchange buffer of a shard this rank does not "
+        "need with ShardedTensor.init_data('cuda') (checkpoint/parallel_io.py); allocate it on CPU.",
+        (Probe("megatron.core.dist_checkpointing.exchange_utils", "_get_empty_tensor_for_exchange",
+               'sh_ten.init_data("cuda")'),),
+        _sharded_tensor_init_data,
     ),
 )
 

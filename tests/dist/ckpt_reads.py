@@ -3,14 +3,14 @@
 4 ranks, EP 2 (dense tensors replicated on 4 ranks, each expert half on 2): random Adam moments,
 a save through the trainer's strategy (writes spread over DP), then two loads of it — megatron's
 plain torch_dist load (every replica reads everything it needs) and the trainer's (reads spread over
-DP) — counting the bytes each rank reads from the checkpoint's files (DCP opens every file through
-``FileSystem.create_stream``). Writes ``<OUT_DIR>/rank<R>.json``: bytes written (this rank's files),
-bytes read by each load, and whether both loads gave bitwise the same tensors.
+DP) — counting the bytes each rank reads from the checkpoint's files (every stored item DCP reads goes
+through ``FileSystemReader._slice_file``; plus the ``.metadata`` file each time it is read). Writes
+``<OUT_DIR>/rank<R>.json``: bytes written (this rank's files), bytes read by each load, and whether
+both loads gave bitwise the same tensors.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import sys
 from pathlib import Path
@@ -23,7 +23,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     TorchDistLoadShardedStrategy,
     TorchDistSaveShardedStrategy,
 )
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from elastic_pretrain.checkpoint import optim_state, parallel_io
 from elastic_pretrain.checkpoint.manager import save_tensors
@@ -34,46 +34,18 @@ from tests.dist.ckpt_reshard import JOB, build, owned_slices
 READ = {"bytes": 0}
 
 
-class _Counting(io.RawIOBase):
-    """A read-only file that counts the bytes read through it."""
-
-    def __init__(self, f: Any) -> None:
-        self.f = f
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        return self.f.seek(offset, whence)
-
-    def tell(self) -> int:
-        return self.f.tell()
-
-    def readinto(self, b: Any) -> int:
-        n = self.f.readinto(b)
-        READ["bytes"] += n or 0
-        return n
-
-    def close(self) -> None:
-        self.f.close()
-        super().close()
+_slice_file = FileSystemReader._slice_file
+_read_metadata = FileSystemReader.read_metadata
 
 
-_create_stream = FileSystem.create_stream
+def _counting_slice(self: FileSystemReader, file: Any, sinfo: Any) -> Any:
+    READ["bytes"] += sinfo.length  # the bytes of one stored item that this rank asked for
+    return _slice_file(self, file, sinfo)
 
 
-def _counting_stream(self: FileSystem, path: Any, mode: str) -> Any:
-    import contextlib
-
-    @contextlib.contextmanager
-    def wrapped() -> Any:
-        with _create_stream(self, path, mode) as f:
-            yield io.BufferedReader(_Counting(f)) if "r" in mode else f
-
-    return wrapped()
+def _counting_metadata(self: FileSystemReader, *args: Any, **kwargs: Any) -> Any:
+    READ["bytes"] += Path(self.path, ".metadata").stat().st_size
+    return _read_metadata(self, *args, **kwargs)
 
 
 def load(net: Any, optimizer: Any, path: Path, strategy: Any) -> tuple[int, dict[str, Any]]:
@@ -100,7 +72,8 @@ def flat(d: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 
 def main(out: Path) -> None:
     torch.set_num_threads(1)
-    FileSystem.create_stream = _counting_stream  # type: ignore[method-assign]
+    FileSystemReader._slice_file = _counting_slice  # type: ignore[method-assign]
+    FileSystemReader.read_metadata = _counting_metadata  # type: ignore[method-assign]
     mesh = init_mesh(ParallelConfig(expert=2), seed=11)
     rank = mesh.rank
     net, _, optimizer = build("ep2")

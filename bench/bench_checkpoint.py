@@ -46,9 +46,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    from elastic_pretrain.checkpoint import optim_state
+    from elastic_pretrain.checkpoint import optim_state, parallel_io
     from elastic_pretrain.checkpoint.manager import load_tensors, save_tensors
     from elastic_pretrain.job import load_job
     from elastic_pretrain.parallel.megatron import build_model
@@ -69,7 +68,7 @@ def main() -> None:
     net = build_model(job.model, job.parallel)
     optimizer, _ = build_optimizer(job, wrap_ddp(job, net))
     optim_state.ensure_state(optimizer)
-    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    strategy = parallel_io.save_strategy()  # the trainer's (checkpoint/parallel_io.py)
     root = Path(tempfile.mkdtemp(prefix="bench_ckpt_"))
     n = 0
 

@@ -193,7 +193,7 @@ class Checkpointer:
         self.job, self.mesh, self.s, self.cfg = job, mesh, session, job.checkpoint
         self.store = CheckpointStore(run_dir / "checkpoints")
         self.run_id: Callable[[], str | None] = lambda: None
-        self.strategy = parallel_io.save_strategy(TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1))
+        self.strategy = parallel_io.save_strategy()
         self.queue = AsyncCallsQueue() if self.cfg.async_save else None
         self.pending: int | None = None  # step of the async save in flight
         self.last_saved: int | None = None

@@ -26,7 +26,10 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
     FullyParallelLoadStrategyWrapper,
     FullyParallelSaveStrategyWrapper,
 )
-from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+from megatron.core.dist_checkpointing.strategies.torch import (
+    TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
+)
 
 from elastic_pretrain.checkpoint.store import verify
 from elastic_pretrain.errors import UserError
@@ -58,8 +61,10 @@ def _dp_group() -> Any:
     return data_parallel_group()
 
 
-def save_strategy(base: Any) -> Any:
-    """``base`` with its writes spread over the data-parallel group."""
+def save_strategy(base: Any = None) -> Any:
+    """``base`` (default: the trainer's torch_dist strategy) with its writes spread over the DP group."""
+    if base is None:
+        base = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
     if not dist.is_initialized() or dist.get_world_size(_dp_group()) == 1:
         return base
     return FullyParallelSaveStrategyWrapper(base, _dp_group())

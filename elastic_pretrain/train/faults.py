@@ -44,9 +44,9 @@ class FaultStop(UserError):
 class Injection:
     """Test-only fault injection: ``ELASTIC_PRETRAIN_INJECT=<kind>:<step>[:<rank>[:<arg>]],...``.
 
-    ``nonfinite``: the loss of that step is NaN and a gradient is NaN (what the optimizer would apply);
-    ``spike``: the loss of that step is reported ``SPIKE_FACTOR`` times higher; ``hang``: the rank blocks
-    forever before the step; ``slow``: the rank computes (spins) ``<arg>`` seconds before every step from ``<step>`` on.
+    ``nonfinite``: the loss and gradient norm of that step read NaN (what the decision sees);
+    ``spike``: the loss of that step reads ``SPIKE_FACTOR`` times higher; ``hang``: the rank blocks
+    forever before the step; ``slow``: the rank spins ``<arg>`` CPU seconds before every step from ``<step>`` on.
     Without ``<rank>`` every rank is hit. Each step fires once per process (not again after a rollback)."""
 
     kind: str
@@ -155,9 +155,9 @@ class FaultMonitor:
         if self._inject("hang"):
             _injected_hang()
         slow = [i for i in self.injections if i.kind == "slow" and step >= i.step and self._mine(i)]
-        if slow:  # busy, like slow compute (a sleeping rank would not look busy)
-            end = time.perf_counter() + slow[0].arg
-            while time.perf_counter() < end:
+        if slow:  # CPU time, like slow compute (a sleeping rank would not look busy; wall time stretches under load)
+            end = time.thread_time() + slow[0].arg
+            while time.thread_time() < end:
                 pass
 
     def veto(self, found_inf: bool, grad_norm: float, loss: float) -> bool:

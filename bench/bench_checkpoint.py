@@ -1,5 +1,5 @@
-"""Checkpoint cost: a synchronous save against a raw ``torch.save`` of the same tensors, and the time
-training is blocked by an async save against a sync one.
+"""Checkpoint cost: a synchronous save and a load against a raw ``torch.save``/``torch.load`` of the same
+tensors (seconds per GiB), and the time training is blocked by an async save against a sync one.
 
     .venv/bin/python bench/bench_checkpoint.py [--repeats 5] [--hidden 384]
 
@@ -46,10 +46,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    from elastic_pretrain.checkpoint import optim_state
-    from elastic_pretrain.checkpoint.manager import save_tensors
+    from elastic_pretrain.checkpoint import optim_state, parallel_io
+    from elastic_pretrain.checkpoint.manager import load_tensors, save_tensors
     from elastic_pretrain.job import load_job
     from elastic_pretrain.parallel.megatron import build_model
     from elastic_pretrain.parallel.mesh import init_mesh, teardown
@@ -69,7 +68,7 @@ def main() -> None:
     net = build_model(job.model, job.parallel)
     optimizer, _ = build_optimizer(job, wrap_ddp(job, net))
     optim_state.ensure_state(optimizer)
-    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    strategy = parallel_io.save_strategy()  # the trainer's (checkpoint/parallel_io.py)
     root = Path(tempfile.mkdtemp(prefix="bench_ckpt_"))
     n = 0
 
@@ -80,8 +79,14 @@ def main() -> None:
         d.mkdir()
         return d
 
+    last: dict[str, Path] = {}
+
     def sync_save() -> None:
-        save_tensors(net, optimizer, fresh(), strategy)
+        last["sync"] = fresh()
+        save_tensors(net, optimizer, last["sync"], strategy)
+
+    def sync_load() -> None:
+        load_tensors(net, optimizer, last["sync"], adam_step=1.0)
 
     model_sd = net.sharded_state_dict()
     tensors = leaf_tensors(
@@ -90,7 +95,11 @@ def main() -> None:
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
 
     def raw_save() -> None:
-        torch.save(tensors, fresh() / "all.pt")
+        last["raw"] = fresh() / "all.pt"
+        torch.save(tensors, last["raw"])
+
+    def raw_load() -> None:
+        torch.load(last["raw"], weights_only=True)
 
     queue = AsyncCallsQueue()
     stalls, totals = [], []
@@ -113,17 +122,19 @@ def main() -> None:
         return statistics.median(samples)
 
     raw = timed(raw_save)
+    raw_in = timed(raw_load)
     sync = timed(sync_save)
+    sync_in = timed(sync_load)
     timed(async_save)
     stall, total = statistics.median(stalls[1:]), statistics.median(totals[1:])
     print(
         f"model + Adam state: {nbytes / 2**20:.1f} MiB in {len(tensors)} tensors (hidden {h}), median of {args.repeats}"
     )
-    print(f"  raw torch.save                      {raw:8.3f} s  {nbytes / 2**20 / raw:7.1f} MiB/s  1.00x")
-    print(
-        f"  sync save (dist_checkpointing)      {sync:8.3f} s  {nbytes / 2**20 / sync:7.1f} MiB/s  "
-        f"{sync / raw:.2f}x raw"
-    )
+    gib = nbytes / 2**30
+    print(f"  raw torch.save                      {raw:8.3f} s  {raw / gib:7.2f} s/GiB  1.00x")
+    print(f"  sync save (dist_checkpointing)      {sync:8.3f} s  {sync / gib:7.2f} s/GiB  {sync / raw:.2f}x raw")
+    print(f"  raw torch.load                      {raw_in:8.3f} s  {raw_in / gib:7.2f} s/GiB  1.00x")
+    print(f"  load (load_tensors)                 {sync_in:8.3f} s  {sync_in / gib:7.2f} s/GiB {sync_in / raw_in:.2f}x")
     print("training blocked by one save")
     print(f"  sync save                           {sync:8.3f} s  1.00x")
     print(f"  async save (state dict + fork)      {stall:8.3f} s  {stall / sync:.2f}x sync")

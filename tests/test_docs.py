@@ -39,6 +39,8 @@ ALLOWED: dict[str, str] = {
     "docs/evaluation.md: model.rotary_pos_emb": "megatron's module attribute (the model object), not a config key",
     "docs/tracking.md: slurm.job_id": "an MLflow tag name (tracking/tracker.py), not a config key",
     "docs/tracking.md: slurm.nodelist": "an MLflow tag name (tracking/tracker.py), not a config key",
+    "docs/data.md: ../x": "a hostile manifest shard name quoted as an example (refused), not a link",
+    "docs/export.md: model.safetensors": "a file of an export folder (docs/export.md), not a config key",
     "docs/gpu.md: bench/.deps/": "made by bench/gpu_check.sh --prepare-deps (git-ignored), not shipped",
 }
 # paths inside a run directory that share a name with a repository folder -> why
@@ -72,10 +74,14 @@ def _words(span: str) -> list[str]:
 def _repo_path(word: str, doc: Path) -> Path | None:
     """The repository path ``word`` names, or None if it names none (placeholder, URL, run output)."""
     word = word.split("::")[0].rstrip(".,:;")
+    if ".py:" in word:  # `files.py:write_atomic`: a function in a file
+        word = word.split(".py:")[0] + ".py"
     if not word or "://" in word or _PLACEHOLDER.search(word) or "=" in word or word in RUN_DIR_FILES:
         return None
     if word.startswith(("./", "../")):  # a link relative to the doc
-        return (doc.parent / word).resolve()
+        target = (doc.parent / word).resolve()
+        # outside the repository: a hostile name quoted as an example (docs/security.md), not a link
+        return target if target.is_relative_to(REPO) else None
     head = word.split("/")[0]
     if (head in ROOTS and "/" in word) or word in ROOT_FILES:
         # `parallel/mesh.py` in a paragraph about the package: elastic_pretrain/parallel/mesh.py

@@ -32,6 +32,11 @@ class CheckpointConfig:
     resume_from: str | None = field(
         None, doc="Continue from this checkpoint directory (a step_<N> folder, possibly of another run)."
     )
+    io_timeout_minutes: float = field(
+        30.0,
+        doc="Timeout of the checkpoint collectives (checksum verification, commit), separate from the training "
+        "collectives' parallel.timeout_minutes: raise it for very large checkpoints on slow file systems.",
+    )
     stop_at: int = field(
         0,
         doc="Save and exit (as if preempted, exit code 0) once this global step is reached (0: never). For splitting "
@@ -42,6 +47,8 @@ class CheckpointConfig:
         for name in ("interval", "keep_every", "stop_at"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"checkpoint.{name}: must be >= 0, got {getattr(self, name)}")
+        if self.io_timeout_minutes <= 0:
+            raise ConfigError(f"checkpoint.io_timeout_minutes: {self.io_timeout_minutes} must be > 0")
         if self.keep_last < 1:
             raise ConfigError(
                 f"checkpoint.keep_last: {self.keep_last} must be >= 1 (the newest checkpoint is what a restart uses)"

@@ -22,7 +22,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-from elastic_pretrain.checkpoint import optim_state, rng
+from elastic_pretrain.checkpoint import optim_state, parallel_io, rng
 from elastic_pretrain.checkpoint.preempt import start_helper_manager
 from elastic_pretrain.checkpoint.safe_load import load_sharded
 from elastic_pretrain.checkpoint.store import (
@@ -34,7 +34,6 @@ from elastic_pretrain.checkpoint.store import (
     fault_point,
     rank_records,
     read_trainer_state,
-    verify,
     write_atomic,
 )
 from elastic_pretrain.config import flatten, to_dict
@@ -137,24 +136,17 @@ def resume_source(job: JobConfig, store: CheckpointStore) -> Path | None:
     return newest.path if newest else None
 
 
-def verify_everywhere(ckpt: Path) -> None:
-    """Rank 0 verifies ``ckpt`` (size + CRC32 of every file); every rank raises its error. Collective."""
-    error = None
-    if _rank() == 0:
-        try:
-            verify(ckpt)
-        except UserError as err:
-            error = str(err)
-    error = _from_rank0(error)
-    if error:
-        raise UserError(error)
+def verify_everywhere(ckpt: Path, timeout_minutes: float = 30.0) -> None:
+    """Verify ``ckpt`` (size + CRC32 of every file), each rank its share; every rank raises the first
+    error. Collective (checkpoint/parallel_io.py)."""
+    parallel_io.verify_spread(ckpt, timeout_minutes)
 
 
 def check_resumable(ckpt: Path, job: JobConfig) -> dict[str, Any]:
     """Verify ``ckpt`` (rank 0: size + CRC32 of every file), refuse a changed model shape; returns its
     ``trainer.json``. Collective; runs before the model is built, so a refusal costs no build time."""
     try:
-        verify_everywhere(ckpt)
+        verify_everywhere(ckpt, job.checkpoint.io_timeout_minutes)
     except UserError as err:
         raise UserError(f"{err}{_previous_hint(ckpt)}") from None
     meta = read_trainer_state(ckpt, require=tuple(TRAINER_KEYS))
@@ -194,7 +186,10 @@ def load_tensors(net: Any, optimizer: Any, path: Path, *, adam_step: float) -> N
     model_sd = net.sharded_state_dict()
     optim_state.ensure_state(optimizer)
     template = optim_state.loading_template(optimizer, model_sd)
-    loaded = load_sharded({"model": model_sd, "optimizer": template}, path, what="model/optimizer tensors")
+    loaded = load_sharded(
+        {"model": model_sd, "optimizer": template}, path, what="model/optimizer tensors",
+        strategy=parallel_io.load_strategy(),
+    )
     with torch.no_grad():
         net.load_state_dict(loaded["model"], strict=True)
         # a fresh sharded view: megatron's load rewrites the one it was given in place
@@ -209,11 +204,13 @@ class Checkpointer:
         self.job, self.mesh, self.s, self.cfg = job, mesh, session, job.checkpoint
         self.store = CheckpointStore(run_dir / "checkpoints")
         self.run_id: Callable[[], str | None] = lambda: None
-        self.strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+        self.strategy = parallel_io.save_strategy()
         self.queue = AsyncCallsQueue() if self.cfg.async_save else None
         self.pending: int | None = None  # step of the async save in flight
         self.last_saved: int | None = None
         self.stale_cleaned = False
+        # name -> object with state_dict()/load_state_dict(), kept in trainer.json under "extras"
+        self.extras: dict[str, Any] = {}
         start_write_results_queue()
 
     # --- resume ------------------------------------------------------------------------------------
@@ -226,6 +223,7 @@ class Checkpointer:
         s.controller.load_state_dict(meta["controller"])
         s.batches.load_state_dict(meta["data"])
         state.load_state_dict(meta["trainer"])
+        self._load_extras(meta.get("extras", {}))
         same_layout = meta.get("layout") == describe(self.mesh)
         if same_layout:
             rng.restore(rng.load(ckpt / RNG_DIR / f"rank_{self.mesh.rank:05d}.pt"))
@@ -239,6 +237,11 @@ class Checkpointer:
         if self.mesh.rank == 0:
             self._log_changes(meta.get("config", {}))
             print(f"resumed from {ckpt} (step {state.step}, {state.tokens:,} tokens)", flush=True)
+
+    def _load_extras(self, saved: dict[str, Any]) -> None:
+        for name, obj in self.extras.items():
+            if name in saved:  # a checkpoint from before the extra existed starts it fresh
+                obj.load_state_dict(saved[name])
 
     def _log_changes(self, saved: dict[str, Any]) -> None:
         old, new = flatten(saved), flatten(public_dict(self.job))
@@ -285,6 +288,7 @@ class Checkpointer:
             "controller": s.controller.state_dict(),
             "data": s.batches.state_dict(),
             "mlflow_run_id": self.run_id(),
+            "extras": {name: obj.state_dict() for name, obj in self.extras.items()},
             "layout": describe(self.mesh),
             "config": public_dict(self.job),  # checkpoints are shared: no credentials, no env values
         }
@@ -297,7 +301,7 @@ class Checkpointer:
         gathered: list[Any] = [records]
         if dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, records)
+            dist.all_gather_object(gathered, records, group=parallel_io.io_group(self.cfg.io_timeout_minutes))
         if rank == 0:
             merged = {k: v for r in gathered for k, v in r.items()}
             self.store.commit(step, merged, rank=rank)

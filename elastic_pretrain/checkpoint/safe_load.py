@@ -140,9 +140,12 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[-1]}" if text else type(err).__name__
 
 
-def load_sharded(sharded_state_dict: dict[str, Any], path: Path, *, what: str) -> dict[str, Any]:
+def load_sharded(
+    sharded_state_dict: dict[str, Any], path: Path, *, what: str, strategy: Any = None
+) -> dict[str, Any]:
     """``dist_checkpointing.load`` of ``path`` with restricted unpickling; any failure is one UserError
-    naming ``path`` and ``what`` was being loaded. Collective."""
+    naming ``path`` and ``what`` was being loaded. ``strategy``: megatron's sharded load strategy (e.g. the
+    fully parallel one of ``checkpoint/parallel_io.py``); None is megatron's default. Collective."""
     from megatron.core import dist_checkpointing
 
     # First the metadata on its own: inside DCP a refusal is logged with a traceback before it is raised
@@ -156,7 +159,7 @@ def load_sharded(sharded_state_dict: dict[str, Any], path: Path, *, what: str) -
         ) from None
     try:
         with torch.no_grad(), restricted_unpickling():
-            return dict(dist_checkpointing.load(sharded_state_dict, str(path)))
+            return dict(dist_checkpointing.load(sharded_state_dict, str(path), sharded_strategy=strategy))
     except UserError:
         raise
     except (Exception, CheckpointException) as err:  # megatron/DCP wrap the cause; keep one line

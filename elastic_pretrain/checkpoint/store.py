@@ -247,8 +247,21 @@ def rank_records(tmp: Path, rank: int) -> dict[str, list[int]]:
     return file_records(tmp, [p for p in mine if p.is_file()])
 
 
-def verify(ckpt: Path) -> dict[str, Any]:
-    """Check every file listed in ``COMMITTED`` (size, CRC32); raise a one-line UserError naming the file."""
+def verify_share(files: dict[str, Any], rank: int, world: int) -> set[str]:
+    """The files of a marker's ``files`` that ``rank`` of ``world`` checks (checkpoint/parallel_io.py):
+    largest first, each to the rank with the fewest bytes so far (the same answer on every rank)."""
+    load, mine = [0] * world, set()
+    for rel, (size, _) in sorted(files.items(), key=lambda kv: (-kv[1][0], kv[0])):
+        r = min(range(world), key=lambda i: (load[i], i))
+        load[r] += size
+        if r == rank:
+            mine.add(rel)
+    return mine
+
+
+def verify(ckpt: Path, share: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Check every file listed in ``COMMITTED`` (size, CRC32); raise a one-line UserError naming the file.
+    ``share=(rank, world)``: only that rank's share of the files (the marker is checked in full)."""
     marker_path = ckpt / COMMIT_FILE
     try:
         marker = json.loads(marker_path.read_text())
@@ -257,7 +270,10 @@ def verify(ckpt: Path) -> dict[str, Any]:
     except (OSError, ValueError) as err:
         raise UserError(f"{marker_path}: unreadable commit marker ({err})") from None
     check_marker(marker, ckpt)
+    mine = verify_share(marker["files"], *share) if share else None
     for rel, (size, crc) in marker["files"].items():
+        if mine is not None and rel not in mine:
+            continue
         path = ckpt / rel
         if not path.is_file():
             raise UserError(f"{path}: missing from the checkpoint")

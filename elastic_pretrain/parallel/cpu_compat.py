@@ -1,7 +1,7 @@
 """Named, minimal patches that let megatron-core 0.16.1 run on CPU with gloo.
 
 megatron-core assumes CUDA in a handful of places. On a machine without CUDA we apply exactly these
-nine patches (each was shown necessary by removing it; ``shared/notes/megatron-cpu.md``), and only
+ten patches (each was shown necessary by removing it; ``shared/notes/megatron-cpu.md``), and only
 there: :func:`apply_cpu_patches` is a no-op when ``torch.cuda.is_available()``.
 
 Every patch names the megatron-core code it works around as a :class:`Probe` (module, attribute,
@@ -260,6 +260,17 @@ def _checkpoint_rng() -> None:
     mrandom._set_cuda_rng_state = lambda *a, **k: None
 
 
+def _sharded_tensor_init_data() -> None:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    original = ShardedTensor.init_data
+
+    def init_data(self: Any, device: Any, init_fn: Any = torch.empty) -> None:
+        original(self, _on_cpu(device), init_fn)
+
+    ShardedTensor.init_data = init_data  # type: ignore[method-assign]
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "rng_tracker",
@@ -335,6 +346,14 @@ PATCHES: tuple[Patch, ...] = (
         (Probe("megatron.core.tensor_parallel.random", "_get_all_rng_states", "_get_cuda_rng_state("),
          Probe("megatron.core.tensor_parallel.random", "_set_all_rng_states", "_set_cuda_rng_state(")),
         _checkpoint_rng,
+    ),
+    Patch(
+        "sharded_tensor_init_data",
+        "The fully parallel checkpoint load allocates the exchange buffer of a shard this rank does not "
+        "need with ShardedTensor.init_data('cuda') (checkpoint/parallel_io.py); allocate it on CPU.",
+        (Probe("megatron.core.dist_checkpointing.exchange_utils", "_get_empty_tensor_for_exchange",
+               'sh_ten.init_data("cuda")'),),
+        _sharded_tensor_init_data,
     ),
 )
 

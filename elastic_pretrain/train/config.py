@@ -7,6 +7,39 @@ from typing import Literal
 
 from elastic_pretrain.config import ConfigError, field
 
+FaultPolicy = Literal["skip", "rollback", "stop"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class SpikeConfig:
+    """Loss-spike detector: a step whose loss rises above the trailing window's mean by more than
+    ``max(sigmas * std, min_rise * mean)`` is a spike (docs/faults.md)."""
+
+    policy: Literal["off", "skip", "rollback", "stop"] = field(
+        "off", doc="What a spike does: 'off' (not checked), or the same policies as train.on_nonfinite."
+    )
+    window: int = field(100, doc="Trailing accepted steps whose losses make the reference (checked once full).")
+    sigmas: float = field(6.0, doc="Rise over the window mean, in standard deviations of the window, that is a spike.")
+    min_rise: float = field(0.1, doc="Smallest rise that is a spike, as a fraction of the window mean (noise floor).")
+
+    def __post_init__(self) -> None:
+        if self.window < 2:
+            raise ConfigError(f"train.spike.window: {self.window} must be >= 2 (a deviation needs two losses)")
+        if self.sigmas <= 0 or self.min_rise < 0:
+            raise ConfigError("train.spike: sigmas must be > 0 and min_rise >= 0")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ProfileConfig:
+    """A torch profiler window: steps ``start+1 .. start+steps`` are traced (docs/faults.md)."""
+
+    start: int = field(doc="Steps completed before the trace starts (>= 1: the first step is a warm-up outlier).")
+    steps: int = field(3, doc="Steps traced.")
+
+    def __post_init__(self) -> None:
+        if self.start < 1 or self.steps < 1:
+            raise ConfigError(f"train.profile: need start >= 1 and steps >= 1, got {self.start}, {self.steps}")
+
 
 @dataclasses.dataclass(kw_only=True)
 class TrainConfig:
@@ -45,9 +78,28 @@ class TrainConfig:
         doc="Activation recompute: 'pass' keeps only each loop pass's input and recomputes the pass in backward "
         "(activations flat in ℓ); 'selective' recomputes core attention (megatron); docs/gpu.md.",
     )
+    on_nonfinite: FaultPolicy = field(
+        "skip",
+        doc="A NaN/Inf loss or gradient norm: 'skip' the update (parameters and Adam state untouched), 'rollback' "
+        "to the last committed checkpoint past the data window, or 'stop' the run (docs/faults.md).",
+    )
+    spike: SpikeConfig = field(factory=SpikeConfig, doc="Loss-spike detector and its policy.")
+    max_consecutive_faults: int = field(
+        3, doc="Stop after this many non-finite/spike events without the run getting past the previous one."
+    )
+    hang_timeout_s: float = field(
+        1800.0,
+        doc="No step, evaluation or save finished for this long: every rank dumps its thread stacks to "
+        "<run_dir>/hang/ and exits non-zero (0: no watchdog). Must exceed the slowest step plus a save.",
+    )
+    straggler_interval: int = field(
+        100, doc="Steps between straggler reports (per-rank step and data-wait time; 0: never)."
+    )
+    profile: ProfileConfig | None = field(None, doc="Trace a window of steps with the torch profiler (None: off).")
 
     def __post_init__(self) -> None:
-        for name in ("steps", "micro_batch_size", "global_batch_size", "log_interval", "threads_per_rank"):
+        for name in ("steps", "micro_batch_size", "global_batch_size", "log_interval", "threads_per_rank",
+                     "max_consecutive_faults"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.global_batch_size % self.micro_batch_size:
@@ -69,6 +121,8 @@ class TrainConfig:
             raise ConfigError(f"train.peak_tflops: must be > 0 (e.g. 989 for an H100 SXM), got {self.peak_tflops}")
         if self.eval_interval < 0:
             raise ConfigError("eval_interval: must be >= 0 (0 evaluates only at the end)")
+        if self.hang_timeout_s < 0 or self.straggler_interval < 0:
+            raise ConfigError("train.hang_timeout_s and train.straggler_interval: must be >= 0 (0 turns them off)")
 
     def micro_batches(self, dp_size: int) -> int:
         per_step = self.micro_batch_size * dp_size

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -27,6 +27,7 @@ from elastic_pretrain.parallel.mesh import (
     pipeline_group,
 )
 from elastic_pretrain.parallel.pipeline import AttachLoss, PassChunk, Pipeline
+from elastic_pretrain.train.faults import guarded_step
 from elastic_pretrain.train.mfu import DepthCounts
 from elastic_pretrain.train.schedule import DepthPlan
 
@@ -154,6 +155,7 @@ class TrainStep:
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
         self.forward_backward = get_forward_backward_func()
         self.forward_step: Any = _forward_step  # a decider job swaps in its own (train/decider.py)
+        self.veto: Callable[..., bool] | None = None  # FaultMonitor.veto(found_inf, grad_norm, loss=...)
 
     def __call__(self, micro_batches: list[MicroBatch], *, probe_routing: bool = False) -> StepResult:
         net: Any = self.model.module
@@ -181,9 +183,13 @@ class TrainStep:
             )
         else:
             reports = run_pipeline(self.pipeline, micro_batches, seq_len=self.seq_len, training=True)
-        ok, grad_norm, _ = self.optimizer.step()
-        self.scheduler.step(increment=1)
         loss, by_loops, extra = self.reduce(reports)
+        if self.veto is None:
+            ok, grad_norm, _ = self.optimizer.step()
+        else:  # the fault policy sees the loss and gradient norm before the update (train/faults.py)
+            ok, grad_norm = guarded_step(self.optimizer, partial(self.veto, loss=loss))
+        if ok:  # a dropped update leaves the LR schedule where it was, as megatron's own skipped steps do
+            self.scheduler.step(increment=1)
         return StepResult(loss=loss, loss_by_loops=by_loops, grad_norm=float(grad_norm or 0.0),
                           lr=float(self.optimizer.param_groups[0]["lr"]), skipped=not ok,
                           aux={**_moe_aux(len(micro_batches)), **extra})

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from elastic_pretrain.checkpoint import parallel_io
 from elastic_pretrain.checkpoint.latest import repair_latest
 from elastic_pretrain.checkpoint.manager import Checkpointer, check_resumable, resume_source
 from elastic_pretrain.checkpoint.preempt import StopRequest, stop_reason
@@ -24,10 +25,14 @@ from elastic_pretrain.launch.layout import RunFiles
 from elastic_pretrain.parallel.mesh import Mesh, describe, every_rank, init_mesh, teardown
 from elastic_pretrain.parallel.strict import enter_strict_devices
 from elastic_pretrain.train.decider import load_base
+from elastic_pretrain.train.faults import FaultMonitor
 from elastic_pretrain.train.mfu import baseline_flops_per_token, device_peak, step_flops, utilisation
+from elastic_pretrain.train.profiling import ProfileWindow
 from elastic_pretrain.train.schedule import ScheduleController
 from elastic_pretrain.train.session import Session, build_session
 from elastic_pretrain.train.step import MicroBatch, StepResult, evaluate
+from elastic_pretrain.train.stragglers import DATA_WAIT_KEY, StragglerReport
+from elastic_pretrain.train.watchdog import HangWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +68,7 @@ class Callback(Protocol):
     def on_eval(self, state: TrainState, val: dict[int, float]) -> None: ...
     def on_end(self, state: TrainState, val: dict[int, float]) -> None: ...
     def on_stop(self, state: TrainState, reason: str) -> None: ...
+    def on_rollback(self, state: TrainState) -> None: ...
 
 
 class Trainer:
@@ -75,10 +81,12 @@ class Trainer:
         ckpt: Checkpointer,
         stop: StopRequest,
         state: TrainState | None = None,
+        faults: FaultMonitor | None = None,
     ) -> None:
         self.job, self.mesh, self.s, self.callbacks = job, mesh, session, callbacks
         self.ckpt, self.stop = ckpt, stop
         self.state = state or TrainState()
+        self.faults = faults or FaultMonitor(job, mesh, session, ckpt)
 
     def fit(self) -> dict[int, float] | None:
         """Train to ``train.steps`` (returns validation loss per ℓ), or save and return None when stopped."""
@@ -86,11 +94,14 @@ class Trainer:
         while state.step < job.train.steps:
             if s.controller.update(step=state.step, tokens_seen=state.tokens):
                 s.on_switch_to_mixed(state.step)
+            self.faults.before_step(state.step + 1)
             t0 = time.perf_counter()
             tokens = s.batches.next_step()
+            data_s = time.perf_counter() - t0
             plans = [s.controller.plan(step=state.step, micro=i, replica=self.mesh.replica) for i in range(len(tokens))]
             probe = bool(job.train.routing_interval) and (state.step + 1) % job.train.routing_interval == 0
             result = s.step([MicroBatch(t, p) for t, p in zip(tokens, plans)], probe_routing=probe)
+            result.aux[DATA_WAIT_KEY] = data_s
             step_s = time.perf_counter() - t0
             state.step += 1
             state.tokens += job.tokens_per_step
@@ -101,6 +112,10 @@ class Trainer:
                     micro_batch_tokens=job.train.micro_batch_size * job.data.seq_len).model
             for cb in self.callbacks:
                 cb.on_step(state, result, step_s)
+            if self.faults.after_step(state):  # rolled back to the last checkpoint (skip/stop act inside)
+                for cb in self.callbacks:
+                    cb.on_rollback(state)
+                continue
             reason = self.step_boundary()
             if reason:
                 for cb in self.callbacks:
@@ -192,6 +207,9 @@ class ProgressPrinter:
             print(print_routing(self.routing))
         print(f"trained {state.step} steps, {state.tokens:,} tokens in {state.elapsed_s:.1f}s", flush=True)
 
+    def on_rollback(self, state: TrainState) -> None:
+        self._window.clear()
+
     def on_stop(self, state: TrainState, reason: str) -> None:
         if self.enabled:
             print(
@@ -244,6 +262,12 @@ class SummaryWriter:
             self.routing = {f"{layer}/{p}": stats for (layer, p), stats in result.routing.items()}
 
     def on_eval(self, state: TrainState, val: dict[int, float]) -> None: ...
+
+    def on_rollback(self, state: TrainState) -> None:
+        """The steps after the checkpoint are trained again (on later data): drop their lines."""
+        self.history = [h for h in self.history if h["step"] <= state.step]
+        if self.enabled:
+            self.history_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
 
     def on_stop(self, state: TrainState, reason: str) -> None:
         self.on_end(state, {}, stopped=reason)
@@ -316,6 +340,9 @@ class TrackingCallback:
     def on_eval(self, state: TrainState, val: dict[int, float]) -> None:
         self.tracker.log_quality_budget(val, step=state.step)
 
+    def on_rollback(self, state: TrainState) -> None:
+        self._window.clear()  # MLflow keeps the first value logged at a step; the re-trained steps add none
+
     def on_end(self, state: TrainState, val: dict[int, float]) -> None:
         self.on_eval(state, val)
         if (self.run_dir / "config.yaml").is_file():
@@ -339,6 +366,24 @@ class TrackingCallback:
         # then this file is how the resumed run finds its MLflow run (train())
         if self.tracker.run_id:
             (self.run_dir / "mlflow_run_id").write_text(self.tracker.run_id)
+
+
+def fault_callbacks(job: JobConfig, mesh: Mesh, run_dir: Path, faults: FaultMonitor, tracker: Any) -> list[Any]:
+    """Wire the fault policy, hang watchdog, straggler report and profiler window to MLflow (docs/faults.md)."""
+    t = job.train
+    faults.log_metrics, faults.set_tags = tracker.log_metrics, tracker.set_tags
+    faults.close_tracking = lambda: tracker.close(job.tracking.close_timeout_s, status="FAILED")
+
+    def hung(dump: Path, line: str) -> None:
+        tracker.set_tags({"fault.hang": line})
+        tracker.log_artifact(dump, "hang")
+        tracker.close(min(job.tracking.close_timeout_s, 10.0), status="FAILED")
+
+    return [
+        HangWatchdog(t.hang_timeout_s, run_dir, mesh.rank, on_fire=hung),
+        StragglerReport(t.straggler_interval, mesh.rank, mesh.is_logging_rank, tracker.log_metrics, tracker.set_tags),
+        ProfileWindow(t.profile, run_dir, mesh.rank, tracker.log_artifact),
+    ]
 
 
 def train(job: JobConfig) -> dict[int, float] | None:
@@ -372,6 +417,8 @@ def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
         if mesh.is_logging_rank:
             print(session.describe(), flush=True)
         ckpt, state = Checkpointer(job, mesh, session, run_dir), TrainState()
+        faults = FaultMonitor(job, mesh, session, ckpt)
+        ckpt.extras["faults"] = faults
         if source:
             ckpt.restore(source, meta, state)
         elif job.decider is not None:  # a decider job starts from its base model (decider.init_from)
@@ -392,8 +439,9 @@ def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
             ProgressPrinter(job, mesh, session.controller),
             SummaryWriter(run_dir, mesh, resumed_step=state.step, job=job),
             tracking,
+            *fault_callbacks(job, mesh, run_dir, faults, tracking.tracker),
         ]
-        val = Trainer(job, mesh, session, callbacks, ckpt, stop, state).fit()
+        val = Trainer(job, mesh, session, callbacks, ckpt, stop, state, faults).fit()
         ckpt.close()
         if val is not None and mesh.is_logging_rank:
             RunFiles(run_dir).finished.write_text(json.dumps({"step": state.step, "tokens": state.tokens}) + "\n")
@@ -401,4 +449,5 @@ def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
         return val
     finally:
         strict.close()
+        parallel_io.reset()  # its group goes with the others
         teardown(barrier=done)  # after an error (maybe this rank's alone) no rank waits for the others

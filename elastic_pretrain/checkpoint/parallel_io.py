@@ -1,0 +1,97 @@
+"""Parallel checkpoint I/O: every rank writes, reads and checksums only its share.
+
+* **Writes.** A tensor replicated over data-parallel ranks (every model parameter; every Adam moment,
+  which ``optim_state`` assembles in model space) is written by exactly one rank of its DP group,
+  chosen so that each rank writes about 1/DP of the bytes (megatron-core's
+  ``FullyParallelSaveStrategyWrapper``; without it, DP rank 0 writes everything).
+* **Reads.** On resume each replicated tensor is read from disk by one rank of the DP group and
+  broadcast to the others that need it (``FullyParallelLoadStrategyWrapper``): a rank reads about
+  1/DP of the checkpoint instead of all of it. The loaded tensors are the same as with a plain load,
+  so resharding over TP/EP/DP is unchanged.
+* **Checksums.** Verifying a checkpoint before resume splits its files over all ranks (largest
+  first, to the least-loaded rank); the errors are gathered, and every rank raises the first one.
+* **Timeouts.** The checkpoint collectives of this module run in a gloo group of their own with
+  ``checkpoint.io_timeout_minutes`` (a slow file system does not trip the training collectives'
+  ``parallel.timeout_minutes``, and a hung training collective is not waited on for the I/O timeout).
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelLoadStrategyWrapper,
+    FullyParallelSaveStrategyWrapper,
+)
+from megatron.core.dist_checkpointing.strategies.torch import (
+    TorchDistLoadShardedStrategy,
+    TorchDistSaveShardedStrategy,
+)
+
+from elastic_pretrain.checkpoint.store import verify
+from elastic_pretrain.errors import UserError
+
+_io_group: Any = None
+_io_timeout_minutes: float | None = None
+
+
+def io_group(timeout_minutes: float) -> Any:
+    """The gloo group of checkpoint collectives (every rank), created on first use. Collective then."""
+    global _io_group, _io_timeout_minutes
+    if not dist.is_initialized():
+        return None
+    if _io_group is None or _io_timeout_minutes != timeout_minutes:
+        _io_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
+        _io_timeout_minutes = timeout_minutes
+    return _io_group
+
+
+def reset() -> None:
+    """Forget the group (teardown destroys every process group)."""
+    global _io_group, _io_timeout_minutes
+    _io_group, _io_timeout_minutes = None, None
+
+
+def _dp_group() -> Any:
+    from elastic_pretrain.parallel.mesh import data_parallel_group
+
+    return data_parallel_group()
+
+
+def save_strategy(base: Any = None) -> Any:
+    """``base`` (default: the trainer's torch_dist strategy) with its writes spread over the DP group."""
+    if base is None:
+        base = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+    if not dist.is_initialized() or dist.get_world_size(_dp_group()) == 1:
+        return base
+    return FullyParallelSaveStrategyWrapper(base, _dp_group())
+
+
+def load_strategy() -> Any:
+    """A torch_dist load strategy whose reads are spread over the data-parallel group."""
+    base = TorchDistLoadShardedStrategy()
+    if not dist.is_initialized() or dist.get_world_size(_dp_group()) == 1:
+        return base
+    return FullyParallelLoadStrategyWrapper(base, _dp_group())
+
+
+def verify_spread(ckpt: Path, timeout_minutes: float) -> None:
+    """Every rank checks its share of ``ckpt``'s files (size + CRC32); every rank raises the first error
+    found by any rank. Collective over the checkpoint I/O group."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    error = None
+    try:
+        verify(ckpt, share=(rank, world))
+    except UserError as err:
+        error = str(err)
+    errors: list[Any] = [error]
+    if world > 1:
+        errors = [None] * world
+        dist.all_gather_object(errors, error, group=io_group(timeout_minutes))
+    first = next((e for e in errors if e), None)
+    if first:
+        raise UserError(first)

@@ -1,0 +1,97 @@
+"""Straggler report: every ``train.straggler_interval`` steps, each rank's busy time per step and data
+wait are gathered; the slowest rank, its ratio to the median and its host are printed and logged.
+
+A slow rank does not show in wall-clock step time (collectives make every rank wait for it); it
+shows in *busy* time. On CPU that is the training thread's CPU time (gloo waits block without
+spinning); on GPU it is the host thread's CPU time too, which catches slow data/host work but not a
+slow GPU kernel (docs/faults.md).
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from statistics import median
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DATA_WAIT_KEY = "time/data_wait_s"  # StepResult.aux entry the Trainer fills
+
+
+class StragglerReport:
+    """Trainer callback; ``on_step`` is collective every ``interval`` steps (every rank calls it at the same step)."""
+
+    def __init__(
+        self,
+        interval: int,
+        rank: int,
+        is_logging_rank: bool,
+        log_metrics: Callable[[dict[str, float], int], None] = lambda m, s: None,
+        set_tags: Callable[[dict[str, str]], None] = lambda t: None,
+    ) -> None:
+        self.interval, self.rank, self.enabled = interval, rank, is_logging_rank
+        self.log_metrics, self.set_tags = log_metrics, set_tags
+        self.hosts = [socket.gethostname()]
+        if interval and dist.is_initialized() and dist.get_world_size() > 1:
+            self.hosts = [""] * dist.get_world_size()
+            dist.all_gather_object(self.hosts, socket.gethostname())
+        self._reset()
+        self.last: dict[str, Any] = {}
+
+    def _reset(self) -> None:
+        self.steps, self.wall_s, self.data_s, self.cpu0 = 0, 0.0, 0.0, time.thread_time()
+
+    def on_step(self, state: Any, result: Any, step_s: float) -> None:
+        if not self.interval:
+            return
+        self.steps += 1
+        self.wall_s += step_s
+        self.data_s += float(result.aux.get(DATA_WAIT_KEY, 0.0))
+        if state.step % self.interval:
+            return
+        busy_s = (time.thread_time() - self.cpu0) / self.steps
+        mine = torch.tensor([busy_s, self.data_s / self.steps, self.wall_s / self.steps], dtype=torch.float64)
+        rows = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+            dist.all_gather(rows, mine)
+        self._reset()
+        if self.enabled:
+            self.report(state.step, [r.tolist() for r in rows])
+
+    def report(self, step: int, rows: list[list[float]]) -> None:
+        busy = [r[0] for r in rows]
+        slow = max(range(len(rows)), key=lambda r: busy[r])
+        mid = median(busy)
+        ratio = busy[slow] / mid if mid > 0 else 1.0
+        self.last = {"step": step, "rank": slow, "host": self.hosts[slow], "ratio": ratio, "busy_s": busy}
+        print(
+            f"stragglers at step {step}: slowest rank {slow} on {self.hosts[slow]}: busy {busy[slow]:.3f}s/step = "
+            f"{ratio:.2f}x the median {mid:.3f}s | data wait {rows[slow][1]:.3f}s/step "
+            f"(max over ranks {max(r[1] for r in rows):.3f}s) | step {rows[slow][2]:.3f}s",
+            flush=True,
+        )
+        self.log_metrics(
+            {
+                "straggler/rank": float(slow),
+                "straggler/ratio": ratio,
+                "straggler/busy_s": busy[slow],
+                "straggler/median_busy_s": mid,
+                "straggler/max_data_wait_s": max(r[1] for r in rows),
+            },
+            step,
+        )
+        self.set_tags({"straggler.host": self.hosts[slow]})
+
+    def on_eval(self, state: Any, val: dict[int, float]) -> None:
+        self._reset()  # evaluation time is not step time
+
+    def on_rollback(self, state: Any) -> None:
+        self._reset()
+
+    def on_end(self, state: Any, val: dict[int, float]) -> None: ...
+
+    def on_stop(self, state: Any, reason: str) -> None: ...

@@ -1,0 +1,3 @@
+from __future__ import annotations
+
+from tests.checkpoint.conftest import prepared  # noqa: F401  (the default job's shards, as a fixture here too)

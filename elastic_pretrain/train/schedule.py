@@ -64,6 +64,9 @@ class ScheduleConfig:
             raise ConfigError("weights: must be non-negative with a positive sum")
         if self.telescopic_weights and len(self.telescopic_weights) != len(self.telescopic_depths):
             raise ConfigError("telescopic_weights: give one weight per entry of telescopic_depths")
+        if self.depth_group != "replica" and self.sampler != "independent_rank":
+            raise ConfigError(f"schedule.depth_group: {self.depth_group} applies to sampler independent_rank only "
+                              f"(got {self.sampler}); remove depth_group or set sampler: independent_rank")
         if self.sampler == "fixed_exits" and not self.exits:
             raise ConfigError("exits: fixed_exits needs the list of supervised exits, e.g. exits: [1, 2, 4]")
 

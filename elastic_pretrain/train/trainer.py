@@ -155,7 +155,8 @@ class ProgressPrinter:
         print(
             f"step {state.step:>5}/{total} [{100 * state.step / total:5.1f}%] loss {result.loss:.4f} ({per_loop})"
             f"{decider} | lr {result.lr:.2e} | gnorm {result.grad_norm:.2f}"
-            f" | {self.job.tokens_per_step / mean_s:,.0f} tok/s | {self.controller.phase}{depth_note(a) if self.controller.mixed else ''}"
+            f" | {self.job.tokens_per_step / mean_s:,.0f} tok/s | {self.controller.phase}"
+            f"{depth_note(a) if self.controller.mixed else ''}"
             f" | eta {eta:,.0f}s",
             flush=True,
         )

@@ -45,3 +45,14 @@ def test_layout_must_divide():
     with pytest.raises(ConfigError, match="must divide"):
         layouts(6, 4)
     assert layouts(4, 2)[3].group == (2, 3) and layouts(4, 2)[3].key == {0: 0, 1: 0, 2: 2, 3: 2}
+
+
+def test_progress_note_and_run_summary():
+    from elastic_pretrain.train.trainer import depth_note, depth_summary
+
+    assert depth_note({}) == ""
+    assert depth_note({"depth_efficiency": 0.7444, "ghost_time_s": 0.123}) == " depth eff 0.744 ghost 0.12s"
+    history = [{"step": 1}, {"step": 2, "depth_efficiency": 1.0, "ghost_time_s": 0.0},
+               {"step": 3, "depth_efficiency": 0.5, "ghost_time_s": 0.25}]
+    assert depth_summary(history) == {"depth_efficiency": 0.75, "ghost_time_s": 0.25}
+    assert depth_summary([{"step": 1}]) == {}

@@ -166,3 +166,8 @@ def test_expert_group_draws_agree_inside_a_group_and_mix_across_groups():
     # with replica-level draws (ELR) the two members of a group differ
     elr = ctl(sampler="independent_rank", switch_at=0.0)
     assert any(elr.plan(step=s, micro=0, replica=0) != elr.plan(step=s, micro=0, replica=1) for s in range(10))
+
+
+def test_depth_group_needs_independent_rank():
+    with pytest.raises(ConfigError, match="applies to sampler independent_rank only"):
+        ScheduleConfig(sampler="telescopic", depth_group="expert_group")

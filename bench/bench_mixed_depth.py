@@ -12,9 +12,10 @@ micro-batches each:
   as replica 0 of an EP=2 group does (``DepthPlan.group_loops``).
 
 Predictions (step_flops of train/mfu.py, ratio to fixed): ``useful`` counts the passes each micro-batch
-needs, ``executed`` also counts ghost passes as full passes. On one process a ghost pass is one token's
-MoE call and no peer keeps it waiting, so the measured ``mixed+ghosts`` should track ``useful``; in a
-real EP group the waiting rank follows ``executed`` — which is what ``depth_group: expert_group`` removes.
+needs, ``executed`` also counts ghost passes as full passes. On one process no peer keeps a ghost pass
+waiting, so ``mixed+ghosts`` measures only a ghost call's own cost (one token, but a whole MoE call's
+fixed overhead: router, dispatch, permutation); in a real EP group the waiting rank follows
+``executed`` — which is what ``depth_group: expert_group`` removes.
 """
 
 from __future__ import annotations

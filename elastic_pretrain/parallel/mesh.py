@@ -145,7 +145,7 @@ def pipeline_group() -> Any:
 
 def expert_layout() -> ExpertLayout:
     """The replicas of this rank's expert-parallel group and each replica's depth-group key
-    (:class:`~elastic_pretrain.train.schedule.ExpertLayout`), from one ``all_gather_object`` at start-up:
+    (:class:`~elastic_pretrain.train.schedule.ExpertLayout`), from one ``all_gather`` at start-up:
     after it every rank computes its group's loop counts locally (no collective per micro-batch)."""
     from megatron.core import parallel_state
 
@@ -155,8 +155,12 @@ def expert_layout() -> ExpertLayout:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return ExpertLayout.single(replica)
     ep_ranks = dist.get_process_group_ranks(parallel_state.get_expert_model_parallel_group())
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (replica, ep_ranks))
+    # [replica, EP group's global ranks...]: the same length everywhere (EP groups are equal in size);
+    # a device tensor, as NCCL needs (parallel/device.py)
+    mine = torch.tensor([replica, *ep_ranks], dtype=torch.int64, device=device())
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    gathered = [(int(row[0]), [int(k) for k in row[1:].tolist()]) for row in rows]
     replica_of = {rank: r for rank, (r, _) in enumerate(gathered)}
     parent = {r: r for r in replica_of.values()}  # union-find: replicas linked by sharing an EP group
 

@@ -38,7 +38,7 @@ from elastic_pretrain.checkpoint.store import (
 )
 from elastic_pretrain.config import flatten, to_dict
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.job import JobConfig
+from elastic_pretrain.job import JobConfig, public_dict
 from elastic_pretrain.parallel.mesh import Mesh, describe
 
 log = logging.getLogger(__name__)
@@ -48,6 +48,8 @@ SHAPE_KEYS = (
     "vocab_size",
     "hidden_size",
     "num_heads",
+    "num_query_groups",
+    "qk_norm",
     "ffn_hidden_size",
     "prelude_layers",
     "core_layers",
@@ -67,6 +69,8 @@ SHAPE_KEYS = (
 def shape_changes(saved: dict[str, Any], job: JobConfig) -> list[str]:
     """``model.<key>: old -> new`` for every shape key that differs between a saved config and ``job``."""
     now, old = to_dict(job)["model"], saved.get("model", {})
+    # checkpoints saved before these keys existed had their defaults (multi-head attention, no QK-norm)
+    old = {"num_query_groups": None, "qk_norm": False, **old}
     return [f"model.{k}: {old.get(k)!r} -> {now.get(k)!r}" for k in SHAPE_KEYS if old.get(k) != now.get(k)]
 
 
@@ -148,7 +152,10 @@ def verify_everywhere(ckpt: Path) -> None:
 def check_resumable(ckpt: Path, job: JobConfig) -> dict[str, Any]:
     """Verify ``ckpt`` (rank 0: size + CRC32 of every file), refuse a changed model shape; returns its
     ``trainer.json``. Collective; runs before the model is built, so a refusal costs no build time."""
-    verify_everywhere(ckpt)
+    try:
+        verify_everywhere(ckpt)
+    except UserError as err:
+        raise UserError(f"{err}{_previous_hint(ckpt)}") from None
     meta = read_trainer_state(ckpt)
     changes = shape_changes(meta.get("config", {}), job) + decider_changes(meta.get("config", {}), job)
     if changes:
@@ -157,6 +164,15 @@ def check_resumable(ckpt: Path, job: JobConfig) -> dict[str, Any]:
             "restore those values or start a new run directory"
         )
     return meta
+
+
+def _previous_hint(ckpt: Path) -> str:
+    """``; to continue from the previous committed checkpoint: --resume-from <it>`` (or nothing)."""
+    step = ckpt.name.removeprefix("step_")
+    older = [c for c in CheckpointStore(ckpt.parent).committed() if step.isdigit() and c.step < int(step)]
+    if not older:
+        return ""
+    return f"; to continue from the previous committed checkpoint: --resume-from {older[-1].path}"
 
 
 def save_tensors(
@@ -231,7 +247,7 @@ class Checkpointer:
             print(f"resumed from {ckpt} (step {state.step}, {state.tokens:,} tokens)", flush=True)
 
     def _log_changes(self, saved: dict[str, Any]) -> None:
-        old, new = flatten(saved), flatten(to_dict(self.job))
+        old, new = flatten(saved), flatten(public_dict(self.job))
         diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k != "run_dir")
         if diff:
             log.info("config changed since the checkpoint: %s", ", ".join(f"{k}={new.get(k)!r}" for k in diff))
@@ -276,7 +292,7 @@ class Checkpointer:
             "data": s.batches.state_dict(),
             "mlflow_run_id": self.run_id(),
             "layout": describe(self.mesh),
-            "config": to_dict(self.job),
+            "config": public_dict(self.job),  # checkpoints are shared: no credentials, no env values
         }
 
     def _commit(self, step: int) -> None:

@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from elastic_pretrain.launch.config import SlurmConfig
-from elastic_pretrain.launch.layout import RunFiles, read_text_or_none
+from elastic_pretrain.launch.environment import job_environment
+from elastic_pretrain.launch.layout import RunFiles
 from elastic_pretrain.launch.render import LaunchSpec, render
-from elastic_pretrain.launch.slurm import cancel, query_job, run_status, submit
+from elastic_pretrain.launch.slurm import cancel, query_job, read_job_id, run_status, submit
 
 # submit flag -> SlurmConfig field
 _FLAG_FIELDS = (
@@ -64,6 +65,7 @@ class SubmitPlan:
 
     config: SlurmConfig
     spec: LaunchSpec
+    summary: tuple[str, ...] = ()  # layout and memory at the allocation's world size
 
 
 def plan_submit(args: argparse.Namespace) -> SubmitPlan:
@@ -76,11 +78,32 @@ def plan_submit(args: argparse.Namespace) -> SubmitPlan:
     flags = {k: getattr(args, k) for k in _FLAG_FIELDS if getattr(args, k, None) is not None}
     if flags:
         cfg = dataclasses.replace(cfg, **flags)  # re-validates
+    summary = check_allocation(job, cfg)
     name = job.name
     run_dir = args.run_dir or job.run_path
     run_dir = run_dir.expanduser().absolute()
     trainer = trainer_command(job_path, list(args.overrides), run_dir)
-    return SubmitPlan(cfg, LaunchSpec(job_name=name, run_dir=run_dir, workdir=Path.cwd(), trainer=trainer))
+    env = job_environment(job.parallel, gpus=cfg.gpus_per_node > 0)
+    spec = LaunchSpec(job_name=name, run_dir=run_dir, workdir=Path.cwd(), trainer=trainer, env=env)
+    return SubmitPlan(cfg, spec, tuple(summary))
+
+
+def check_allocation(job: Any, cfg: SlurmConfig) -> list[str]:
+    """The job's layout and memory at the allocation's world size (nodes x processes per node), before
+    anything reaches Slurm: a layout the mesh cannot take fails here, not on 128 GPUs. Returns the
+    summary lines (layout, memory) that ``--dry-run`` prints."""
+    from elastic_pretrain.config import ConfigError
+    from elastic_pretrain.parallel.validate import check_layout, check_memory
+
+    world = cfg.nodes * cfg.procs_per_node
+    try:
+        layout = check_layout(job, world)
+        memory = check_memory(job, world, cfg.gpu_memory_bytes)
+    except ConfigError as err:
+        raise ConfigError(
+            f"{err} [submit: world size {world} = --nodes {cfg.nodes} x {cfg.procs_per_node} process(es) per node]"
+        ) from None
+    return [f"layout: {layout.describe()}", memory]
 
 
 def trainer_command(job_path: Path, overrides: list[str], run_dir: Path) -> list[str]:
@@ -92,6 +115,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     plan = plan_submit(args)
     if args.dry_run:
         sys.stdout.write(render(plan.config, plan.spec))
+        for line in plan.summary:
+            print(f"# {line}", file=sys.stderr)
         print(
             f"# dry run: nothing written or submitted (would go to {RunFiles(plan.spec.run_dir).script})",
             file=sys.stderr,
@@ -139,7 +164,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     run_dir = args.run_dir.expanduser().absolute()
-    job_id = read_text_or_none(RunFiles(run_dir).job_id)
+    job_id = read_job_id(RunFiles(run_dir))
     state = query_job(job_id) if job_id else None
     if state is not None and not state.live:
         print(f"job {job_id} already ended ({state.state}); nothing to cancel")

@@ -70,6 +70,11 @@ class SlurmConfig:
 
     nodes: int = field(1, doc="Number of nodes; one torchrun per node (`--nodes`).")
     gpus_per_node: int = field(0, doc="GPUs per node (`--gpus-per-node`); 0 for CPU nodes (gloo instead of NCCL).")
+    gpu_memory: str | None = field(
+        None,
+        doc="Memory of one GPU, e.g. 80GiB (H100/A100 80 GB), 141GB (H200): `config --world-size` and `submit` "
+        "refuse a job whose memory estimate per GPU exceeds 90% of it; unset: not checked.",
+    )
     nproc_per_node: int | None = field(
         None, doc="Trainer processes per node; default: gpus_per_node on GPU nodes, 1 on CPU nodes."
     )
@@ -113,6 +118,26 @@ class SlurmConfig:
     template: str | None = field(
         None, doc="sbatch template to render instead of slurm/train.sbatch (same @@PLACEHOLDERS@@)."
     )
+    # GPU clusters: container, binding ------------------------------------------------------------
+    container_image: str | None = field(
+        None,
+        doc="Run each node's task in this container (pyxis/enroot `srun --container-image`): a registry "
+        "image (nvcr.io#nvidia/pytorch:25.10-py3) or a squashfs file; elastic-pretrain must be installed in it "
+        "(docs/install.md). Unset: the nodes' own Python.",
+    )
+    container_mounts: list[str] = field(
+        factory=list,
+        doc="With container_image: host paths mounted into the container (`--container-mounts`), each SRC:DST, "
+        "SRC:DST:FLAGS or one path mounted at itself; the working directory and the run directory must be inside one.",
+    )
+    container_workdir: str | None = field(
+        None, doc="With container_image: the working directory inside the container; default: the submit directory."
+    )
+    numa_binding: Literal["none", "node", "socket", "exclusive", "core-complex"] = field(
+        "none",
+        doc="torchrun --numa-binding: pin each rank to CPUs near its GPU ('node' is the safe choice). Needs torch "
+        ">= 2.9 and `numactl` on the nodes (or in the container); 'none' leaves placement to the OS.",
+    )
 
     def __post_init__(self) -> None:
         if self.nodes < 1:
@@ -126,6 +151,8 @@ class SlurmConfig:
         if self.cpus_per_task is not None and self.cpus_per_task < 1:
             raise ConfigError(f"slurm.cpus_per_task must be >= 1 (got {self.cpus_per_task}); leave it unset")
         self.signal = normalize_signal(self.signal)
+        if self.gpu_memory is not None:
+            self.gpu_memory_bytes  # noqa: B018  (parses it: a bad size fails when the job loads)
         if not 0 <= self.signal_lead_s <= 65535:
             raise ConfigError(f"slurm.signal_lead_s must be in 0..65535 (got {self.signal_lead_s})")
         if self.retries < 0:
@@ -144,11 +171,53 @@ class SlurmConfig:
                 raise ConfigError(f"slurm.{name}: {value!r} is not a Slurm {name} name (letters, digits, _ . , + -)")
         for arg in self.sbatch_args:
             _check_sbatch_arg(arg)
+        self._check_container()
         for key, value in self.env.items():
             if not _ENV_KEY_RE.match(key):
                 raise ConfigError(f"slurm.env: {key!r} is not a variable name (letters, digits, _; not first a digit)")
             if "\0" in str(value):
                 raise ConfigError(f"slurm.env.{key}: the value contains a NUL byte")
+
+    def _check_container(self) -> None:
+        if self.container_image is None:
+            if self.container_mounts or self.container_workdir:
+                raise ConfigError(
+                    "slurm.container_mounts/container_workdir: set only with slurm.container_image (pyxis); "
+                    "remove them or name the image"
+                )
+            return
+        if not self.container_image or any(c in self.container_image for c in " \t\n\r\0,"):
+            raise ConfigError(
+                f"slurm.container_image: {self.container_image!r} is not an image name or path "
+                "(e.g. nvcr.io#nvidia/pytorch:25.10-py3 or /shared/images/train.sqsh)"
+            )
+        for mount in self.container_mounts:
+            parts = mount.split(":")
+            if "," in mount or not 1 <= len(parts) <= 3 or not all(p.startswith("/") for p in parts[:2]):
+                raise ConfigError(
+                    f"slurm.container_mounts: {mount!r} is not SRC:DST[:FLAGS] with absolute paths (one mount per "
+                    "item, e.g. /lustre:/lustre)"
+                )
+        if self.container_workdir is not None and not self.container_workdir.startswith("/"):
+            raise ConfigError(f"slurm.container_workdir: {self.container_workdir!r} must be an absolute path")
+
+    def container_paths(self) -> list[str]:
+        """Where the mounts appear inside the container (DST of each SRC:DST, or the path itself)."""
+        return [m.split(":")[1] if ":" in m else m for m in self.container_mounts]
+
+    @property
+    def gpu_memory_bytes(self) -> int | None:
+        """``gpu_memory`` in bytes (None when unset)."""
+        if self.gpu_memory is None:
+            return None
+        from elastic_pretrain.parallel.memory import parse_bytes
+
+        try:
+            return parse_bytes(str(self.gpu_memory))
+        except ConfigError:
+            raise ConfigError(
+                f"slurm.gpu_memory: cannot read {self.gpu_memory!r}: write a size such as 80GiB, 141GB or 96G"
+            ) from None
 
     @property
     def procs_per_node(self) -> int:
@@ -158,6 +227,15 @@ class SlurmConfig:
         return self.gpus_per_node if self.gpus_per_node > 0 else 1
 
 
+def managed_option(name: str) -> str | None:
+    """The managed option ``--name`` means to sbatch, else None. sbatch (getopt_long) takes any unambiguous
+    prefix of a long option (``--outp`` is ``--output``), so a prefix of a managed option counts as it."""
+    if name in MANAGED_SBATCH_OPTIONS:
+        return name
+    matches = sorted(o for o in MANAGED_SBATCH_OPTIONS if len(o) > 1 and o.startswith(name))
+    return matches[0] if matches else None
+
+
 def _check_sbatch_arg(arg: str) -> None:
     if "\n" in arg or "\r" in arg or "\0" in arg:
         raise ConfigError(f"slurm.sbatch_args: {arg!r} contains a line break; give one option per item")
@@ -165,8 +243,8 @@ def _check_sbatch_arg(arg: str) -> None:
         raise ConfigError(
             f"slurm.sbatch_args: {arg!r} is not a long sbatch option: write it as --name=value (e.g. --qos=high)"
         )
-    name = arg[2:].split("=", 1)[0]
-    if name in MANAGED_SBATCH_OPTIONS:
+    name = managed_option(arg[2:].split("=", 1)[0])
+    if name is not None:
         key = {
             "nodes": "nodes",
             "time": "time",
@@ -177,4 +255,6 @@ def _check_sbatch_arg(arg: str) -> None:
             "cpus-per-task": "cpus_per_task",
         }.get(name)
         fix = f"set slurm.{key} instead" if key else "the template sets it; remove it"
-        raise ConfigError(f"slurm.sbatch_args: --{name} is managed by elastic-pretrain: {fix}")
+        given = arg[2:].split("=", 1)[0]
+        what = f"--{name}" if given == name else f"--{given} (sbatch reads it as --{name})"
+        raise ConfigError(f"slurm.sbatch_args: {what} is managed by elastic-pretrain: {fix}")

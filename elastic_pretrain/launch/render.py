@@ -23,6 +23,7 @@ from pathlib import Path
 
 from elastic_pretrain.config import ConfigError
 from elastic_pretrain.launch.config import SlurmConfig
+from elastic_pretrain.launch.environment import export_lines
 from elastic_pretrain.launch.layout import RunFiles
 
 PLACEHOLDER_RE = re.compile(r"\{\{([A-Z][A-Z0-9_]*)\}\}")
@@ -49,6 +50,8 @@ class LaunchSpec:
     run_dir: Path
     workdir: Path
     trainer: list[str]  # torchrun's training script + its arguments, e.g. ["-m", "elastic_pretrain.cli", "train", ...]
+    # variables derived from the job (launch/environment.py: CUDA_DEVICE_MAX_CONNECTIONS); slurm.env wins
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def sbatch_escape(value: str) -> str:
@@ -119,7 +122,7 @@ def template_values(cfg: SlurmConfig, spec: LaunchSpec) -> dict[str, Value]:
         if any(c in str(path) for c in "\n\r\0"):
             raise ConfigError(f"the {what} {str(path)!r} contains a line break: choose another --run-dir")
     files = RunFiles(spec.run_dir)
-    exports = Lines(f"export {k}={shlex.quote(str(v))}" for k, v in sorted(cfg.env.items()))
+    exports = Lines(export_lines(gpus=cfg.gpus_per_node > 0, derived=spec.env, user=cfg.env))
     return {
         "JOB_NAME": spec.job_name,
         "NODES": cfg.nodes,
@@ -134,13 +137,38 @@ def template_values(cfg: SlurmConfig, spec: LaunchSpec) -> dict[str, Value]:
         "SBATCH_ARGS": list(cfg.sbatch_args) or None,
         "RUN_DIR": str(spec.run_dir),
         "WORKDIR": str(spec.workdir),
-        "PYTHON": cfg.python or sys.executable,
+        "PYTHON": cfg.python or ("python" if cfg.container_image else sys.executable),
         "NPROC_PER_NODE": cfg.procs_per_node,
         "RETRIES": cfg.retries,
         "ON_FAILURE": cfg.on_failure,
         "TRAINER": list(spec.trainer),
         "ENV_EXPORTS": exports,
+        **node_launch_values(cfg, spec),
     }
+
+
+def node_launch_values(cfg: SlurmConfig, spec: LaunchSpec) -> dict[str, Value]:
+    """Extra ``srun`` options (GPUs, container) and ``torchrun`` options (NUMA binding) of each node's task."""
+    srun: list[str] = []
+    if cfg.gpus_per_node:
+        # One task per node runs torchrun, which gives local rank i GPU i: the task must see all of the
+        # node's GPUs, whatever binding the site sets by default (e.g. --gpu-bind=closest would hide some).
+        srun += [f"--gpus-per-node={cfg.gpus_per_node}", "--gpu-bind=none"]
+    if cfg.container_image:
+        workdir = cfg.container_workdir or str(spec.workdir)
+        inside = cfg.container_paths()
+        for what, path in (("run directory", str(spec.run_dir)), ("working directory", workdir)):
+            if not any(path == dst or path.startswith(dst.rstrip("/") + "/") for dst in inside):
+                top = "/" + path.strip("/").split("/")[0]
+                raise ConfigError(
+                    f"slurm.container_mounts: the {what} {path} is not mounted into the container: add a mount "
+                    f"that holds it at the same path (e.g. {top}:{top})"
+                )
+        srun += [f"--container-image={cfg.container_image}", f"--container-workdir={workdir}"]
+        if cfg.container_mounts:
+            srun.append(f"--container-mounts={','.join(cfg.container_mounts)}")
+    torchrun = [] if cfg.numa_binding == "none" else [f"--numa-binding={cfg.numa_binding}"]
+    return {"SRUN_EXTRA": srun, "TORCHRUN_EXTRA": torchrun}
 
 
 def render(cfg: SlurmConfig, spec: LaunchSpec) -> str:
@@ -153,4 +181,11 @@ def render(cfg: SlurmConfig, spec: LaunchSpec) -> str:
             f"cannot read the sbatch template {path} ({err.strerror}): set slurm.template to a copy of "
             "slurm/train.sbatch, or run from a checkout of the repository"
         ) from None
-    return fill(template, template_values(cfg, spec))
+    values = template_values(cfg, spec)
+    for name in ("SRUN_EXTRA", "TORCHRUN_EXTRA"):  # an older site template would drop them silently
+        if values[name] and f"{{{{{name}}}}}" not in template:
+            raise ConfigError(
+                f"sbatch template {path} does not use {{{{{name}}}}}, so the job's GPU/container/NUMA settings "
+                "would be ignored: add it as slurm/train.sbatch does"
+            )
+    return fill(template, values)

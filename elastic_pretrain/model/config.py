@@ -14,13 +14,24 @@ class ModelConfig:
 
     The core is given as a *reference shape* (``core_layers`` × ``num_experts`` × ``loops``);
     ``flatten=f`` builds ``core_layers/f`` layers with ``f·num_experts`` experts run ``f·loops``
-    times (Foil §3): expert parameters and active expert FLOPs per token are unchanged, because the
+    times (Foil, seeds/000: "Halve the number of expert layers, double the experts per layer, double the
+    passes"): expert parameters and active expert FLOPs per token are unchanged, because the
     expert width and top-k stay the same while layers shrink and passes grow by the same factor.
     """
 
     vocab_size: int = field(257, doc="Tokenizer vocabulary (byte-level: 256 bytes + EOS). Padded for TP.")
     hidden_size: int = field(64, doc="Residual stream width.")
     num_heads: int = field(4, doc="Attention heads (must divide hidden_size and be divisible by TP).")
+    num_query_groups: int | None = field(
+        None,
+        doc="Grouped-query attention: key/value head groups (must divide num_heads and be divisible by TP); "
+        "None: one per head (multi-head attention).",
+    )
+    qk_norm: bool = field(
+        False,
+        doc="QK-norm: normalise each head's queries and keys (model.normalization, learned scale) before RoPE "
+        "and the dot product (megatron qk_layernorm); keeps attention logits bounded at scale.",
+    )
     ffn_hidden_size: int = field(256, doc="FFN width of dense prelude/coda layers.")
     prelude_layers: int = field(0, doc="Layers run once before the loop.")
     core_layers: int = field(2, doc="Core layers of the reference shape (before flattening).")
@@ -63,6 +74,12 @@ class ModelConfig:
         True, doc="Build the ELR loop-count conditioning head (zero-init, switched on at the mixed-depth switch)."
     )
     dtype: Literal["fp32", "bf16"] = field("fp32", doc="Parameter / compute dtype.")
+    fp8: Literal["off", "delayed", "tensorwise", "blockwise", "mxfp8"] = field(
+        "off",
+        doc="FP8 GEMMs (Transformer Engine + CUDA only; needs dtype bf16): megatron-core's recipe — 'delayed' "
+        "(amax history), 'tensorwise' (current scaling), 'blockwise' (1x128/128x128 blocks, Hopper), "
+        "'mxfp8' (Blackwell). docs/gpu.md.",
+    )
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_heads", "ffn_hidden_size", "core_layers", "loops",
@@ -75,6 +92,13 @@ class ModelConfig:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.hidden_size % self.num_heads:
             raise ConfigError(f"num_heads: {self.num_heads} does not divide hidden_size {self.hidden_size}")
+        if self.num_query_groups is not None and (
+            self.num_query_groups < 1 or self.num_heads % self.num_query_groups
+        ):
+            raise ConfigError(
+                f"num_query_groups: {self.num_query_groups} must divide num_heads {self.num_heads} "
+                "(e.g. num_heads/4), or be null for one group per head"
+            )
         if self.core_layers % self.flatten:
             raise ConfigError(
                 f"flatten: {self.flatten} does not divide core_layers {self.core_layers}: "
@@ -82,6 +106,49 @@ class ModelConfig:
             )
         if self.moe_top_k > self.num_experts:
             raise ConfigError(f"moe_top_k: {self.moe_top_k} exceeds num_experts {self.num_experts}")
+        if self.fp8 != "off":
+            self.check_fp8_layout(tensor=1, tokens=None)
+
+    @property
+    def fp8_align(self) -> int:
+        """What every FP8 GEMM dimension must be a multiple of (TE: 16; MXFP8's 32-element blocks: 32)."""
+        return 32 if self.fp8 == "mxfp8" else 16
+
+    def check_fp8_recompute(self, recompute: str) -> None:
+        """Delayed scaling and per-pass recompute do not mix: Transformer Engine stashes each module's FP8
+        scaling state per forward call and hands it back first-in first-out to the recomputed forwards,
+        but the passes of a loop are recomputed in reverse order while sharing their MLP modules, so a
+        re-run pass would quantize with another pass's scales. Current/block scaling has no such state."""
+        if self.fp8 == "delayed" and recompute == "pass" and self.max_loops > 1:
+            raise ConfigError(
+                "model.fp8=delayed with train.recompute=pass: a recomputed pass would reuse another pass's FP8 "
+                "scales; use model.fp8=tensorwise (or blockwise/mxfp8), or train.recompute=none/selective"
+            )
+
+    def check_fp8_layout(self, *, tensor: int, tokens: int | None) -> None:
+        """FP8 GEMMs need bf16 and every GEMM dimension a multiple of :attr:`fp8_align` — the per-rank
+        shards under tensor parallelism, and the tokens of one micro-batch per rank (``tokens`` = seq x
+        micro-batch / TP under sequence parallelism). Experts are padded by megatron (any token count)."""
+        if self.fp8 == "off":
+            return
+        if self.dtype != "bf16":
+            raise ConfigError(f"model.fp8={self.fp8} needs model.dtype=bf16 (got {self.dtype}): set model.dtype=bf16")
+        a = self.fp8_align
+        dims = {"hidden_size": self.hidden_size, "ffn_hidden_size": self.ffn_hidden_size,
+                "moe_ffn_hidden_size": self.moe_ffn_hidden_size}
+        for name, value in dims.items():
+            if value % (a * tensor):
+                raise ConfigError(
+                    f"model.{name}={value} is not a multiple of {a * tensor} (model.fp8={self.fp8} needs every GEMM "
+                    f"dimension per tensor-parallel rank to be a multiple of {a}): round it to a multiple of "
+                    f"{a * tensor}"
+                )
+        if tokens is not None and tokens % a:
+            raise ConfigError(
+                f"model.fp8={self.fp8}: {tokens} tokens per micro-batch and tensor-parallel rank (data.seq_len x "
+                f"train.micro_batch_size / parallel.tensor) is not a multiple of {a}: change data.seq_len or "
+                "train.micro_batch_size"
+            )
 
     # The built (flattened) shape ------------------------------------------------------------------
     @property
@@ -91,6 +158,11 @@ class ModelConfig:
     @property
     def experts_built(self) -> int:
         return self.num_experts * self.flatten
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value head groups (``num_heads`` without GQA)."""
+        return self.num_heads if self.num_query_groups is None else self.num_query_groups
 
     @property
     def max_loops(self) -> int:

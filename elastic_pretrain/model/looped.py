@@ -5,16 +5,19 @@ megatron-core layers work sequence-first, so hidden states inside the block are 
 
     embedding -> prelude (run once) -> core (run ℓ times) -> coda (run once per exit) -> norm -> head
 
-Core layer i at pass j = attention A[i][j] (one parameter set per pass: untied, Foil §3) + the MoE
+Core layer i at pass j = attention A[i][j] (one parameter set per pass: untied; Foil,
+seeds/000: "Each pass gets its own attention parameters while the experts and routers stay shared") + the MoE
 MLP M[i] (experts, router and the norm in front of it shared by every pass). The model contains no
 process-group code: it receives a megatron ``TransformerConfig`` built by ``parallel/``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Hashable, Sequence
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from functools import partial
+from typing import Any, Literal
 
 import torch
 from megatron.core import tensor_parallel
@@ -32,6 +35,7 @@ from torch import Tensor
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.model.decider import DeciderConfig, IterationDecider
 from elastic_pretrain.model.layer_list import LayerList
+from elastic_pretrain.model.recompute import checkpoint_pass
 from elastic_pretrain.model.routing import RoutingProbe
 
 
@@ -45,6 +49,20 @@ class LayerSpecs:
     dense: ModuleSpec
     moe: ModuleSpec
     norm: ModuleSpec | type
+
+
+def fp8_context(config: TransformerConfig, layer_number: int) -> contextlib.AbstractContextManager[Any]:
+    """megatron's FP8 autocast for one layer (global 1-based ``layer_number``); a no-op without ``config.fp8``.
+
+    megatron enters it inside ``TransformerBlock``, which the looped model does not use: it calls layers
+    (and their attention/MLP halves) itself, so it enters the context around every layer call — each
+    (core layer, pass), each prelude/coda layer — as the block does per layer.
+    """
+    if not config.fp8:
+        return contextlib.nullcontext()
+    from megatron.core import fp8_utils  # looked up per call: tests stand in for TE's autocast here
+
+    return fp8_utils.get_fp8_context(config, layer_number - 1)
 
 
 def attention_only(spec: ModuleSpec) -> ModuleSpec:
@@ -85,34 +103,55 @@ class CoreLayer(MegatronModule):
         return self.passes[min(pass_idx, len(self.passes) - 1)]
 
     def forward(self, h_TBD: Tensor, *, pass_idx: int, rotary_pos_emb: Tensor | None, replay: bool = False,
-                replay_key: Hashable = None) -> Tensor:
-        """Pass ``pass_idx``: its own attention, then the shared MLP.
+                replay_key: Hashable = None, recomputing: bool = False) -> Tensor:
+        """Pass ``pass_idx``: its own attention, then the shared MLP (inside the FP8 autocast, if any).
 
         ``replay_key`` names the micro-batch whose pass-0 routes a later pass replays. Without pipeline
         parallelism passes run in order and one key suffices; the interleaved pipeline schedule runs
         pass 0 of micro-batch m+1 before pass 1 of micro-batch m, so there each micro-batch has its own.
+        ``recomputing``: this is the backward's re-run of the pass (``train.recompute: pass``); with route
+        replay every pass — pass 0 too — replays the recorded pass-0 routes and records nothing.
         """
-        h_TBD, _ = self.attention_for(pass_idx)._forward_attention(
-            h_TBD, attention_mask=None, rotary_pos_emb=rotary_pos_emb
-        )
-        router = getattr(self.shared_mlp, "router", None)
-        rr = getattr(router, "router_replay", None) if replay else None
-        if rr is not None:
-            # Route replay (ELR): pass 0 records its top-k experts, later passes reuse them; the gate
-            # weights are still a softmax of the live logits at those experts, so routers learn.
-            if pass_idx == 0:
-                rr.clear_indices()
-                rr.set_router_replay_action(RouterReplayAction.RECORD)
-            else:
-                rr.target_topk_idx = self.pass0_routes[replay_key]  # not set_target_indices: no backward list
-                rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
-        try:
-            return self.full_layer._forward_mlp(h_TBD)
-        finally:
+        with fp8_context(self.config, self.full_layer.layer_number):
+            h_TBD, _ = self.attention_for(pass_idx)._forward_attention(
+                h_TBD, attention_mask=None, rotary_pos_emb=rotary_pos_emb
+            )
+            router = getattr(self.shared_mlp, "router", None)
+            rr = getattr(router, "router_replay", None) if replay else None
+            record = rr is not None and pass_idx == 0 and not recomputing
             if rr is not None:
-                if pass_idx == 0:
-                    self.pass0_routes[replay_key] = rr.recorded_topk_idx
-                rr.clear_router_replay_action()
+                # Route replay (ELR): pass 0 records its top-k experts, later passes reuse them; the gate
+                # weights are still a softmax of the live logits at those experts, so routers learn.
+                if record:
+                    rr.clear_indices()
+                    rr.set_router_replay_action(RouterReplayAction.RECORD)
+                else:
+                    rr.target_topk_idx = self.pass0_routes[replay_key]  # not set_target_indices: no backward list
+                    rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            try:
+                return self.full_layer._forward_mlp(h_TBD)
+            finally:
+                if rr is not None:
+                    if record:
+                        self.pass0_routes[replay_key] = rr.recorded_topk_idx
+                    rr.clear_router_replay_action()
+
+    @torch.no_grad()
+    def copy_pass0_attention(self, passes: Sequence[int]) -> list[torch.nn.Parameter]:
+        """Copy pass 0's attention parameters into ``passes`` (j >= 1); returns the parameters written.
+
+        ``schedule.init_unused_passes: copy_pass0`` at a late switch from fewer loops: the fixed phase
+        never ran these passes, so their attention is still at its initialisation. Pass j's layer
+        holds exactly the attention half of pass 0's (same names, same TP shards).
+        """
+        src = dict(self.full_layer.named_parameters())
+        written = []
+        for j in passes:
+            if 1 <= j < len(self.passes):
+                for name, p in self.passes[j].named_parameters():
+                    p.copy_(src[name])
+                    written.append(p)
+        return written
 
     def ghost_pass(self, like_TBD: Tensor) -> Tensor:
         """Join one MoE call (forward and backward collectives) without contributing — see run_loops.
@@ -136,7 +175,8 @@ class LoopConditioning(MegatronModule):
     """ELR loop-count conditioning: (target ℓ, pass j) → a vector added to the residual at pass entry.
 
     ``out`` is zero-initialised and the head is only switched on when the schedule enters mixed
-    depth, so the switch step's loss equals the fixed-depth model's (ELR §3: zero-init heads).
+    depth, so the switch step's loss equals the fixed-depth model's (ELR, seeds/003: "conditioning heads
+    initialized to zero at the switch").
     Parameters are replicated over TP; tagged ``sequence_parallel`` so their gradients (partial sums
     over each rank's sequence shard) are all-reduced over TP like norm weights.
     """
@@ -221,6 +261,8 @@ class LoopedMoEModel(LanguageModule):
             for p in self.decider.parameters():
                 p.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
         self.routing_probe: RoutingProbe | None = None
+        # train.recompute, set by parallel/: 'pass' re-runs each pass (and ghost pass) in backward
+        self.recompute: Literal["none", "selective", "pass"] = "none"
         if self.post_process:
             self.final_layernorm = build_module(specs.norm, config=config, hidden_size=config.hidden_size,
                                                 eps=config.layernorm_epsilon)
@@ -251,6 +293,10 @@ class LoopedMoEModel(LanguageModule):
         if probe is not None:
             probe.detach()
         return probe
+
+    def init_unused_passes(self, passes: Sequence[int]) -> list[torch.nn.Parameter]:
+        """Pass 0's attention into ``passes`` on every core layer of this stage (see CoreLayer.copy_pass0_attention)."""
+        return [p for core in self.core_layers() for p in core.copy_pass0_attention(passes)]
 
     def run_loops(self, input_ids_BT: Tensor, *, loops: int, exits: Sequence[int], sync_loops: int | None = None,
                   keep: list[Tensor] | None = None) -> tuple[dict[int, Tensor], Tensor | None]:
@@ -307,21 +353,40 @@ class LoopedMoEModel(LanguageModule):
         if keep is not None:  # the decider reads the token embedding
             keep.append(h_TBD)
         for layer in self.prelude:
-            h_TBD, _ = layer(h_TBD, attention_mask=None, rotary_pos_emb=rope)
+            with fp8_context(self.config, _layer_number(layer)):
+                h_TBD, _ = layer(h_TBD, attention_mask=None, rotary_pos_emb=rope)
         return h_TBD
 
     def _core_pass(self, h_TBD: Tensor, j: int, loops: int, rope: Tensor, key: Hashable = None) -> Tensor:
         """Pass j of a micro-batch that runs ℓ = ``loops`` through this stage's core layers."""
+        body = partial(self._pass_body, j=j, loops=loops, key=key)
+        if self._recompute_passes():
+            return self._checkpointed(body, h_TBD, rope)
+        return body(h_TBD, rope, recomputing=False)
+
+    def _pass_body(self, h_TBD: Tensor, rope: Tensor, *, j: int, loops: int, key: Hashable,
+                   recomputing: bool) -> Tensor:
         if self.loop_conditioning is not None and self.conditioning_active:
             h_TBD = h_TBD + self.loop_conditioning(loops, j).to(h_TBD.dtype)
-        if self.routing_probe is not None:
-            self.routing_probe.at(j, key)
+        if self.routing_probe is not None:  # a recomputed pass was observed already
+            self.routing_probe.at(None if recomputing else j, key)
         for core in self.core:
-            h_TBD = core(h_TBD, pass_idx=j, rotary_pos_emb=rope, replay=self.cfg.route_replay, replay_key=key)
+            h_TBD = core(h_TBD, pass_idx=j, rotary_pos_emb=rope, replay=self.cfg.route_replay, replay_key=key,
+                         recomputing=recomputing)
         return h_TBD
 
     def _ghost_pass(self, like_TBD: Tensor) -> Tensor:
-        """One ghost MoE call per core layer of this stage; the sum of their (zero) outputs."""
+        """One ghost MoE call per core layer of this stage; the sum of their (zero) outputs.
+
+        Under ``recompute: pass`` a ghost pass is checkpointed like a real one: the backward of every
+        pass then starts with its forward all-to-alls again, on the ranks that ghost it too, so the
+        collectives of an expert-parallel group keep pairing up in backward.
+        """
+        if self._recompute_passes():
+            return self._checkpointed(lambda h, recomputing: self._ghost_body(h), like_TBD)
+        return self._ghost_body(like_TBD)
+
+    def _ghost_body(self, like_TBD: Tensor) -> Tensor:
         if self.routing_probe is not None:
             self.routing_probe.at(None)
         ghost = None
@@ -331,9 +396,32 @@ class LoopedMoEModel(LanguageModule):
         assert ghost is not None
         return ghost
 
+    def _recompute_passes(self) -> bool:
+        return self.recompute == "pass" and self.training and torch.is_grad_enabled()
+
+    def _checkpointed(self, body: Callable[..., Tensor], *tensors: Tensor) -> Tensor:
+        """``body(*tensors, recomputing=…)`` keeping only ``tensors`` for backward, which re-runs it
+        (model/recompute.py; under FP8 Transformer Engine's checkpoint, which also keeps the re-run on
+        the forward's scaling factors). The forward runs without grad, so the MoE aux/z losses are
+        computed (and logged) once, in the re-run.
+        """
+        calls = 0
+
+        def run(*args: Tensor) -> Tensor:
+            nonlocal calls
+            calls += 1
+            return body(*args, recomputing=calls > 1)
+
+        if self.config.fp8:
+            from megatron.core.extensions.transformer_engine import te_checkpoint
+
+            return te_checkpoint(run, False, tensor_parallel.get_cuda_rng_tracker, None, *tensors)
+        return checkpoint_pass(run, *tensors)
+
     def _head_states(self, h_TBD: Tensor, rope: Tensor) -> Tensor:
         for layer in self.coda:
-            h_TBD, _ = layer(h_TBD, attention_mask=None, rotary_pos_emb=rope)
+            with fp8_context(self.config, _layer_number(layer)):
+                h_TBD, _ = layer(h_TBD, attention_mask=None, rotary_pos_emb=rope)
         return self.final_layernorm(h_TBD)
 
     def set_vocab_shard(self, start: int, end: int) -> None:
@@ -399,3 +487,8 @@ class LoopedMoEModel(LanguageModule):
             for j, h in enumerate(passes[:-1])
         ]
         return losses, torch.stack(logits)
+
+
+def _layer_number(layer: Any) -> int:
+    """megatron's global 1-based layer number of a built ``TransformerLayer``."""
+    return int(layer.layer_number)

@@ -7,6 +7,17 @@ from typing import Literal
 
 from elastic_pretrain.config import ConfigError, field
 
+# The padded vocabulary must not depend on the layout, or checkpoints could not move between TP
+# sizes: pad to a fixed multiple that every supported TP size (1..128) divides.
+VOCAB_DIVISIBLE_BY = 128
+
+
+def padded_vocab_size(vocab: int, tp: int) -> int:
+    """The embedding/output rows the model builds for ``vocab`` ids (the same at every TP size)."""
+    if VOCAB_DIVISIBLE_BY % tp:
+        raise ValueError(f"tensor parallel size {tp} must divide {VOCAB_DIVISIBLE_BY}")
+    return -(-vocab // VOCAB_DIVISIBLE_BY) * VOCAB_DIVISIBLE_BY
+
 
 @dataclasses.dataclass(kw_only=True)
 class ParallelConfig:
@@ -48,3 +59,13 @@ class ParallelConfig:
 
     def use_sequence_parallel(self) -> bool:
         return self.sequence_parallel == "on" or (self.sequence_parallel == "auto" and self.tensor > 1)
+
+
+def check_micro_batches(
+    n: int, stages: int, fix: str = "raise train.global_batch_size (or lower train.micro_batch_size)"
+) -> None:
+    """The pipeline schedule needs at least one micro-batch per stage."""
+    if n < stages:
+        raise ConfigError(
+            f"parallel.pipeline={stages} needs at least {stages} micro-batches per step and replica, got {n}: {fix}"
+        )

@@ -1,7 +1,7 @@
 """Named, minimal patches that let megatron-core 0.16.1 run on CPU with gloo.
 
 megatron-core assumes CUDA in a handful of places. On a machine without CUDA we apply exactly these
-eight patches (each was shown necessary by removing it; ``shared/notes/megatron-cpu.md``), and only
+nine patches (each was shown necessary by removing it; ``shared/notes/megatron-cpu.md``), and only
 there: :func:`apply_cpu_patches` is a no-op when ``torch.cuda.is_available()``.
 
 Every patch names the megatron-core code it works around as a :class:`Probe` (module, attribute,
@@ -251,6 +251,15 @@ def _tensor_type_string() -> None:
     torch.Tensor.type = type_  # type: ignore[method-assign,assignment]
 
 
+# 9 ------------------------------------------------------------------------------------------------
+def _checkpoint_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    # No CUDA generator to save or restore: the CPU generator and the (CPU) tracker states still are.
+    mrandom._get_cuda_rng_state = lambda *a, **k: None
+    mrandom._set_cuda_rng_state = lambda *a, **k: None
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "rng_tracker",
@@ -318,6 +327,14 @@ PATCHES: tuple[Patch, ...] = (
             Probe("megatron.core.optimizer.distrib_optimizer", None, "torch.cuda.FloatTensor"),
         ),
         _tensor_type_string,
+    ),
+    Patch(
+        "checkpoint_rng",
+        "tensor_parallel.checkpoint (selective recompute of core attention) saves and restores the CUDA RNG "
+        "state unconditionally; without CUDA there is none to keep.",
+        (Probe("megatron.core.tensor_parallel.random", "_get_all_rng_states", "_get_cuda_rng_state("),
+         Probe("megatron.core.tensor_parallel.random", "_set_all_rng_states", "_set_cuda_rng_state(")),
+        _checkpoint_rng,
     ),
 )
 

@@ -7,53 +7,75 @@ the local spec, with one log line saying so.
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from elastic_pretrain.config import ConfigError
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.model.decider import DeciderConfig
 from elastic_pretrain.model.looped import LayerSpecs, LoopedMoEModel
 from elastic_pretrain.parallel import fusions
+from elastic_pretrain.parallel.config import VOCAB_DIVISIBLE_BY, padded_vocab_size  # noqa: F401  (re-exported)
 from elastic_pretrain.parallel.device import device
 from elastic_pretrain.parallel.mesh import ParallelConfig
 
 log = logging.getLogger(__name__)
-
-# The padded vocabulary must not depend on the layout, or checkpoints could not move between TP
-# sizes: pad to a fixed multiple that every supported TP size (1..128) divides.
-VOCAB_DIVISIBLE_BY = 128
 
 
 def te_available() -> bool:
     return fusions.cuda_te_available()
 
 
-def padded_vocab_size(vocab: int, tp: int) -> int:
-    if VOCAB_DIVISIBLE_BY % tp:
-        raise ValueError(f"tensor parallel size {tp} must divide {VOCAB_DIVISIBLE_BY}")
-    return int(math.ceil(vocab / VOCAB_DIVISIBLE_BY) * VOCAB_DIVISIBLE_BY)
+Recompute = Literal["none", "selective", "pass"]
+
+
+def _precision_kwargs(model: ModelConfig, parallel: ParallelConfig) -> dict[str, Any]:
+    """``TransformerConfig`` FP8 fields for ``model.fp8`` (none when off). FP8 without Transformer Engine
+    + CUDA is refused, never silently dropped: a cluster job's numerics must be what its config says."""
+    if model.fp8 == "off":
+        return {}
+    if not te_available():
+        raise ConfigError(
+            f"model.fp8={model.fp8} needs CUDA and Transformer Engine (pip install 'elastic-pretrain[gpu]', or an "
+            "NGC PyTorch container): run on a GPU machine with TE, or set model.fp8=off"
+        )
+    model.check_fp8_layout(tensor=parallel.tensor, tokens=None)
+    return dict(
+        # E4M3 forward / E5M2 gradients for the per-tensor recipes; the block-scaled ones use E4M3 throughout
+        fp8="hybrid" if model.fp8 in ("delayed", "tensorwise") else "e4m3",
+        fp8_recipe=model.fp8,
+        # Delayed scaling all-reduces amax histories at every autocast exit. Replicas run different ℓ
+        # under mixed depth (a different number of exits), so reduce over TP only: every TP rank of a
+        # replica runs the same passes. Current/block scaling needs no history reduction.
+        tp_only_amax_red=model.fp8 == "delayed",
+    )
+
+
+def _recompute_kwargs(recompute: Recompute) -> dict[str, Any]:
+    """``selective``: megatron's core-attention recompute (the looped model calls each layer's attention
+    module, which checkpoints itself). ``pass`` is the looped model's own (``LoopedMoEModel.recompute``)."""
+    if recompute == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    return {}
 
 
 def transformer_config(
-    model: ModelConfig, parallel: ParallelConfig, *, fp8: Literal["off", "hybrid", "e4m3"] = "off"
+    model: ModelConfig, parallel: ParallelConfig, *, recompute: Recompute = "none"
 ) -> TransformerConfig:
     """The megatron ``TransformerConfig`` for our model on this layout (CPU-safe settings when no CUDA)."""
     on_gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if model.dtype == "bf16" else torch.float32
-    kwargs: dict[str, Any] = {}
-    if fp8 != "off":
-        if not te_available():
-            log.warning("fp8=%s needs Transformer Engine and CUDA; training in %s instead", fp8, model.dtype)
-        else:
-            kwargs.update(fp8=fp8, fp8_recipe="delayed")
+    model.check_fp8_recompute(recompute)
+    kwargs: dict[str, Any] = {**_precision_kwargs(model, parallel), **_recompute_kwargs(recompute)}
     return TransformerConfig(
         num_layers=model.num_unique_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_heads,
+        num_query_groups=model.query_groups,
+        qk_layernorm=model.qk_norm,
         ffn_hidden_size=model.ffn_hidden_size,
         kv_channels=model.hidden_size // model.num_heads,
         normalization=model.normalization,
@@ -123,30 +145,37 @@ def layer_specs(model: ModelConfig, backend: Literal["te", "local"] | None = Non
 
         log.info("Transformer Engine + CUDA found: using the TE layer spec")
         grouped = fusions.resolve(model).grouped_gemm
-        dense = specs.get_gpt_layer_with_transformer_engine_spec(num_experts=None)
-        moe = specs.get_gpt_layer_with_transformer_engine_spec(num_experts=model.experts_built,
-                                                               moe_grouped_gemm=grouped)
+        dense = specs.get_gpt_layer_with_transformer_engine_spec(num_experts=None, qk_layernorm=model.qk_norm)
+        moe = specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=model.experts_built, moe_grouped_gemm=grouped, qk_layernorm=model.qk_norm
+        )
         return LayerSpecs(dense=dense, moe=moe, norm=TESpecProvider().layer_norm())
     log.info("no Transformer Engine/CUDA: using megatron-core's local layer spec (torch modules)")
-    dense = specs.get_gpt_layer_local_spec(num_experts=None, normalization=model.normalization)
-    moe = specs.get_gpt_layer_local_spec(num_experts=model.experts_built, normalization=model.normalization)
+    dense = specs.get_gpt_layer_local_spec(
+        num_experts=None, normalization=model.normalization, qk_layernorm=model.qk_norm
+    )
+    moe = specs.get_gpt_layer_local_spec(
+        num_experts=model.experts_built, normalization=model.normalization, qk_layernorm=model.qk_norm
+    )
     return LayerSpecs(dense=dense, moe=moe, norm=dense.submodules.input_layernorm)
 
 
 def build_model(
-    model: ModelConfig, parallel: ParallelConfig, *, decider: DeciderConfig | None = None, **kwargs: Any
+    model: ModelConfig, parallel: ParallelConfig, *, decider: DeciderConfig | None = None,
+    recompute: Recompute = "none",
 ) -> LoopedMoEModel:
     """Build the looped model (this pipeline stage's part of it) for the current process's place in the
     (already initialised) mesh (with an iteration decider submodule when ``decider`` is given: a decider job
-    or its checkpoints)."""
+    or its checkpoints; ``recompute``: ``train.recompute``)."""
     from megatron.core import parallel_state
 
     check_pipeline(model, parallel)
-    tconfig = transformer_config(model, parallel, **kwargs)
+    tconfig = transformer_config(model, parallel, recompute=recompute)
     net = LoopedMoEModel(model, tconfig, layer_specs(model),
                          padded_vocab=padded_vocab_size(model.vocab_size, parallel.tensor),
                          stage=parallel_state.get_pipeline_model_parallel_rank(), stages=parallel.pipeline,
                          decider=decider)
+    net.recompute = recompute
     mark_tp_replicated_experts(net, parallel)
 
     shard = net.padded_vocab // parallel.tensor

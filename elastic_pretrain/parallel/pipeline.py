@@ -24,8 +24,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
-from elastic_pretrain.config import ConfigError
 from elastic_pretrain.model.looped import LoopedMoEModel
+from elastic_pretrain.parallel.config import check_micro_batches
 
 
 class PassChunk(torch.nn.Module):
@@ -94,16 +94,6 @@ class Pipeline:
             seq_length=seq_length,
             micro_batch_size=micro_batch_size,
             forward_only=forward_only,
-        )
-
-
-def check_micro_batches(
-    n: int, stages: int, fix: str = "raise train.global_batch_size (or lower train.micro_batch_size)"
-) -> None:
-    """The pipeline schedule needs at least one micro-batch per stage."""
-    if n < stages:
-        raise ConfigError(
-            f"parallel.pipeline={stages} needs at least {stages} micro-batches per step and replica, got {n}: {fix}"
         )
 
 

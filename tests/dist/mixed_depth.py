@@ -8,6 +8,8 @@ usage: mixed_depth.py ref|dist OUT_DIR — every case of CASES in one launch (a 
           so the two members of each EP group run different numbers of passes.
   ref2 / tp2ep2 — the same with 2 replicas of tensor parallel 2 × expert parallel 2 (4 processes;
           each EP group pairs the two replicas' ranks of one TP rank).
+  ep2-recompute — ep2 with ``train.recompute: pass`` (compared with the same reference, no recompute):
+          the backward re-runs every pass and ghost pass, and the all-to-alls still pair up.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from tests.dist.equivalence import global_name, local_view, wrap_ddp_for_test
 
 LOOPS = [1, 3, 2, 4]  # ℓ of replica 0..3; EP groups pair replicas (0,1) and (2,3)
 # (distributed layout, its one-process reference, route replay)
-CASES = [("ep2", "ref", False), ("ep2", "ref", True), ("tp2ep2", "ref2", True)]
+CASES = [("ep2", "ref", False), ("ep2", "ref", True), ("tp2ep2", "ref2", True), ("ep2-recompute", "ref", True)]
 
 
 def model_cfg(replay: bool) -> ModelConfig:
@@ -42,12 +44,13 @@ def run(mode: str, out: Path, replay: bool) -> None:
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     tag = "replay" if replay else "plain"
     dist.init_process_group("gloo", init_method=f"file://{out}/store_{mode}_{tag}", rank=rank, world_size=world)
-    par = {"ep2": ParallelConfig(expert=2), "tp2ep2": ParallelConfig(tensor=2, expert=2)}.get(mode, ParallelConfig())
+    par = {"ep2": ParallelConfig(expert=2), "ep2-recompute": ParallelConfig(expert=2),
+           "tp2ep2": ParallelConfig(tensor=2, expert=2)}.get(mode, ParallelConfig())
     replicas = 2 if mode in ("ref2", "tp2ep2") else 4
     mesh = init_mesh(par, seed=11)
     torch.set_num_threads(1)
     cfg = model_cfg(replay)
-    net = build_model(cfg, par)
+    net = build_model(cfg, par, recompute="pass" if mode.endswith("-recompute") else "none")
     if mode.startswith("ref"):
         batches = torch.randint(0, cfg.vocab_size, (4, 2, 17), generator=torch.Generator().manual_seed(5))
         torch.save({"state": net.state_dict(), "batches": batches}, out / f"inputs_{mode}_{tag}.pt")
@@ -78,5 +81,9 @@ def run(mode: str, out: Path, replay: bool) -> None:
 
 if __name__ == "__main__":
     which, out_dir = sys.argv[1], Path(sys.argv[2])
+    done = set()
     for layout, ref, route_replay in CASES:
-        run(ref if which == "ref" else layout, out_dir, route_replay)
+        mode = ref if which == "ref" else layout
+        if (mode, route_replay) not in done:  # a reference serves every layout compared with it
+            run(mode, out_dir, route_replay)
+            done.add((mode, route_replay))

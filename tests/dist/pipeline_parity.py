@@ -14,6 +14,8 @@ Cases (route replay and the loop-conditioning head on in all):
   fixed     every micro-batch at ℓ = L_max
   mixed     ℓ per micro-batch and replica (independent-rank style: the EP partners differ, so the
             pipeline runs identity chunks, ghost MoE calls, and extra exits mid-pipeline)
+  mixedrecompute  mixed with train.recompute=pass (every chunk and ghost chunk re-run in backward),
+            against the same reference (pipelined phase only)
 Writes ``result_<phase>_<case>_rank<R>.json``: loss, loss per exit, the gradients compared and
 those that differ (fp32: rtol 1e-4, atol 1e-6 — sums reassociate across ranks, nothing else differs).
 """
@@ -133,13 +135,15 @@ def pipelined(out: Path, phase: str, layout: str, world: int) -> None:
     model = wrap_ddp_for_test(net)
     syncs = count_calls(model, "finish_grad_sync")
     pipeline = Pipeline(model, net, stages=mesh.pp_size)
-    for case in PLANS:
+    for case in [*PLANS, "mixedrecompute"]:
+        plans = case.removesuffix("recompute")
+        net.recompute = "pass" if case.endswith("recompute") else "none"
         model.zero_grad_buffer()
         syncs.clear()
-        micro = micro_batches(ref["batches"], case, [mesh.dp_rank])
+        micro = micro_batches(ref["batches"], plans, [mesh.dp_rank])
         reports = run_pipeline(pipeline, micro, seq_len=SEQ, training=True)
         loss, by_loops = _reduce_by_loops(reports, MODEL.max_loops)
-        want = ref[f"{case}_{mesh.dp_size}"]
+        want = ref[f"{plans}_{mesh.dp_size}"]
         bad, compared, nonzero = [], 0, 0
         for name, p in net.named_parameters():
             got = p.main_grad.detach()

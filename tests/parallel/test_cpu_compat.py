@@ -12,14 +12,14 @@ import pytest
 from elastic_pretrain.parallel import cpu_compat
 
 EXPECTED = ["rng_tracker", "cuda_device_noops", "moe_te_general_gemm", "cuda_streams", "moe_alltoall_splits",
-            "sp_torch_norm", "cuda_device_shim", "tensor_type_string"]
+            "sp_torch_norm", "cuda_device_shim", "tensor_type_string", "checkpoint_rng"]
 
 
 def test_megatron_version_is_the_one_patched():
     assert megatron.core.__version__ == cpu_compat.MEGATRON_CORE_VERSION
 
 
-def test_the_eight_patches_are_named_and_justified():
+def test_the_nine_patches_are_named_and_justified():
     assert [p.name for p in cpu_compat.PATCHES] == EXPECTED
     assert all(p.why and p.probes for p in cpu_compat.PATCHES)
 

@@ -38,11 +38,11 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
 
 
 def test_dry_run_prints_the_script_and_writes_nothing(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["submit", str(job), "train.steps=70", "--nodes", "3", "--time", "30", "--dry-run"]
+    argv = ["submit", str(job), "train.steps=70", "--nodes", "4", "--time", "30", "--dry-run"]
     code, out, err = run_cli(argv, capsys)
     assert code == 0, err
     run_dir = Path.cwd() / "runs" / "tiny"  # default: runs/<name> under the working directory
-    assert "#SBATCH --nodes=3" in out and "#SBATCH --partition=cpu" in out and "#SBATCH --time=30" in out
+    assert "#SBATCH --nodes=4" in out and "#SBATCH --partition=cpu" in out and "#SBATCH --time=30" in out
     assert "RETRIES=5" in out  # from the YAML's slurm: section; flags override it key by key
     assert f"TRAINER=(-m elastic_pretrain.cli train '{job}' train.steps=70 --run-dir {run_dir})" in out
     assert "dry run" in err and not run_dir.exists()
@@ -51,8 +51,8 @@ def test_dry_run_prints_the_script_and_writes_nothing(job: Path, capsys: pytest.
 def test_run_dir_from_flag_or_yaml(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_cli(["submit", str(job), "--run-dir", "elsewhere/r 1", "--dry-run"], capsys)
     assert code == 0 and f"RUN_DIR='{Path.cwd() / 'elsewhere' / 'r 1'}'" in out
-    job.write_text(BASE + "run_dir: /scratch/x\n")
-    code, out, _ = run_cli(["submit", str(job), "--dry-run"], capsys)
+    job.write_text(BASE + "run_dir: /scratch/x\n")  # no slurm section: --nodes 2 for the EP=2 mesh
+    code, out, _ = run_cli(["submit", str(job), "--dry-run", "--nodes", "2"], capsys)
     assert code == 0 and "RUN_DIR=/scratch/x" in out and '#SBATCH --job-name="tiny job"' in out
 
 
@@ -131,8 +131,28 @@ def test_finished_run_is_not_resubmitted(tmp_path: Path) -> None:
         ("sbatch: error: fetch_config: DNS SRV lookup failed\nsbatch: error: _establish_config_source: failed to "
          "fetch config\nsbatch: fatal: Could not establish a configuration source", "cannot reach a Slurm cluster"),
         ("sbatch: error: Something new", "Something new: fix the Slurm option it names"),
+        ("sbatch: unrecognized option '--jobid=4321'\nTry \"sbatch --help\" for more information",
+         "sbatch: unrecognized option '--jobid=4321': fix or remove that option (slurm.sbatch_args)"),
     ],
 )  # fmt: skip
 def test_sbatch_errors_name_the_fix(stderr: str, needle: str) -> None:
     message = explain_sbatch_error(stderr)
     assert needle in message and "\n" not in message
+
+
+def test_submit_shows_sbatchs_own_error_line(
+    job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An sbatch that rejects an option (injected: a stand-in sbatch printing what sbatch 23 prints)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    sbatch = bin_dir / "sbatch"
+    sbatch.write_text(
+        "#!/bin/sh\necho \"sbatch: unrecognized option '--jobid=4321'\" >&2\n"
+        "echo 'Try \"sbatch --help\" for more information' >&2\nexit 1\n"
+    )
+    sbatch.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    code, _, err = run_cli(["submit", str(job), "slurm.sbatch_args=[--jobid=4321]"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "sbatch: unrecognized option '--jobid=4321'" in err and "--help" not in err

@@ -8,7 +8,7 @@ from elastic_pretrain.config import ConfigError
 from elastic_pretrain.train.depth_sim import layouts, simulate
 from elastic_pretrain.train.schedule import ScheduleConfig
 
-ELR = {"sampler": "independent_rank"}
+ELR = {"sampler": "independent_rank", "switch_at": 0.0}
 
 
 def eff(ranks: int, ep: int, micro: int = 4, steps: int = 30, **kw):

@@ -1,5 +1,6 @@
 """EP-safe mixed depth on 4 gloo processes (data parallel 4 × expert parallel 2, and tensor parallel
-2 × expert parallel 2): the members of each expert-parallel group run different loop counts.
+2 × expert parallel 2; and data parallel 4 × expert parallel 2 with per-pass recompute): the members of
+each expert-parallel group run different loop counts.
 No hang (test timeout), finite loss, and
 loss/gradients equal to one process running the same micro-batches at the same ℓ values.
 
@@ -35,15 +36,15 @@ def out(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.parametrize(
     ("layout", "replay"),
-    [("ep2", False), ("ep2", True), ("tp2ep2", True)],
-    ids=["dp4xep2", "dp4xep2-route-replay", "tp2xep2-route-replay"],
+    [("ep2", False), ("ep2", True), ("tp2ep2", True), ("ep2-recompute", True)],
+    ids=["dp4xep2", "dp4xep2-route-replay", "tp2xep2-route-replay", "dp4xep2-route-replay-recompute-pass"],
 )
 def test_mixed_depth_across_an_expert_group_matches_one_process(out, layout, replay):
-    ref_mode = "ref" if layout == "ep2" else "ref2"
+    ref_mode = "ref2" if layout == "tp2ep2" else "ref"
     tag = "replay" if replay else "plain"
     ref = torch.load(out / f"{ref_mode}_{tag}_rank0.pt", weights_only=True)
     assert math.isfinite(ref["loss"])
-    assert sorted(ref["by_loops"]) == ([1, 2, 3, 4] if layout == "ep2" else [1, 3])
+    assert sorted(ref["by_loops"]) == ([1, 3] if layout == "tp2ep2" else [1, 2, 3, 4])
     for rank in range(4):
         res = torch.load(out / f"{layout}_{tag}_rank{rank}.pt", weights_only=True)
         assert res["loss"] == pytest.approx(ref["loss"], rel=1e-5)

@@ -4,7 +4,10 @@ megatron-core GPTModel MoE with the same unrolled layers, experts and tokens.
     .venv/bin/python bench/bench_depth.py [--repeats 15]
 
 One process, CPU, 1 thread. Prints medians and ratios against the baseline measured in the same run
-(no asserts). The model is the default job's shape (hidden 96, 8 experts top-2, 1 core layer x 4
+(no asserts); the two sides of every ratio are timed alternately (A, B, A, B, ...), so a change in
+the machine's load hits both. The GPTModel baseline has exactly the MoE layers the looped model
+executes at L_max (prelude + L_max x core + coda; printed, and checked before timing).
+The model is the default job's shape (hidden 96, 8 experts top-2, 1 core layer x 4
 passes after flattening, prelude 1 + coda 1), micro-batch 4 x 128 tokens, forward + backward.
 """
 
@@ -20,15 +23,18 @@ import torch
 warnings.filterwarnings("ignore")
 
 
-def timed(fn, repeats: int) -> float:
+def timed_pair(fa, fb, repeats: int) -> tuple[float, float]:
+    """Medians of ``fa`` and ``fb`` timed alternately (interleaved), after warm-up of both."""
     for _ in range(3):
-        fn()
-    samples = []
+        fa()
+        fb()
+    a, b = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
+        for fn, out in ((fa, a), (fb, b)):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(a), statistics.median(b)
 
 
 def main() -> None:
@@ -63,28 +69,38 @@ def main() -> None:
     replay = build_model(ModelConfig(**shape, route_replay=True), par)
     replay.load_state_dict(plain.state_dict())
     for ell in (1, 2, 4):
-        a = timed(step(plain, loops=ell), args.repeats)
-        b = timed(step(replay, loops=ell), args.repeats)
+        a, b = timed_pair(step(plain, loops=ell), step(replay, loops=ell), args.repeats)
         print(f"  {ell:>5} {a:9.4f} {b:9.4f} {b / a:13.3f}")
 
     # all six unrolled layers MoE in both models (prelude and coda MoE here), same experts, same tokens
     cfg = ModelConfig(**shape, loop_conditioning=False, edge_mlp="moe")
     looped = build_model(cfg, par)
     unrolled = cfg.prelude_layers + cfg.core_layers_built * cfg.max_loops + cfg.coda_layers
-    gcfg = ModelConfig(**{**shape, "flatten": 1, "core_layers": unrolled, "num_experts": cfg.experts_built})
+    # the GPTModel's layers = its prelude + core + coda: core = the unrolled passes only (an earlier
+    # version set core_layers = unrolled and so timed 8 MoE layers against the looped model's 6)
+    gcfg = ModelConfig(**{**shape, "flatten": 1, "core_layers": unrolled - cfg.prelude_layers - cfg.coda_layers,
+                          "num_experts": cfg.experts_built})
     tconf = transformer_config(gcfg, par)
+    if tconf.num_layers != unrolled:
+        raise SystemExit(f"baseline has {tconf.num_layers} layers, the looped model executes {unrolled}")
     gpt = GPTModel(config=tconf, transformer_layer_spec=layer_specs(gcfg).moe,
                    vocab_size=padded_vocab_size(257, 1), max_sequence_length=128, position_embedding_type="rope")
-    t_loop = timed(step(looped, loops=cfg.max_loops), args.repeats)
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
-    get_moe_layer_wise_logging_tracker().clear()  # sized by the first model's layer count
-    t_gpt = timed(lambda: (gpt.zero_grad(set_to_none=True),
-                           gpt(inputs, None, None, labels=labels).mean().backward()), args.repeats)
+    def gpt_step() -> None:
+        get_moe_layer_wise_logging_tracker().clear()  # sized by the layer count of whichever model ran last
+        gpt.zero_grad(set_to_none=True)
+        gpt(inputs, None, None, labels=labels).mean().backward()
+
+    def loop_step() -> None:
+        get_moe_layer_wise_logging_tracker().clear()
+        step(looped, loops=cfg.max_loops)()
+
+    t_loop, t_gpt = timed_pair(loop_step, gpt_step, args.repeats)
     n_loop = sum(p.numel() for p in looped.parameters())
     n_gpt = sum(p.numel() for p in gpt.parameters())
-    print(f"\nlooped (L_max={cfg.max_loops}, {n_loop / 1e6:.2f}M params) vs GPTModel MoE with {unrolled} unrolled"
-          f" layers ({n_gpt / 1e6:.2f}M params), fwd+bwd median s")
+    print(f"\nlooped (L_max={cfg.max_loops}, {unrolled} MoE layers executed, {n_loop / 1e6:.2f}M params) vs GPTModel"
+          f" MoE with {tconf.num_layers} layers ({n_gpt / 1e6:.2f}M params), fwd+bwd median s, interleaved")
     print(f"  looped {t_loop:.4f}  gpt {t_gpt:.4f}  looped/gpt {t_loop / t_gpt:.3f}")
     teardown()
 

@@ -11,7 +11,7 @@ import datetime
 import logging
 import os
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -21,6 +21,9 @@ from elastic_pretrain.config import ConfigError
 from elastic_pretrain.parallel import cpu_compat
 from elastic_pretrain.parallel.config import ParallelConfig  # re-exported (light: job validation imports it)
 from elastic_pretrain.parallel.device import device
+
+if TYPE_CHECKING:
+    from elastic_pretrain.train.schedule import ExpertLayout
 
 log = logging.getLogger(__name__)
 
@@ -140,9 +143,45 @@ def pipeline_group() -> Any:
     return parallel_state.get_pipeline_model_parallel_group()
 
 
+def expert_layout() -> ExpertLayout:
+    """The replicas of this rank's expert-parallel group and each replica's depth-group key
+    (:class:`~elastic_pretrain.train.schedule.ExpertLayout`), from one ``all_gather`` at start-up:
+    after it every rank computes its group's loop counts locally (no collective per micro-batch)."""
+    from megatron.core import parallel_state
+
+    from elastic_pretrain.train.schedule import ExpertLayout
+
+    replica = parallel_state.get_data_parallel_rank()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return ExpertLayout.single(replica)
+    ep_ranks = dist.get_process_group_ranks(parallel_state.get_expert_model_parallel_group())
+    # [replica, EP group's global ranks...]: the same length everywhere (EP groups are equal in size);
+    # a device tensor, as NCCL needs (parallel/device.py)
+    mine = torch.tensor([replica, *ep_ranks], dtype=torch.int64, device=device())
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    gathered = [(int(row[0]), [int(k) for k in row[1:].tolist()]) for row in rows]
+    replica_of = {rank: r for rank, (r, _) in enumerate(gathered)}
+    parent = {r: r for r in replica_of.values()}  # union-find: replicas linked by sharing an EP group
+
+    def root(r: int) -> int:
+        while parent[r] != r:
+            r = parent[r]
+        return r
+
+    for _, ranks in gathered:
+        roots = sorted({root(replica_of[k]) for k in ranks})
+        for other in roots[1:]:
+            parent[other] = roots[0]
+    key = {r: min(q for q in parent if root(q) == root(r)) for r in parent}
+    return ExpertLayout(group=tuple(sorted({replica_of[k] for k in ep_ranks})), key=key)
+
+
 def expert_group_max(value: int) -> int:
     """Max of ``value`` over this rank's expert-parallel group: the loop count every member of the
-    group must join MoE all-to-alls for (DESIGN §3: one all-reduce MAX of ℓ per micro-batch)."""
+    group must join MoE all-to-alls for. Training computes it locally
+    (``ScheduleController.step_plans``); this collective is the fallback for hand-built plans and the
+    reference the tests compare the local computation with."""
     return expert_group_max_each([value])[0]
 
 

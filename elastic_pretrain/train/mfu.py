@@ -7,7 +7,9 @@ and the coda + output layer once per **supervised exit** (telescopic training su
 backward (``train.recompute``: ``selective`` recomputes the attention-score matmuls, ``pass`` each
 core pass) and the one-token MoE calls of **ghost passes** (a rank joining its expert-parallel
 group's deeper micro-batch). Ghost passes cost almost no FLOPs but idle time: their share of
-executed passes is reported on its own (``ghost_pass_fraction``).
+executed passes is reported on its own (``ghost_pass_fraction``), as is its complement
+``depth_efficiency`` (useful / executed passes, :attr:`DepthCounts.efficiency`) and the estimated
+wall time they cost (:func:`ghost_time_share`; docs/elastic-depth.md, "Depth efficiency").
 
 Peaks are vendor data-sheet dense numbers per device (no sparsity), bf16 or FP8, matched on
 ``torch.cuda.get_device_name()``; ``train.peak_tflops`` overrides them (and is the only way to get
@@ -86,6 +88,12 @@ class DepthCounts:
     exits: float  # supervised exits (coda + output layer runs)
     ghost_passes: float  # passes joined as a ghost (expert-parallel group deeper than this micro-batch)
 
+    @property
+    def efficiency(self) -> float:
+        """``depth_efficiency``: useful passes / executed passes (1.0: no rank idled in a ghost pass)."""
+        executed = self.loops + self.ghost_passes
+        return self.loops / executed if executed else 1.0
+
 
 @dataclasses.dataclass(frozen=True)
 class StepFlops:
@@ -122,6 +130,21 @@ def step_flops(cfg: ModelConfig, depth: DepthCounts, *, seq_len: int, micro_batc
     executed = depth.loops + depth.ghost_passes
     return StepFlops(model=model, hardware=model + ghost + extra,
                      ghost_pass_fraction=depth.ghost_passes / executed if executed else 0.0)
+
+
+def ghost_time_share(cfg: ModelConfig, depth: DepthCounts, *, seq_len: int) -> float:
+    """Estimated share of a step's compute time spent in ghost passes.
+
+    A ghost pass does almost no FLOPs of its own, but the rank waits inside the all-to-all for its
+    peer's real pass, so it costs the wall time of one real core pass. The share is therefore the
+    ghost passes' part of the FLOPs the step would take if every executed pass were a real one
+    (forward + backward alike; recompute ignored). An estimate, not a timer: on a GPU a host timer
+    around asynchronous NCCL calls would measure kernel launches, not the wait."""
+    as_real = step_flops(cfg, DepthCounts(loops=depth.loops + depth.ghost_passes, exits=depth.exits, ghost_passes=0),
+                         seq_len=seq_len, micro_batch_tokens=1).model
+    useful = step_flops(cfg, DepthCounts(loops=depth.loops, exits=depth.exits, ghost_passes=0),
+                        seq_len=seq_len, micro_batch_tokens=1).model
+    return (as_real - useful) / as_real if as_real else 0.0
 
 
 def utilisation(flops: StepFlops, *, tokens_per_s: float, devices: int, peak_flops_per_s: float) -> dict[str, float]:

@@ -4,7 +4,9 @@ Phase ``fixed`` (every micro-batch at ``schedule.fixed_loops``: 1 in ELR's recip
 ``schedule.loops``) until ``switch_at`` of the run's tokens,
 then ``mixed``, where the configured sampler picks each micro-batch's loop count ℓ and the exits
 that are supervised. Draws are pure functions of (seed, step, micro-batch, replica), so a resumed
-run draws exactly what an uninterrupted run would, and all TP/PP ranks of one replica agree.
+run draws exactly what an uninterrupted run would, and all TP/PP ranks of one replica agree — and
+every rank can compute the plans of the other replicas of its expert-parallel group, hence the
+loop count the group's MoE all-to-alls run for, without a collective (:meth:`ScheduleController.step_plans`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import numpy as np
 from elastic_pretrain.config import ConfigError, field
 
 Sampler = Literal["fixed", "independent_rank", "per_step", "telescopic", "fixed_exits"]
+DepthGroup = Literal["replica", "expert_group"]
+Order = Literal["draw", "deep_first"]
 UnusedPassInit = Literal["copy_pass0", "as_initialised"]
 
 
@@ -52,6 +56,16 @@ class ScheduleConfig:
         factory=list, doc="telescopic: sampling density over telescopic_depths (empty = uniform)."
     )
     exits: list[int] = field(factory=list, doc="fixed_exits: the only supervised exits (Matryoshka baseline).")
+    depth_group: DepthGroup = field(
+        "replica",
+        doc="independent_rank: who draws one ℓ per micro-batch: each replica (ELR), or each expert-parallel group "
+        "(ranks that exchange tokens agree, so nobody idles in ghost passes; groups still mix ℓ within a step).",
+    )
+    order: Order = field(
+        "draw",
+        doc="Order a replica runs its micro-batches in: as drawn, or deep_first (sorted by ℓ, so the deep ones of "
+        "an expert-parallel group run together; same draws, same gradient sum up to rounding).",
+    )
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.switch_at <= 1.0:
@@ -62,6 +76,9 @@ class ScheduleConfig:
             raise ConfigError("weights: must be non-negative with a positive sum")
         if self.telescopic_weights and len(self.telescopic_weights) != len(self.telescopic_depths):
             raise ConfigError("telescopic_weights: give one weight per entry of telescopic_depths")
+        if self.depth_group != "replica" and self.sampler != "independent_rank":
+            raise ConfigError(f"schedule.depth_group: {self.depth_group} applies to sampler independent_rank only "
+                              f"(got {self.sampler}); remove depth_group or set sampler: independent_rank")
         if self.sampler == "fixed_exits" and not self.exits:
             raise ConfigError("exits: fixed_exits needs the list of supervised exits, e.g. exits: [1, 2, 4]")
         if self.sampler != "fixed" and self.switch_at == 1.0:
@@ -97,6 +114,26 @@ class DepthPlan:
 
     loops: int
     exits: tuple[int, ...]
+    # passes the expert-parallel group's MoE calls run for (max ℓ over the group; ghosts beyond ``loops``);
+    # None: not known locally (a hand-built plan), and the step agrees on it with a collective
+    group_loops: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayout:
+    """Which replicas share this rank's expert-parallel group, and which replica keys a group's draw.
+
+    ``group``: the replicas of this rank's EP group (its MoE all-to-alls pair with theirs).
+    ``key``: replica → the smallest replica of its *depth group*, the replicas linked through EP
+    groups (all TP/PP ranks of a replica must draw the same ℓ even when they sit in different EP groups).
+    Built once at start-up by ``parallel/mesh.py: expert_layout``."""
+
+    group: tuple[int, ...]
+    key: dict[int, int]
+
+    @staticmethod
+    def single(replica: int) -> ExpertLayout:
+        return ExpertLayout(group=(replica,), key={replica: replica})
 
 
 class ScheduleController:
@@ -145,7 +182,7 @@ class ScheduleController:
             ell = 1 + int(self._rng(step, 1).choice(self.max_loops, p=self._weights()))
             return DepthPlan(ell, (ell,))
         if sampler == "independent_rank":
-            rng = self._rng(step, micro, replica, 2)
+            rng = self._rng(step, micro, replica, 2)  # replica: the group's key under depth_group=expert_group
             if rng.random() < self.cfg.one_loop_fraction:
                 return DepthPlan(1, (1,))
             ell = 1 + int(rng.choice(self.max_loops, p=self._weights()))
@@ -154,6 +191,37 @@ class ScheduleController:
             return DepthPlan(self.anchor, (self._telescopic_exit(step, micro, replica), self.anchor))
         exits = tuple(sorted(set(self.cfg.exits)))  # fixed_exits
         return DepthPlan(max(exits), exits)
+
+    def step_plans(self, *, step: int, micro_batches: int, replica: int,
+                   layout: ExpertLayout | None = None) -> list[tuple[int, DepthPlan]]:
+        """This replica's (micro-batch index, plan) pairs of ``step``, in the order to run them.
+
+        Each plan carries ``group_loops``, the EP group's maximum ℓ, computed here from the other
+        replicas' draws (plans are pure functions of seed, step, micro-batch and replica): no
+        agreement collective per micro-batch. Under ``order: deep_first`` every replica runs its
+        micro-batches by decreasing ℓ (ties by index), so the EP group's deep ones coincide."""
+        layout = layout or ExpertLayout.single(replica)
+        group = self.cfg.depth_group == "expert_group"
+
+        def draws(r: int) -> list[DepthPlan]:
+            rr = layout.key.get(r, r) if group else r
+            return [self.plan(step=step, micro=i, replica=rr) for i in range(micro_batches)]
+
+        def run_order(r: int) -> list[DepthPlan]:  # replica r's plans in the order r runs them
+            plans = draws(r)
+            return [plans[i] for i in self._ordered(plans)]
+
+        mine = draws(replica)
+        peers = [run_order(r) for r in layout.group if r != replica]
+        out = []
+        for pos, i in enumerate(self._ordered(mine)):
+            top = max([mine[i].loops] + [p[pos].loops for p in peers])
+            out.append((i, dataclasses.replace(mine[i], group_loops=top)))
+        return out
+
+    def _ordered(self, plans: list[DepthPlan]) -> list[int]:
+        idx = list(range(len(plans)))
+        return sorted(idx, key=lambda i: -plans[i].loops) if self.cfg.order == "deep_first" else idx
 
     def _telescopic_exit(self, step: int, micro: int, replica: int) -> int:
         """A random prefix depth < anchor (TLM): uniform, or from the configured density."""

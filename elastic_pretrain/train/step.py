@@ -8,6 +8,7 @@ per-token mean. Per-loop-count sums and counts are returned separately for loggi
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -22,13 +23,13 @@ from elastic_pretrain.parallel.device import device, to_device
 from elastic_pretrain.parallel.mesh import (
     all_reduce_sum,
     data_parallel_group,
-    expert_group_max,
     expert_group_max_each,
     pipeline_group,
 )
 from elastic_pretrain.parallel.pipeline import AttachLoss, PassChunk, Pipeline
+from elastic_pretrain.tracking import names
 from elastic_pretrain.train.faults import guarded_step
-from elastic_pretrain.train.mfu import DepthCounts
+from elastic_pretrain.train.mfu import DepthCounts, ghost_time_share
 from elastic_pretrain.train.schedule import DepthPlan
 
 
@@ -63,7 +64,7 @@ def _loss_func(plan: DepthPlan, losses_BT: dict[int, torch.Tensor]) -> tuple[tor
 def _forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module) -> tuple[Any, Any]:
     mb = next(data_iterator)
     inputs, labels = mb.tokens_BT1[:, :-1].contiguous(), mb.tokens_BT1[:, 1:].contiguous()
-    sync_loops = expert_group_max(mb.plan.loops)  # EP-safe mixed depth (see LoopedMoEModel.run_loops)
+    sync_loops = group_loops([mb])[0]  # EP-safe mixed depth (see LoopedMoEModel.run_loops)
     losses = model(inputs, labels=labels, loops=mb.plan.loops, exits=mb.plan.exits, sync_loops=sync_loops)
     return losses, partial(_loss_func, mb.plan)
 
@@ -158,6 +159,7 @@ class TrainStep:
         self.veto: Callable[..., bool] | None = None  # FaultMonitor.veto(found_inf, grad_norm, loss=...)
 
     def __call__(self, micro_batches: list[MicroBatch], *, probe_routing: bool = False) -> StepResult:
+        t0 = time.perf_counter()
         net: Any = self.model.module
         # the data loader's batches are host tensors: pinned, copied without blocking (parallel/device.py)
         micro_batches = [dataclasses.replace(mb, tokens_BT1=to_device(mb.tokens_BT1)) for mb in micro_batches]
@@ -169,6 +171,10 @@ class TrainStep:
             probe = net.stop_routing_probe()
         result.routing = reduce_routing(probe) if probe_routing else {}
         result.depth = depth_counts(micro_batches)
+        # depth efficiency and the estimated time idled in ghost passes (docs/elastic-depth.md, "Depth efficiency")
+        share = ghost_time_share(net.cfg, result.depth, seq_len=self.seq_len)
+        result.aux.update({names.DEPTH_EFFICIENCY: result.depth.efficiency,
+                           names.GHOST_TIME_S: share * (time.perf_counter() - t0)})
         return result
 
     def _step(self, micro_batches: list[MicroBatch]) -> StepResult:
@@ -203,16 +209,25 @@ def depth_counts(micro_batches: list[MicroBatch]) -> DepthCounts:
     """Passes, supervised exits and ghost passes per micro-batch, means over every data-parallel replica
     (the TP ranks and pipeline stages of a replica run the same plans; replicas draw their own ℓ)."""
     loops = [mb.plan.loops for mb in micro_batches]
-    sync = expert_group_max_each(loops)  # the passes each micro-batch's MoE calls ran for (ghosts beyond ℓ)
+    sync = group_loops(micro_batches)  # the passes each micro-batch's MoE calls ran for (ghosts beyond ℓ)
     local = [sum(loops), sum(len(mb.plan.exits) for mb in micro_batches), sum(s - n for s, n in zip(sync, loops)),
              len(micro_batches)]
     packed = all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=device())).tolist()
     return DepthCounts(loops=packed[0] / packed[3], exits=packed[1] / packed[3], ghost_passes=packed[2] / packed[3])
 
 
+def group_loops(micro_batches: list[MicroBatch]) -> list[int]:
+    """The passes each micro-batch's MoE calls run for (its EP group's max ℓ): computed locally by the
+    schedule controller (``DepthPlan.group_loops``); only hand-built plans agree with one all-reduce."""
+    known = [mb.plan.group_loops for mb in micro_batches]
+    if all(g is not None for g in known):
+        return [int(g) for g in known]  # type: ignore[arg-type]
+    return expert_group_max_each([mb.plan.loops for mb in micro_batches])
+
+
 def run_pipeline(pipeline: Pipeline, micro_batches: list[MicroBatch], *, seq_len: int, training: bool) -> list[dict]:
     """The interleaved pipeline schedule over one step's micro-batches (forward+backward or forward only)."""
-    sync = expert_group_max_each([mb.plan.loops for mb in micro_batches])  # EP-safe mixed depth, one all-reduce
+    sync = group_loops(micro_batches)  # EP-safe mixed depth
     grad_scale = pipeline.config.grad_scale_func
     loss_scale = float(grad_scale(torch.ones(1, device=device()))) if grad_scale is not None and training else 1.0
     forward = _ChunkForward(sync, loss_scale=loss_scale / len(micro_batches), training=training)
@@ -227,7 +242,7 @@ def _evaluate_pipeline(pipeline: Pipeline, tokens_NT1: torch.Tensor, runs: list[
     count = torch.zeros(1, dtype=torch.float64, device=device())
     batches = [to_device(b) for b in tokens_NT1.split(batch_size)]
     for ell, exits in runs:
-        plan = DepthPlan(ell, exits)
+        plan = DepthPlan(ell, exits, group_loops=ell)  # every rank evaluates the same plan
         reports = run_pipeline(pipeline, [MicroBatch(b, plan) for b in batches], seq_len=tokens_NT1.shape[1] - 1,
                                training=False)
         for rep in reports:

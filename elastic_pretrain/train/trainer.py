@@ -22,7 +22,7 @@ from elastic_pretrain.checkpoint.preempt import StopRequest, stop_reason
 from elastic_pretrain.checkpoint.store import CheckpointStore
 from elastic_pretrain.job import JobConfig, write_resolved
 from elastic_pretrain.launch.layout import RunFiles
-from elastic_pretrain.parallel.mesh import Mesh, describe, every_rank, init_mesh, teardown
+from elastic_pretrain.parallel.mesh import Mesh, describe, every_rank, expert_layout, init_mesh, teardown
 from elastic_pretrain.parallel.strict import enter_strict_devices
 from elastic_pretrain.train.decider import load_base
 from elastic_pretrain.train.faults import FaultMonitor
@@ -91,6 +91,7 @@ class Trainer:
     def fit(self) -> dict[int, float] | None:
         """Train to ``train.steps`` (returns validation loss per ℓ), or save and return None when stopped."""
         job, s, state = self.job, self.s, self.state
+        layout = expert_layout()  # once: then every rank computes its EP group's ℓ locally (train/schedule.py)
         while state.step < job.train.steps:
             if s.controller.update(step=state.step, tokens_seen=state.tokens):
                 s.on_switch_to_mixed(state.step)
@@ -98,9 +99,10 @@ class Trainer:
             t0 = time.perf_counter()
             tokens = s.batches.next_step()
             data_s = time.perf_counter() - t0
-            plans = [s.controller.plan(step=state.step, micro=i, replica=self.mesh.replica) for i in range(len(tokens))]
+            plans = s.controller.step_plans(step=state.step, micro_batches=len(tokens), replica=self.mesh.replica,
+                                            layout=layout)
             probe = bool(job.train.routing_interval) and (state.step + 1) % job.train.routing_interval == 0
-            result = s.step([MicroBatch(t, p) for t, p in zip(tokens, plans)], probe_routing=probe)
+            result = s.step([MicroBatch(tokens[i], p) for i, p in plans], probe_routing=probe)
             result.aux[DATA_WAIT_KEY] = data_s
             step_s = time.perf_counter() - t0
             state.step += 1
@@ -187,7 +189,9 @@ class ProgressPrinter:
         print(
             f"step {state.step:>5}/{total} [{100 * state.step / total:5.1f}%] loss {result.loss:.4f} ({per_loop})"
             f"{decider} | lr {result.lr:.2e} | gnorm {result.grad_norm:.2f}"
-            f" | {self.job.tokens_per_step / mean_s:,.0f} tok/s | {self.controller.phase} | eta {eta:,.0f}s",
+            f" | {self.job.tokens_per_step / mean_s:,.0f} tok/s | {self.controller.phase}"
+            f"{depth_note(a) if self.controller.mixed else ''}"
+            f" | eta {eta:,.0f}s",
             flush=True,
         )
 
@@ -215,6 +219,14 @@ class ProgressPrinter:
             print(
                 f"stopped ({reason}) at step {state.step}/{self.job.train.steps}: checkpoint saved, exiting", flush=True
             )
+
+
+def depth_note(aux: dict[str, float]) -> str:
+    """`` depth eff 0.744 ghost 0.12s``: useful / executed passes of the step and the estimated seconds
+    idled in ghost passes (docs/elastic-depth.md, "Depth efficiency")."""
+    if "depth_efficiency" not in aux:
+        return ""
+    return f" depth eff {aux['depth_efficiency']:.3f} ghost {aux.get('ghost_time_s', 0.0):.2f}s"
 
 
 def print_routing(routing: dict[tuple[int, int], dict[str, float]]) -> str:
@@ -249,10 +261,11 @@ class SummaryWriter:
         self.routing: dict[str, dict[str, float]] = {}
 
     def on_step(self, state: TrainState, result: StepResult, step_s: float) -> None:
-        entry = {
+        entry: dict[str, Any] = {
             "step": state.step,
             "loss": result.loss,
             "loss_by_loops": {str(k): v for k, v in result.loss_by_loops.items()},
+            **{k: result.aux[k] for k in ("depth_efficiency", "ghost_time_s") if k in result.aux},
         }
         self.history.append(entry)
         if self.enabled:
@@ -284,9 +297,18 @@ class SummaryWriter:
                 "val_loss_by_loops": {str(k): v for k, v in val.items()},
                 "layout": describe(self.mesh),
                 "routing": self.routing,
+                **depth_summary(self.history),
                 "history": self.history,
             }
             self.path.write_text(json.dumps(summary, indent=1))
+
+
+def depth_summary(history: list[dict[str, Any]]) -> dict[str, float]:
+    """Run totals for summary.json: mean depth efficiency over the steps, ghost seconds summed."""
+    eff = [h["depth_efficiency"] for h in history if "depth_efficiency" in h]
+    if not eff:
+        return {}
+    return {"depth_efficiency": sum(eff) / len(eff), "ghost_time_s": sum(h.get("ghost_time_s", 0.0) for h in history)}
 
 
 class TrackingCallback:

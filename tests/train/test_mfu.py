@@ -104,6 +104,23 @@ def test_depth_is_the_global_mean_over_replicas():
     assert per_rank == [[2.5, 1.5, 1.0], [2.5, 1.5, 1.0]]
 
 
+def test_depth_efficiency_and_ghost_time_share():
+    from elastic_pretrain.train.mfu import ghost_time_share
+
+    none = DepthCounts(loops=2.5, exits=1, ghost_passes=0)
+    some = DepthCounts(loops=2.5, exits=1, ghost_passes=1.5)
+    assert none.efficiency == 1.0 and some.efficiency == pytest.approx(2.5 / 4)
+    assert DepthCounts(loops=0, exits=0, ghost_passes=0).efficiency == 1.0
+    assert ghost_time_share(CFG, none, seq_len=SEQ) == 0.0
+    share = ghost_time_share(CFG, some, seq_len=SEQ)
+    # a ghost pass costs one real pass's time: the share of 1.5 passes in the step's executed work
+    one_pass = flops_per_token(CFG, 1, seq_len=SEQ) - flops_per_token(CFG, 0, seq_len=SEQ)
+    all_real = DepthCounts(loops=4, exits=1, ghost_passes=0)  # 2.5 + 1.5 passes, one exit
+    executed = step_flops(CFG, all_real, seq_len=SEQ, micro_batch_tokens=1).model / 3
+    assert share == pytest.approx(1.5 * one_pass / executed)
+    assert 0 < share < 1 - some.efficiency  # prelude, coda and output layer are not idle
+
+
 def test_training_flops_relative_to_the_non_looped_baseline():
     """The baseline is the same model at ℓ = 1 with one exit, on the same tokens (ELR's compute ratio)."""
     from elastic_pretrain.train.mfu import baseline_flops_per_token

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -139,6 +140,71 @@ def test_state_dict_round_trip_draws_the_same():
 def test_bad_schedules_are_clear_errors(kw, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         ctl(**kw)
+
+
+# --- step plans: the EP group's ℓ computed locally, orders, draws per EP group (issue 19) ---------------
+
+def _layout(group, key=None):
+    from elastic_pretrain.train.schedule import ExpertLayout
+
+    return ExpertLayout(group=tuple(group), key=key or {r: r for r in group})
+
+
+def test_step_plans_carry_the_expert_groups_max_computed_locally():
+    c = ctl(sampler="independent_rank", switch_at=0.0)
+    group = _layout([0, 1, 2])
+    for step in range(10):
+        for r in group.group:
+            plans = c.step_plans(step=step, micro_batches=4, replica=r, layout=group)
+            assert [i for i, _ in plans] == [0, 1, 2, 3]  # order: draw
+            for i, p in plans:
+                assert dataclasses.replace(p, group_loops=None) == c.plan(step=step, micro=i, replica=r)
+                assert p.group_loops == max(c.plan(step=step, micro=i, replica=q).loops for q in group.group)
+    # a replica alone in its group never runs a ghost pass
+    assert all(p.group_loops == p.loops for _, p in c.step_plans(step=3, micro_batches=4, replica=5))
+
+
+def test_deep_first_reorders_the_same_draws():
+    draw = ctl(sampler="independent_rank", switch_at=0.0)
+    deep = ctl(sampler="independent_rank", switch_at=0.0, order="deep_first")
+    group = _layout([0, 1])
+    ghosts = {"draw": 0, "deep_first": 0}
+    for step in range(20):
+        for r in (0, 1):
+            a = draw.step_plans(step=step, micro_batches=4, replica=r, layout=group)
+            b = deep.step_plans(step=step, micro_batches=4, replica=r, layout=group)
+            # same (micro-batch, ℓ) pairs — the same data at the same depth, so the same gradient sum
+            assert sorted((i, p.loops) for i, p in a) == sorted((i, p.loops) for i, p in b)
+            assert [p.loops for _, p in b] == sorted((p.loops for _, p in b), reverse=True)
+            ghosts["draw"] += sum(p.group_loops - p.loops for _, p in a)
+            ghosts["deep_first"] += sum(p.group_loops - p.loops for _, p in b)
+            # both members agree on every position's group ℓ
+        other = deep.step_plans(step=step, micro_batches=4, replica=1, layout=group)
+        mine = deep.step_plans(step=step, micro_batches=4, replica=0, layout=group)
+        assert [p.group_loops for _, p in mine] == [p.group_loops for _, p in other]
+    assert ghosts["deep_first"] < ghosts["draw"]
+
+
+def test_expert_group_draws_agree_inside_a_group_and_mix_across_groups():
+    c = ctl(sampler="independent_rank", switch_at=0.0, depth_group="expert_group")
+    key = {0: 0, 1: 0, 2: 2, 3: 2}
+    across = set()
+    for step in range(10):
+        plans = {r: c.step_plans(step=step, micro_batches=4, replica=r, layout=_layout([key[r], key[r] + 1], key))
+                 for r in range(4)}
+        assert plans[0] == plans[1] and plans[2] == plans[3]
+        assert all(p.group_loops == p.loops for r in plans for _, p in plans[r])  # no ghost passes
+        across |= {(p0.loops, p2.loops) for (_, p0), (_, p2) in zip(plans[0], plans[2])}
+        assert len({p.loops for _, p in plans[0]} | {p.loops for _, p in plans[2]}) >= 1
+    assert any(a != b for a, b in across)  # different groups still mix ℓ within one update
+    # with replica-level draws (ELR) the two members of a group differ
+    elr = ctl(sampler="independent_rank", switch_at=0.0)
+    assert any(elr.plan(step=s, micro=0, replica=0) != elr.plan(step=s, micro=0, replica=1) for s in range(10))
+
+
+def test_depth_group_needs_independent_rank():
+    with pytest.raises(ConfigError, match="applies to sampler independent_rank only"):
+        ScheduleConfig(sampler="telescopic", depth_group="expert_group")
 
 
 @pytest.mark.parametrize("sampler", ["telescopic", "fixed_exits"])

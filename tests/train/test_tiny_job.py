@@ -46,6 +46,12 @@ def test_tiny_job_trains_and_reports_every_loop_count(tmp_path):
     assert index == ["checkpoints/index.json"]  # the checkpoint index, logged at the end
     assert 0 < run.data.metrics["mfu"] < 1 and "train.peak_tflops" in run.data.tags["mfu.peak_flops_per_s"]
     assert run.data.metrics["hfu"] >= run.data.metrics["mfu"] and 0 <= run.data.metrics["ghost_pass_fraction"] < 1
+    # depth efficiency (issue 19): every step, the run's mean, MLflow, and the progress line once mixed
+    assert all(0 < h["depth_efficiency"] <= 1 and h["ghost_time_s"] >= 0 for h in summary["history"])
+    assert summary["depth_efficiency"] == pytest.approx(
+        sum(h["depth_efficiency"] for h in summary["history"]) / 30)
+    assert run.data.metrics["depth_efficiency"] == pytest.approx(1 - run.data.metrics["ghost_pass_fraction"])
+    assert "mixed depth eff " in proc.stdout
 
 
 def test_tiny_model_trains_from_webdataset_shards(tmp_path):

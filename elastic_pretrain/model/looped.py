@@ -35,6 +35,7 @@ from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.model.decider import DeciderConfig, IterationDecider
 from elastic_pretrain.model.layer_list import LayerList
 from elastic_pretrain.model.recompute import checkpoint_pass
+from elastic_pretrain.model.replay_dispatch import check_replayable, moe_forward
 from elastic_pretrain.model.routing import RoutingProbe
 
 
@@ -87,7 +88,9 @@ class CoreLayer(MegatronModule):
         layers += [build_module(attention_only(spec), config=config, layer_number=layer_number)
                    for _ in range(n_attn - 1)]
         self.passes = LayerList(layers)
-        self.pass0_routes: dict[Hashable, Tensor] = {}  # route replay: pass-0 top-k experts per micro-batch
+        # route replay: pass 0's routing per micro-batch (impl router: its top-k experts; dispatch: a RouteRecord)
+        self.pass0_routes: dict[Hashable, Any] = {}
+        self.replay_impl: Literal["dispatch", "router"] = "dispatch"  # set by LoopedMoEModel from its config
 
     @property
     def full_layer(self) -> Any:
@@ -115,12 +118,14 @@ class CoreLayer(MegatronModule):
             h_TBD, _ = self.attention_for(pass_idx)._forward_attention(
                 h_TBD, attention_mask=None, rotary_pos_emb=rotary_pos_emb
             )
+            if replay and self.replay_impl == "dispatch":
+                return self._replayed_mlp(h_TBD, pass_idx=pass_idx, recomputing=recomputing, key=replay_key)
             router = getattr(self.shared_mlp, "router", None)
             rr = getattr(router, "router_replay", None) if replay else None
             record = rr is not None and pass_idx == 0 and not recomputing
             if rr is not None:
-                # Route replay (ELR): pass 0 records its top-k experts, later passes reuse them; the gate
-                # weights are still a softmax of the live logits at those experts, so routers learn.
+                # Route replay (ELR), route_replay_impl router: pass 0 records its top-k experts, later passes
+                # reuse them; the full router still runs, so the gates are a softmax of the live logits.
                 if record:
                     rr.clear_indices()
                     rr.set_router_replay_action(RouterReplayAction.RECORD)
@@ -134,6 +139,23 @@ class CoreLayer(MegatronModule):
                     if record:
                         self.pass0_routes[replay_key] = rr.recorded_topk_idx
                     rr.clear_router_replay_action()
+
+    def _replayed_mlp(self, h_TBD: Tensor, *, pass_idx: int, recomputing: bool, key: Hashable) -> Tensor:
+        """``TransformerLayer._forward_mlp`` with the MoE call of model/replay_dispatch.py: pass 0 records
+        its routing and dispatch metadata (``pass0_routes[key]``), later passes and re-runs replay them.
+        Only pass 0 adds the router's z-loss and load-balancing loss (in its backward re-run, if any)."""
+        record = pass_idx == 0 and not recomputing
+        layer = self.full_layer
+        if layer.recompute_mlp or layer.recompute_pre_mlp_layernorm:
+            raise RuntimeError("route_replay_impl dispatch does not compose with megatron's MLP recompute")
+        residual = h_TBD
+        x_TBD = layer._forward_pre_mlp_layernorm(h_TBD)
+        ep = self.shared_mlp.token_dispatcher.ep_size * self.shared_mlp.token_dispatcher.tp_size
+        out, rec = moe_forward(self.shared_mlp, x_TBD, None if record else self.pass0_routes[key],
+                               exchange_counts=ep > 1, router_losses=pass_idx == 0 and recomputing)
+        if record:
+            self.pass0_routes[key] = rec
+        return layer._forward_post_mlp((out, None), residual)
 
     def ghost_pass(self, like_TBD: Tensor) -> Tensor:
         """Join one MoE call (forward and backward collectives) without contributing — see run_loops.
@@ -226,6 +248,10 @@ class LoopedMoEModel(LanguageModule):
             ],
             start=first_core,
         )
+        if cfg.route_replay and cfg.route_replay_impl == "dispatch":
+            check_replayable(config)
+        for core in self.core_layers():
+            core.replay_impl = cfg.route_replay_impl
         self.coda = LayerList(
             [build_module(edge, config=config, layer_number=coda_number + i) for i in range(cfg.coda_layers)]
             if self.post_process else []

@@ -344,7 +344,7 @@ def evaluate_loops(
         for start in range(0, tokens_NT1.shape[0], batch_size):
             chunk = tokens_NT1[start : start + batch_size]
             ids, labels = chunk[:, :-1], chunk[:, 1:]
-            if model.conditioning_active:
+            if model.one_exit_per_run:
                 per = {ell: model(ids, loops=ell)[ell] for ell in wanted}
             else:
                 per = model(ids, loops=wanted[-1], exits=wanted)

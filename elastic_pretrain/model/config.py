@@ -75,6 +75,11 @@ class ModelConfig:
         "permutation and split sizes and compute only the k gates from live router logits (no top-k, no aux/z "
         "loss); router: megatron's RouterReplay (the full router runs, only top-k is replaced). alltoall only.",
     )
+    kv_training: Literal["same_pass", "last_loop"] = field(
+        "same_pass",
+        doc="Attention of core pass j to earlier tokens in training: same_pass reads their pass-j K/V; last_loop "
+        "their final-pass K/V from a no-grad run, as the ELR last-loop KV cache serves them (docs/kv-training.md).",
+    )
     loop_conditioning: bool = field(
         True, doc="Build the ELR loop-count conditioning head (zero-init, switched on at the mixed-depth switch)."
     )

@@ -59,12 +59,12 @@ class JobConfig:
         tp = self.parallel.tensor
         self.model.check_fp8_layout(tensor=tp, tokens=self.data.seq_len * self.train.micro_batch_size // tp)
         self.model.check_fp8_recompute(self.train.recompute)
-        if self.model.kv_training == "last_loop" and (
-            self.parallel.pipeline > 1 or self.decider is not None or self.schedule.sampler in ("telescopic", "fixed_exits")
-        ):
+        several_exits = self.decider is not None or self.schedule.sampler in ("telescopic", "fixed_exits")
+        if self.model.kv_training == "last_loop" and (self.parallel.pipeline > 1 or several_exits):
             raise ConfigError(
                 "model.kv_training=last_loop supervises one exit per forward without pipeline parallelism: use "
-                "parallel.pipeline=1, no decider, a sampler other than telescopic/fixed_exits — or kv_training=same_pass"
+                "parallel.pipeline=1, no decider, a sampler other than telescopic/fixed_exits, "
+                "or model.kv_training=same_pass"
             )
         if self.decider is not None and self.model.max_loops < 2:
             raise ConfigError(

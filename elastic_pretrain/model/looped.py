@@ -123,11 +123,13 @@ class CoreLayer(MegatronModule):
         with fp8_context(self.config, self.full_layer.layer_number):
             attention = self.attention_for(pass_idx)
             number = self.full_layer.layer_number
-            if kv is not None and kv.capture:
-                kv.kv[number] = project_kv(attention, h_TBD, rotary_pos_emb)
             if kv is not None and not kv.capture:
+                assert rotary_pos_emb is not None, "kv_training: last_loop needs the rotary embedding"
                 h_TBD = mixed_attention(attention, h_TBD, rotary_pos_emb, kv.kv[number])
             else:
+                if kv is not None:  # capturing: this pass's K/V are the layer's final K/V
+                    assert rotary_pos_emb is not None, "kv_training: last_loop needs the rotary embedding"
+                    kv.kv[number] = project_kv(attention, h_TBD, rotary_pos_emb)
                 h_TBD, _ = attention._forward_attention(h_TBD, attention_mask=None, rotary_pos_emb=rotary_pos_emb)
             if replay and self.replay_impl == "dispatch":
                 return self._replayed_mlp(h_TBD, pass_idx=pass_idx, recomputing=recomputing, key=replay_key)
@@ -474,6 +476,7 @@ class LoopedMoEModel(LanguageModule):
     def _head_states(self, h_TBD: Tensor, rope: Tensor, kv: FinalKV | None = None) -> Tensor:
         """Coda and final norm. ``kv`` (``kv_training: last_loop``): while capturing, keep each coda layer's
         K/V; else each coda layer attends to earlier tokens' captured K/V and the token's own."""
+        layer: Any
         for layer in self.coda:
             number = _layer_number(layer)
             with fp8_context(self.config, number):

@@ -140,14 +140,16 @@ def _replay_preprocess(moe: Any, x_TBD: Tensor, rec: RouteRecord, *, exchange_co
     if x_ND.shape[0] != rec.topk_NK.shape[0]:
         raise RuntimeError(f"route replay: {x_ND.shape[0]} tokens, but pass 0 routed {rec.topk_NK.shape[0]}")
     x_ND = router.apply_input_jitter(x_ND)
-    for hook in router._forward_hooks.values():  # the routing probe observes replayed passes' live logits too
-        hook(router, (x_ND,), None)
     logits_NE = router.gating(x_ND)
     if router_losses:  # pass 0 re-run in backward: its z-loss and load-balancing loss, as megatron's routing
         logits_NE = router.apply_z_loss(logits_NE)
     gates_NK = replay_gates(logits_NE, rec.topk_NK, router.config)
     if router_losses and router.training and torch.is_grad_enabled() and router.is_aux_loss_enabled():
         gates_NK = _with_aux_losses(router, logits_NE, gates_NK, rec, x_TBD.shape[0], x_TBD.shape[1])
+    if router._forward_hooks:  # the routing probe (every N steps) observes replayed passes too, as router calls
+        probs_NE = torch.zeros_like(logits_NE).scatter(1, rec.topk_NK, gates_NK)
+        for hook in list(router._forward_hooks.values()):
+            hook(router, (x_ND,), (probs_NE, rec.routing_map_NE))
     disp.hidden_shape = x_TBD.shape
     disp.hidden_shape_before_permute = x_ND.shape
     disp.routing_map = rec.routing_map_NE

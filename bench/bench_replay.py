@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512, help="tokens per micro-batch (4 rows)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--recompute", choices=["none", "pass"], default="none")
+    parser.add_argument("--moe-only", action="store_true",
+                        help="time one MoE call (fwd+bwd): fresh routing vs a dispatch replay vs a RouterReplay replay")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from elastic_pretrain.model.config import ModelConfig
@@ -50,6 +52,10 @@ def main() -> None:
     tokens = torch.randint(0, 257, (rows, args.tokens // rows + 1), generator=torch.Generator().manual_seed(1))
     tokens = tokens.to(device())
     inputs, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    if args.moe_only:
+        moe_only(nets["router"], inputs.numel(), args.repeats)
+        teardown()
+        return
     max_loops = nets["off"].cfg.max_loops
     ells = sorted({1, max_loops})
 
@@ -84,6 +90,52 @@ def main() -> None:
         print(f"| {ell} | {med['off']:.1f} | {med['dispatch']:.1f} | {med['router']:.1f} | "
               f"{paired('dispatch', 'off'):.3f} | {paired('router', 'off'):.3f} | {paired('dispatch', 'router'):.3f} |")
     teardown()
+
+
+def moe_only(net, tokens: int, repeats: int) -> None:
+    """One core layer's MoE call on random hidden states, fwd+bwd: what a replayed pass saves per call."""
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    from elastic_pretrain.model.replay_dispatch import moe_forward
+
+    moe = net.core_layers()[0].shared_mlp
+    x = torch.randn(tokens // 4, 4, net.config.hidden_size, requires_grad=True)
+    _, rec = moe_forward(moe, x, None, exchange_counts=False)
+    rr = moe.router.router_replay
+    rr.target_topk_idx = rec.topk_NK
+
+    def fresh() -> None:
+        moe(x)[0].sum().backward()
+
+    def dispatch() -> None:
+        moe_forward(moe, x, rec, exchange_counts=False)[0].sum().backward()
+
+    def router() -> None:
+        rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        try:
+            moe(x)[0].sum().backward()
+        finally:
+            rr.clear_router_replay_action()
+
+    fns = {"fresh": fresh, "dispatch": dispatch, "router": router}
+    for fn in fns.values():
+        fn()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+
+    def paired(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(samples[a], samples[b], strict=True))
+
+    print(f"one MoE call, fwd+bwd, {tokens} tokens, median of {repeats} interleaved repeats")
+    print("| fresh ms | dispatch replay ms | router replay ms | dispatch/fresh | router/fresh | dispatch/router |")
+    print("|---|---|---|---|---|---|")
+    print(f"| {med['fresh']:.2f} | {med['dispatch']:.2f} | {med['router']:.2f} | {paired('dispatch', 'fresh'):.3f} | "
+          f"{paired('router', 'fresh'):.3f} | {paired('dispatch', 'router'):.3f} |")
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import sys
 from typing import NoReturn
 
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.quiet import third_party_warnings
 
 COMMAND_MODULES = (
     "elastic_pretrain.train.commands",
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    third_party_warnings()  # the user sees the command's own output, not its libraries' deprecations
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # key=value overrides may follow flags (train job.yaml --nproc-per-node 2 train.steps=5)
@@ -55,11 +57,18 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    from elastic_pretrain.launch.local import peer_reported, report_user_error
+
     try:
         return int(args.handler(args) or 0)
     except UserError as err:
-        print(f"elastic-pretrain {args.command}: error: {err}", file=sys.stderr)
+        if not report_user_error(str(err)):  # a rank under train --nproc-per-node: the launcher prints it once
+            print(f"elastic-pretrain {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except Exception:
+        if peer_reported():  # another rank stopped on a user error and broke a collective here
+            return 2
+        raise
     except KeyboardInterrupt:
         print(f"elastic-pretrain {args.command}: interrupted", file=sys.stderr)
         return 130

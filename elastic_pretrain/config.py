@@ -10,8 +10,11 @@ and values of the wrong type with one line naming the dotted key.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import math
+import reprlib
 import types
 import typing
 from pathlib import Path
@@ -22,6 +25,14 @@ import yaml
 from elastic_pretrain.errors import UserError
 
 T = TypeVar("T")
+
+# A YAML document (or override value) may hold at most this many values once its aliases (``*a``)
+# are expanded: 437 bytes of nested aliases otherwise expand to ~10^9 values in any code that walks
+# or prints them (to_dict, repr in an error message).
+MAX_YAML_VALUES = 100_000
+# Integers a config holds: int64 (what torch, numpy and Slurm take).
+INT_LIMIT = 2**63 - 1
+_UNREADABLE = "holds a number too long to read (more than 4,300 digits): give a value that fits in 64 bits"
 
 
 class ConfigError(UserError, ValueError):
@@ -41,6 +52,70 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _big_int(value: int) -> str | None:
+    if value.bit_length() <= 256:
+        return None
+    return f"<an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits>"
+
+
+def show(value: Any, limit: int = 80) -> str:
+    """``repr(value)`` for an error message, bounded: at most ``limit`` characters whatever the value
+    (a 5,000-digit integer, a list expanded from YAML aliases)."""
+    if isinstance(value, int) and (big := _big_int(value)):
+        return big
+    if isinstance(value, list | tuple | dict) and len(value) > 8:
+        return f"<a {type(value).__name__} of {len(value)} items>"
+    text = _bounded_repr.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def clip(text: str, limit: int = 80) -> str:
+    """``text`` cut to ``limit`` characters (for one-line messages that quote input)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _BoundedRepr(reprlib.Repr):
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxlist, self.maxtuple, self.maxdict, self.maxstring, self.maxother = 3, 8, 8, 8, 80, 80
+
+    def repr_int(self, x: int, level: int) -> str:
+        return _big_int(x) or repr(x)  # builtins.repr refuses integers of more than 4,300 digits
+
+
+_bounded_repr = _BoundedRepr()
+
+
+def check_expansion(value: Any, where: str) -> None:
+    """Refuse values that hold more than :data:`MAX_YAML_VALUES` values once YAML aliases are expanded
+    (counted over shared objects without expanding them) or that contain themselves."""
+    sizes: dict[int, int] = {}
+    active: set[int] = set()
+
+    def size(v: Any) -> int:
+        if not isinstance(v, list | dict):
+            return 1
+        key = id(v)
+        if key in sizes:
+            return sizes[key]
+        if key in active:
+            raise ConfigError(f"{where}: a YAML alias (*name) refers to its own anchor (&name): write the value out")
+        active.add(key)
+        total = 1
+        for child in v.values() if isinstance(v, dict) else v:
+            total += size(child)
+            if total > MAX_YAML_VALUES:
+                raise ConfigError(
+                    f"{where}: holds more than {MAX_YAML_VALUES:,} values once its YAML aliases (*name) are "
+                    "expanded: write the values out instead of nesting aliases"
+                )
+        active.discard(key)
+        sizes[key] = total
+        return total
+
+    size(value)
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     """Check/convert ``value`` to annotation ``tp``; raise ConfigError naming ``key``."""
     origin = get_origin(tp)
@@ -51,7 +126,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, bool) and ("on" if value else "off") in choices:
             return "on" if value else "off"  # YAML 1.1 reads an unquoted on/off as true/false
         if value not in choices:
-            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(repr(c) for c in choices)}")
+            raise ConfigError(f"{key}: {show(value)} is not one of {', '.join(repr(c) for c in choices)}")
         return value
     if origin in (typing.Union, types.UnionType):
         args = get_args(tp)
@@ -65,48 +140,55 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, arg, key)
             except ConfigError as err:
                 errors.append(str(err))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} matches none of {_type_name(tp)}")
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {show(value)} matches none of {_type_name(tp)}")
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {value!r}")
+            raise ConfigError(f"{key}: expected a mapping of {tp.__name__} fields, got {show(value)}")
         return build(tp, value, prefix=key + ".")
     if origin in (list, tuple):
         if not isinstance(value, list | tuple):
-            raise ConfigError(f"{key}: expected a list, got {value!r} (write it as [a, b, ...])")
+            raise ConfigError(f"{key}: expected a list, got {show(value)} (write it as [a, b, ...])")
         (item_tp, *_) = get_args(tp) or (Any,)
         items = [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
         return items if origin is list else tuple(items)
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{key}: expected a mapping, got {show(value)}")
         k_tp, v_tp = get_args(tp) or (Any, Any)
         return {_coerce(k, k_tp, key): _coerce(v, v_tp, f"{key}.{k}") for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        raise ConfigError(f"{key}: expected true or false, got {show(value)}")
     if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
         if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{key}: expected an integer, got {value!r}")
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if abs(value) > INT_LIMIT:
+                raise ConfigError(f"{key}: {show(value)} is out of range: give an integer below 2**63 (9.2e18)")
+            return value
+        raise ConfigError(f"{key}: expected an integer, got {show(value)}")
     if tp is float:
+        number: float | None = None
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: expected a number, got {value!r}")
+            number = float(value) if abs(value) < 1e308 else math.inf
+        elif isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+            with contextlib.suppress(ValueError):
+                number = float(value)
+        if number is None:
+            raise ConfigError(f"{key}: expected a number, got {show(value)}")
+        if not math.isfinite(number):  # YAML's .nan / .inf: every comparison in a check is False for nan
+            raise ConfigError(f"{key}: {show(value)} is not a finite number: give an ordinary value like 3.0e-4")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(f"{key}: expected a string, got {value!r} (quote it in YAML)")
+        raise ConfigError(f"{key}: expected a string, got {show(value)} (quote it in YAML)")
     if tp is Path:
+        if not isinstance(value, str | Path):
+            raise ConfigError(f"{key}: expected a path, got {show(value)} (quote it in YAML)")
         return Path(value)
     return value
 
@@ -118,8 +200,8 @@ def build(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
     unknown = [k for k in data if k not in fields]
     if unknown:
-        key = unknown[0]
-        close = difflib.get_close_matches(str(key), list(fields), n=1)
+        key = unknown[0] if isinstance(unknown[0], str) else show(unknown[0])
+        close = difflib.get_close_matches(key, list(fields), n=1)
         hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys: {', '.join(sorted(fields))}"
         raise ConfigError(f"unknown key '{prefix}{key}': {hint}")
     kwargs = {name: _coerce(value, hints[name], prefix + name) for name, value in data.items()}
@@ -173,6 +255,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
+    except ValueError:  # PyYAML lets int()'s error through: an integer of more than 4,300 digits
+        raise ConfigError(f"override '{key}': {_UNREADABLE}") from None
+    check_expansion(value, f"override '{key}'")
     return key.split("."), value
 
 
@@ -180,29 +265,44 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     """Set dotted keys in a nested dict (validation of the keys happens in :func:`build`)."""
     for text in overrides:
         path, value = parse_override(text)
-        node = data
-        for part in path[:-1]:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"override '{text}': '{part}' is a value, not a section")
-            node = child
-        node[path[-1]] = value
+        set_value(data, path, value, what=f"override '{text}'")
     return data
+
+
+def set_value(data: dict[str, Any], path: list[str], value: Any, *, what: str) -> None:
+    """``data[path[0]][path[1]]... = value``, creating sections; ``value`` is stored as given (no YAML)."""
+    node = data
+    for part in path[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"{what}: '{part}' is a value, not a section")
+        node = child
+    node[path[-1]] = value
 
 
 def load_yaml(path: Path) -> dict[str, Any]:
     """Read a YAML mapping with a one-line error for missing / malformed files."""
     if not path.is_file():
         raise ConfigError(f"{path}: no such file (check the path; jobs live in jobs/, presets in parallel/ and data/)")
+    raw = path.read_bytes()
     try:
-        data = yaml.safe_load(path.read_text())
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{path}: byte {err.start} (0x{raw[err.start]:02x}) is not UTF-8 text: save the file as UTF-8"
+        ) from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
         problem = getattr(err, "problem", err)
-        raise ConfigError(f"{path}:{where} is not valid YAML ({problem}): fix the syntax") from None
+        raise ConfigError(f"{path}:{where} is not valid YAML ({clip(str(problem), 160)}): fix the syntax") from None
+    except ValueError:  # PyYAML lets int()'s error through: an integer of more than 4,300 digits
+        raise ConfigError(f"{path}: {_UNREADABLE}") from None
+    check_expansion(data, str(path))
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -18,6 +18,8 @@ from elastic_pretrain.config import (
     field,
     load_yaml,
     parse_override,
+    set_value,
+    show,
     to_dict,
 )
 from elastic_pretrain.data.config import DataConfig
@@ -25,7 +27,7 @@ from elastic_pretrain.errors import UserError
 from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.model.config import DeciderConfig, ModelConfig
 from elastic_pretrain.parallel.config import ParallelConfig
-from elastic_pretrain.tracking.config import TrackingConfig
+from elastic_pretrain.tracking.config import REDACTED, TrackingConfig, redact_uri, write_private
 from elastic_pretrain.train.config import TrainConfig
 from elastic_pretrain.train.schedule import ScheduleConfig
 
@@ -52,9 +54,13 @@ class JobConfig:
     )
 
     def __post_init__(self) -> None:
-        if not self.name or "/" in self.name:
-            raise ConfigError(f"name: {self.name!r} must be a non-empty name without '/'")
-        self.schedule.validate_for(self.model.max_loops)
+        if self.name in ("", ".", "..") or any(c in "/\\" or not c.isprintable() for c in self.name):
+            # the run directory is runs/<name>: '..' would be the repository root
+            raise ConfigError(
+                f"name: {show(self.name)} must be a plain name (not '.' or '..'; no '/', '\\' or control "
+                "characters), e.g. name=tiny-cpu-2"
+            )
+        self.schedule.validate_for(self.model.max_loops, loop_conditioning=self.model.loop_conditioning)
         self.model.check_pipeline(self.parallel.pipeline)  # before any process starts (the CLI validates jobs)
         tp = self.parallel.tensor
         self.model.check_fp8_layout(tensor=tp, tokens=self.data.seq_len * self.train.micro_batch_size // tp)
@@ -103,6 +109,11 @@ def _resolve_preset(section: str, value: Any, roots: list[Path]) -> dict[str, An
     if not isinstance(value, str):
         raise ConfigError(f"{section}: expected a preset name or a mapping, got {value!r}")
     folder = PRESET_DIRS[section]
+    if value.endswith((".yaml", ".yml")):  # a file of its own (data=/path/recipe.yaml), not a preset name
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"{section}: {value}: no such file (give a YAML path or a preset name in {folder}/)")
+        return load_yaml(path)
     for root in roots:
         path = root / folder / f"{value}.yaml"
         if path.is_file():
@@ -111,8 +122,14 @@ def _resolve_preset(section: str, value: Any, roots: list[Path]) -> dict[str, An
     raise ConfigError(f"{section}: no preset '{value}' in {folder}/ (known: {', '.join(known) or 'none'})")
 
 
-def load_job(path: Path | str, overrides: list[str] | None = None) -> JobConfig:
-    """Job YAML + presets + ``key.path=value`` overrides → validated :class:`JobConfig`."""
+def load_job(
+    path: Path | str, overrides: list[str] | None = None, *, values: dict[str, str] | None = None
+) -> JobConfig:
+    """Job YAML + presets + ``key.path=value`` overrides → validated :class:`JobConfig`.
+
+    ``values`` (dotted key -> string) are set last and verbatim, never parsed as YAML: paths from flags
+    such as ``--run-dir`` may hold ``#``, ``: `` or ``~``, which an override would turn into a comment,
+    a mapping or null."""
     path = Path(path)
     raw = load_yaml(path)
     overrides = list(overrides or [])
@@ -125,6 +142,8 @@ def load_job(path: Path | str, overrides: list[str] | None = None) -> JobConfig:
         if section in raw:
             raw[section] = _resolve_preset(section, raw[section], roots)
     raw = apply_overrides(raw, [o for (keys, _), o in parsed if len(keys) > 1])
+    for key, value in (values or {}).items():
+        set_value(raw, key.split("."), value, what=key)
     base = _decider_base(raw)
     job = build(JobConfig, raw)
     if base is not None:
@@ -178,14 +197,24 @@ def _decider_base(raw: dict[str, Any]) -> dict[str, Any] | None:
     return base
 
 
+def public_dict(job: JobConfig) -> dict[str, Any]:
+    """The job as plain data without its secrets: what is written beside checkpoints, logged to MLflow and
+    printed. ``tracking.uri`` loses its ``user:password@`` and every ``slurm.env`` value is replaced by
+    ``<redacted>`` (the keys stay). The running job keeps the real values; they live in the job file."""
+    data = to_dict(job)
+    if data["tracking"]["uri"]:
+        data["tracking"]["uri"] = redact_uri(data["tracking"]["uri"])
+    data["slurm"]["env"] = dict.fromkeys(data["slurm"]["env"], REDACTED)
+    return data
+
+
 def dump_job(job: JobConfig) -> str:
-    return yaml.safe_dump(to_dict(job), sort_keys=False)
+    """The resolved job as YAML, secrets redacted (see :func:`public_dict`)."""
+    return yaml.safe_dump(public_dict(job), sort_keys=False)
 
 
 def write_resolved(job: JobConfig, run_dir: Path) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "config.yaml"
-    tmp = out.with_suffix(".yaml.tmp")
-    tmp.write_text(dump_job(job))
-    tmp.replace(out)
+    write_private(out, dump_job(job))
     return out

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
+from elastic_pretrain.checkpoint.latest import latest_problem
 from elastic_pretrain.checkpoint.store import CheckpointStore, read_trainer_state, verify
 from elastic_pretrain.errors import UserError
 
@@ -52,6 +54,12 @@ def checkpoint_index(run_dir: Path, *, check: bool = False) -> list[dict[str, An
 def _list(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     rows = checkpoint_index(run_dir, check=args.verify)
+    store = CheckpointStore(run_dir / "checkpoints")
+    stale = latest_problem(store)
+    newest = store.newest()
+    if stale:  # before the table, on stderr: --json stays parseable
+        fix = " (the next resumed run repairs it)" if newest else ""
+        print(f"warning: {stale}{fix}", file=sys.stderr)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -60,7 +68,9 @@ def _list(args: argparse.Namespace) -> int:
         return 0
     print(f"{'step':>8}  {'size':>10}  {'tokens':>14}  {'layout':<16} path")
     for r in rows:
-        mark = "  <- latest" if r["latest"] else ""
+        mark = "  <- latest" if r["latest"] and not stale else ""
+        if stale and newest is not None and r["step"] == newest.step:
+            mark = "  <- latest committed (the latest file is stale)"
         size, layout = _human(r["bytes"]), _layout(r["layout"])
         print(f"{r['step']:>8}  {size:>10}  {r['tokens']:>14,}  {layout:<16} {r['path']}{mark}")
     return 0

@@ -38,7 +38,7 @@ from elastic_pretrain.checkpoint.store import (
 )
 from elastic_pretrain.config import flatten, to_dict
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.job import JobConfig
+from elastic_pretrain.job import JobConfig, public_dict
 from elastic_pretrain.parallel.mesh import Mesh, describe
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,10 @@ def verify_everywhere(ckpt: Path) -> None:
 def check_resumable(ckpt: Path, job: JobConfig) -> dict[str, Any]:
     """Verify ``ckpt`` (rank 0: size + CRC32 of every file), refuse a changed model shape; returns its
     ``trainer.json``. Collective; runs before the model is built, so a refusal costs no build time."""
-    verify_everywhere(ckpt)
+    try:
+        verify_everywhere(ckpt)
+    except UserError as err:
+        raise UserError(f"{err}{_previous_hint(ckpt)}") from None
     meta = read_trainer_state(ckpt)
     changes = shape_changes(meta.get("config", {}), job) + decider_changes(meta.get("config", {}), job)
     if changes:
@@ -161,6 +164,15 @@ def check_resumable(ckpt: Path, job: JobConfig) -> dict[str, Any]:
             "restore those values or start a new run directory"
         )
     return meta
+
+
+def _previous_hint(ckpt: Path) -> str:
+    """``; to continue from the previous committed checkpoint: --resume-from <it>`` (or nothing)."""
+    step = ckpt.name.removeprefix("step_")
+    older = [c for c in CheckpointStore(ckpt.parent).committed() if step.isdigit() and c.step < int(step)]
+    if not older:
+        return ""
+    return f"; to continue from the previous committed checkpoint: --resume-from {older[-1].path}"
 
 
 def save_tensors(
@@ -235,7 +247,7 @@ class Checkpointer:
             print(f"resumed from {ckpt} (step {state.step}, {state.tokens:,} tokens)", flush=True)
 
     def _log_changes(self, saved: dict[str, Any]) -> None:
-        old, new = flatten(saved), flatten(to_dict(self.job))
+        old, new = flatten(saved), flatten(public_dict(self.job))
         diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k != "run_dir")
         if diff:
             log.info("config changed since the checkpoint: %s", ", ".join(f"{k}={new.get(k)!r}" for k in diff))
@@ -280,7 +292,7 @@ class Checkpointer:
             "data": s.batches.state_dict(),
             "mlflow_run_id": self.run_id(),
             "layout": describe(self.mesh),
-            "config": to_dict(self.job),
+            "config": public_dict(self.job),  # checkpoints are shared: no credentials, no env values
         }
 
     def _commit(self, step: int) -> None:

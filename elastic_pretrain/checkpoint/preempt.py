@@ -19,7 +19,11 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
 
 
 class StopRequest:
-    """Installed for the duration of training; ``requested`` turns True on the first stop signal."""
+    """Installed for the whole run, before the slow setup; ``requested`` turns True on the first stop signal.
+
+    A launcher (``launch/local.py``) starts the ranks with the stop signals *blocked*: a signal that
+    arrives while a rank is still importing torch stays pending and is delivered here, when the
+    handler is installed and the signals are unblocked, so an early stop is not lost."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -32,6 +36,7 @@ class StopRequest:
     def __enter__(self) -> StopRequest:
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # a pending (early) signal arrives now
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -42,6 +47,23 @@ class StopRequest:
     @property
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum else "stop_at"
+
+
+def stop_reason(signums: list[int]) -> str:
+    """Why the ranks stop, from each rank's signal number (0: none; all 0: ``checkpoint.stop_at``):
+    ``SIGTERM`` when every rank got it, else ``SIGTERM on rank 1`` / ``SIGTERM on ranks 0, 2``."""
+    if not any(signums):
+        return "stop_at"
+    got: dict[int, list[int]] = {}
+    for rank, signum in enumerate(signums):
+        if signum:
+            got.setdefault(signum, []).append(rank)
+    if len(got) == 1 and len(next(iter(got.values()))) == len(signums):
+        return signal.Signals(next(iter(got))).name
+    return ", ".join(
+        f"{signal.Signals(signum).name} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+        for signum, ranks in sorted(got.items(), key=lambda kv: kv[1][0])
+    )
 
 
 @contextlib.contextmanager

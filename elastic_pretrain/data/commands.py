@@ -35,7 +35,7 @@ def _prepare(args: argparse.Namespace) -> int:
     from elastic_pretrain.data.prepare import manifest_summary, prepare_data
 
     cfg = load_recipe(args.recipe, args.overrides)
-    manifest = prepare_data(cfg, progress=not args.quiet)
+    manifest = prepare_data(cfg, progress=not args.quiet, say=print)
     assert cfg.prepare is not None
     print(
         f"{cfg.prepare.output}: {manifest.format} shards, tokenizer {manifest.tokenizer['kind']} "

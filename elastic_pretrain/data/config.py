@@ -113,8 +113,8 @@ class PrepareConfig:
     text_field: str = field("text", doc="JSONL key / Parquet column holding the document text")
     suffixes: list[str] = field(
         factory=list,
-        doc="only files with these suffixes when walking directories "
-        "(empty: .py for stdlib; .txt .md .py .jsonl .json .parquet for files)",
+        doc="only files with these suffixes when walking directories (empty: .py for stdlib; for files "
+        ".txt .md .py .jsonl .json .parquet with input_format auto, every file that is not hidden otherwise)",
     )
     output: str = field(doc="directory to write: manifest.json, train/ and val/ shards")
     val_fraction: float = field(

@@ -9,14 +9,18 @@ preparation starts the split directories over.
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import itertools
 import math
 import multiprocessing
 import os
-import shutil
+import re
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +31,7 @@ from elastic_pretrain.config import to_dict
 from elastic_pretrain.data.config import DataConfig, PrepareConfig, TokenizerConfig, local_path
 from elastic_pretrain.data.manifest import MANIFEST, Manifest, SplitInfo, read_manifest, verify_shard, write_manifest
 from elastic_pretrain.data.shards import make_sink
-from elastic_pretrain.data.sources import Document, iter_documents
+from elastic_pretrain.data.sources import Document, iter_documents, list_files
 from elastic_pretrain.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, token_dtype
 from elastic_pretrain.errors import UserError
 
@@ -99,11 +103,50 @@ def _tokenised(cfg: DataConfig, tok: Tokenizer, docs: Iterable[tuple[int, str]])
         for split, text in docs:
             yield split, _encode(tok, text)
         return
+    for chunk in ordered_map(_encode_chunk, _chunks(docs), workers, _init_worker, (cfg.tokenizer,)):
+        yield from chunk
+
+
+def ordered_map(
+    fn: Any, items: Iterable[Any], workers: int, initializer: Any, initargs: tuple[Any, ...]
+) -> Iterator[Any]:
+    """``fn`` over ``items`` in ``workers`` processes, results in input order, at most ``2 * workers``
+    items in flight. A worker that raises, or dies (a Rust panic, a segfault, the OOM killer), ends the
+    map with a :class:`UserError`: ``multiprocessing.Pool`` would replace the dead worker and wait forever
+    for its result."""
     # spawn: the parent may hold torch / Rust tokenizer threads, which fork would copy half-initialised
     ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=(cfg.tokenizer,)) as pool:
-        for chunk in pool.imap(_encode_chunk, _chunks(docs), chunksize=1):
-            yield from chunk
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=initializer, initargs=initargs)
+    pending: collections.deque[Future[Any]] = collections.deque()
+    try:
+        it = iter(items)
+        for item in it:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= 2 * workers:
+                break
+        while pending:
+            result = _result(pending.popleft())
+            for item in itertools.islice(it, 1):
+                pending.append(pool.submit(fn, item))
+            yield result
+    finally:
+        for future in pending:
+            future.cancel()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _result(future: Future[Any]) -> Any:
+    try:
+        return future.result()
+    except UserError:
+        raise
+    except BrokenProcessPool:
+        raise UserError(
+            "prepare-data: a tokenizer worker process died (crashed, or killed for memory): rerun with "
+            "prepare.num_workers=1 to see the error, or fix the tokenizer file"
+        ) from None
+    except Exception as err:
+        raise UserError(f"prepare-data: a tokenizer worker failed ({type(err).__name__}: {str(err)[:200]})") from None
 
 
 # --------------------------------------------------------------------------------------- packing
@@ -151,8 +194,12 @@ class _Packer:
 
 
 # ------------------------------------------------------------------------------------------- main
-def _existing(out: Path, recipe: dict[str, Any], verify: str) -> Manifest | None:
-    """A complete, matching, intact previous preparation (then prepare-data has nothing to do)."""
+def _existing(out: Path, recipe: dict[str, Any], verify: str, inputs: dict[str, Any] | None,
+              say: Callable[[str], None]) -> Manifest | None:
+    """A complete, matching, intact previous preparation of the same inputs (then there is nothing to do).
+
+    None: build (again). Damaged or missing shards and changed inputs are rebuilt, not refused: the
+    shards are a deterministic function of the recipe and the inputs, so a re-run is the repair."""
     if not (out / MANIFEST).is_file():
         return None
     manifest = read_manifest(out)
@@ -160,12 +207,82 @@ def _existing(out: Path, recipe: dict[str, Any], verify: str) -> Manifest | None
         raise UserError(
             f"{out}: holds shards of a different recipe; choose another prepare.output or delete {out} to rebuild"
         )
+    change = inputs_change(manifest.stats.get("inputs"), inputs)
+    if change:
+        say(f"{out}: inputs changed since the shards were built ({change}): rebuilding")
+        return None
     for split, info in manifest.splits.items():
         for shard in info.shards:
             problem = verify_shard(out / split / shard.name, shard, verify)
             if problem:
-                raise UserError(f"{out}: shard {split}/{shard.name} {problem}; delete {out} and run prepare-data again")
+                say(f"{out}: shard {split}/{shard.name} {problem}: rebuilding the shards")
+                return None
+    seen = manifest.stats.get("inputs")
+    if seen and inputs:
+        say(f"{out}: up to date ({seen['files']:,} input files unchanged)")
+    elif inputs:  # built before the inputs were recorded: added files cannot be seen
+        say(f"{out}: up to date with the recipe (its input files were not recorded; delete {out} to rebuild)")
+    else:
+        say(f"{out}: up to date with the recipe (the inputs cannot be listed: shards kept as they are)")
     return manifest
+
+
+# The files prepare-data writes into a split directory: MDS shards and index, WebDataset shards.
+_OWN_FILE = re.compile(r"shard\.\d{5,}\.mds|shard-\d{6,}\.tar|index\.json")
+
+
+def remove_leftovers(out: Path) -> None:
+    """Delete the split directories of an interrupted preparation (there is no manifest), but only if they
+    hold nothing except files prepare-data writes: ``prepare.output`` may name a folder with data of its own."""
+    for split in SPLITS:
+        folder = out / split
+        if not folder.exists() and not folder.is_symlink():
+            continue
+        if folder.is_symlink() or not folder.is_dir():
+            foreign = ""
+        else:
+            names = sorted(p.name for p in folder.iterdir() if not _OWN_FILE.fullmatch(p.name) or not _plain(p))
+            if not names:
+                continue
+            foreign = "/" + names[0]
+        raise UserError(
+            f"{out}: {split}{foreign} was not written by prepare-data and there is no {MANIFEST}, so the "
+            f"folder is not overwritten: set prepare.output to a new or empty folder, or move {folder} away"
+        )
+    for split in SPLITS:
+        if (out / split).is_dir():
+            for path in (out / split).iterdir():
+                path.unlink()
+            (out / split).rmdir()
+
+
+def _plain(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink()
+
+
+def input_fingerprint(prep: PrepareConfig) -> dict[str, Any] | None:
+    """Count, bytes and a digest of the input files' names and sizes (None: the inputs cannot be listed,
+    e.g. deleted after preparing; the shards are then taken as they are)."""
+    try:
+        files = sorted(list_files(prep), key=lambda f: f[1])
+    except UserError:
+        return None
+    digest, total = hashlib.sha1(), 0
+    for path, name in files:
+        size = path.stat().st_size
+        total += size
+        digest.update(f"{name}\t{size}\n".encode())
+    return {"files": len(files), "bytes": total, "sha1": digest.hexdigest()}
+
+
+def inputs_change(before: dict[str, Any] | None, now: dict[str, Any] | None) -> str | None:
+    """What changed between two :func:`input_fingerprint` s, in words; None if nothing (or unknown)."""
+    if not before or not now or before.get("sha1") == now["sha1"]:
+        return None
+    if before.get("files") != now["files"] or before.get("bytes") != now["bytes"]:
+        files = f"{before.get('files', 0):,} -> {now['files']:,} files"
+        return f"{files}, {before.get('bytes', 0):,} -> {now['bytes']:,} bytes"
+    return f"{now['files']:,} files, same total size, different names or sizes"
 
 
 def _val_cap(prep: PrepareConfig, sample_tokens: int) -> int | None:
@@ -175,20 +292,22 @@ def _val_cap(prep: PrepareConfig, sample_tokens: int) -> int | None:
     return max(sample_tokens, math.ceil(prep.max_tokens * share))
 
 
-def prepare_data(cfg: DataConfig, *, progress: bool = True) -> Manifest:
-    """Build the shards and manifest described by ``cfg.prepare``; returns the (new or existing) manifest."""
+def prepare_data(cfg: DataConfig, *, progress: bool = True, say: Callable[[str], None] = lambda _: None) -> Manifest:
+    """Build the shards and manifest described by ``cfg.prepare``; returns the (new or existing) manifest.
+    ``say`` receives one line on why nothing was done or why the shards are rebuilt."""
     if cfg.prepare is None:
         raise UserError("data.prepare: the recipe has no prepare section; add one (see data/stdlib-code.yaml)")
     prep = cfg.prepare
     tok = load_tokenizer(cfg.tokenizer)
     out = local_path(prep.output)
     recipe = recipe_of(cfg, tok)
-    existing = _existing(out, recipe, cfg.verify)
+    inputs = input_fingerprint(prep)
+    existing = _existing(out, recipe, cfg.verify, inputs, say)
     if existing is not None:
         return existing
     dtype, sample_tokens = token_dtype(tok.vocab_size), cfg.seq_len + 1
-    for split in SPLITS:  # leftovers of an interrupted run: no manifest means nothing here is trusted
-        shutil.rmtree(out / split, ignore_errors=True)
+    remove_leftovers(out)  # of an interrupted run or a stale build: only prepare-data's own files go
+    (out / MANIFEST).unlink(missing_ok=True)  # a rebuild cut short then reads as an interrupted run
     caps = {"train": prep.max_tokens, "val": _val_cap(prep, sample_tokens)}
     packers = [
         _Packer(
@@ -243,6 +362,7 @@ def prepare_data(cfg: DataConfig, *, progress: bool = True) -> Manifest:
         recipe=recipe,
         stats={
             **counts,
+            **({"inputs": inputs} if inputs else {}),
             "dropped_tail_tokens": sum(p.dropped for p in packers),
             "seconds": round(time.perf_counter() - start, 2),
         },
@@ -270,4 +390,7 @@ def manifest_summary(manifest: Manifest) -> str:
             f"{name}: {s.sequences:,} sequences x {manifest.seq_len + 1} tokens = {s.tokens:,} tokens, "
             f"{s.documents:,} documents, {len(s.shards)} {manifest.format} shards, {size / 1e6:.1f} MB"
         )
+    skipped = manifest.stats.get("skipped_not_utf8", 0)
+    if skipped:
+        lines.append(f"skipped: {skipped:,} input files that are not UTF-8 text")
     return "\n".join(lines)

@@ -29,11 +29,23 @@ def stdlib_root() -> Path:
 
 
 def _walk(root: Path, suffixes: tuple[str, ...]) -> list[Path]:
+    """Files under ``root`` with one of ``suffixes``; no suffixes: every file that is not hidden."""
     out: list[Path] = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
-        out.extend(Path(dirpath) / f for f in filenames if f.endswith(suffixes))
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and (suffixes or not d.startswith(".")))
+        out.extend(
+            Path(dirpath) / f for f in filenames if (f.endswith(suffixes) if suffixes else not f.startswith("."))
+        )
     return sorted(out)
+
+
+def file_suffixes(cfg: PrepareConfig) -> tuple[str, ...]:
+    """The suffixes a directory walk keeps; empty: every file (a forced ``input_format`` reads any name)."""
+    if cfg.suffixes:
+        return tuple(cfg.suffixes)
+    if cfg.source == "stdlib":
+        return (".py",)
+    return _FILE_SUFFIXES if cfg.input_format == "auto" else ()
 
 
 def list_files(cfg: PrepareConfig) -> list[tuple[Path, str]]:
@@ -44,10 +56,10 @@ def list_files(cfg: PrepareConfig) -> list[tuple[Path, str]]:
     """
     if cfg.source == "stdlib":
         root = stdlib_root()
-        suffixes = tuple(cfg.suffixes) or (".py",)
+        suffixes = file_suffixes(cfg)
         files = [(p, p.relative_to(root).as_posix()) for p in _walk(root, suffixes)]
     else:
-        suffixes = tuple(cfg.suffixes) or _FILE_SUFFIXES
+        suffixes = file_suffixes(cfg)
         found: dict[Path, str] = {}
         for spec in cfg.inputs:
             matches = sorted(glob.glob(str(local_path(spec)), recursive=True)) if glob.has_magic(spec) else [spec]
@@ -63,7 +75,8 @@ def list_files(cfg: PrepareConfig) -> list[tuple[Path, str]]:
                     raise UserError(f"prepare.inputs: {p} does not exist; fix the path")
         files = sorted(found.items())
     if not files:
-        raise UserError(f"prepare: no input files with suffixes {', '.join(suffixes)}; check prepare.inputs/suffixes")
+        which = f"with suffixes {', '.join(suffixes)}" if suffixes else "(hidden files are left out)"
+        raise UserError(f"prepare: no input files {which}; check prepare.inputs/suffixes")
     random.Random(cfg.seed).shuffle(files)
     return files
 
@@ -75,8 +88,12 @@ def _kind(path: Path, cfg: PrepareConfig) -> str:
 
 
 def _jsonl(path: Path, name: str, field: str) -> Iterator[Document]:
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise UserError(f"{path}:{lineno}: not UTF-8 text; convert it (iconv -t UTF-8) or drop it") from None
             if not line.strip():
                 continue
             try:

@@ -14,10 +14,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from elastic_pretrain.config import clip
 from elastic_pretrain.data.config import TokenizerConfig, local_path
 from elastic_pretrain.errors import UserError
 
 _EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
+# Largest rank a ranks file may use: tiktoken keeps ranks as u32 and the EOS id follows the last rank;
+# real vocabularies stay far below (o200k_base: 200k).
+MAX_RANK = (1 << 24) - 2
 # GPT-2's pre-tokenisation regex (tiktoken's r50k_base), the default for a bare ranks file.
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
@@ -126,16 +130,40 @@ class TiktokenTokenizer:
             eos_name = cfg.eos_token or "<|endoftext|>"
             self.eos_id = max(ranks.values()) + 1
             pattern = cfg.pattern or GPT2_PATTERN
-            self._enc = tiktoken.Encoding(
-                name=f"file:{p.name}", pat_str=pattern, mergeable_ranks=ranks, special_tokens={eos_name: self.eos_id}
-            )
+            try:
+                self._enc = tiktoken.Encoding(
+                    name=f"file:{p.name}",
+                    pat_str=pattern,
+                    mergeable_ranks=ranks,
+                    special_tokens={eos_name: self.eos_id},
+                )
+            except ValueError as err:  # the regex (tiktoken's Rust side says which position)
+                raise UserError(
+                    f"tokenizer.pattern: {clip(pattern, 60)!r} is not a valid regular expression "
+                    f"({clip(str(err), 100)}): fix it, or unset it for the GPT-2 pattern"
+                ) from None
+            except BaseException as err:  # a Rust panic (pyo3 PanicException) is a BaseException
+                if isinstance(err, KeyboardInterrupt | SystemExit):
+                    raise
+                raise UserError(
+                    f"tokenizer.path: tiktoken rejects {p} ({clip(str(err), 100)}): fix the ranks file"
+                ) from None
             ident = {"sha256": hashlib.sha256(raw).hexdigest(), "pattern": pattern}
+        self._where = f"{cfg.path or cfg.name}"
         self.vocab_size = int(self._enc.n_vocab)
         self.fingerprint = _digest({"kind": "tiktoken", **ident, "eos": self.eos_id})
 
     def encode(self, text: str) -> list[int]:
         # special tokens in the text are encoded as ordinary text: documents cannot inject an EOS
-        return list(self._enc.encode_ordinary(text))
+        try:
+            return list(self._enc.encode_ordinary(text))
+        except BaseException as err:  # a Rust panic would otherwise kill a prepare-data worker outright
+            if isinstance(err, KeyboardInterrupt | SystemExit):
+                raise
+            raise UserError(
+                f"tokenizer: tiktoken failed on a document with {self._where} ({clip(str(err), 100)}): "
+                "fix the tokenizer file"
+            ) from None
 
     def decode(self, ids: list[int]) -> str:
         return str(self._enc.decode(ids))
@@ -146,18 +174,33 @@ def _parse_ranks(raw: bytes, path: Path) -> dict[bytes, int]:
     import binascii
 
     ranks: dict[bytes, int] = {}
+    seen: dict[int, int] = {}  # rank -> line
     for lineno, line in enumerate(raw.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            token, rank = line.split()
-            ranks[base64.b64decode(token, validate=True)] = int(rank)
+            token_b64, rank_text = line.split()
+            token, rank = base64.b64decode(token_b64, validate=True), int(rank_text)
         except (ValueError, binascii.Error):
             raise UserError(
                 f"tokenizer.path: {path} line {lineno} is not '<base64 token> <rank>'; fix the ranks file"
             ) from None
+        where = f"tokenizer.path: {path} line {lineno}"
+        if not 0 <= rank <= MAX_RANK:
+            raise UserError(f"{where}: rank {clip(str(rank), 30)} is outside 0..{MAX_RANK:,}; fix the ranks file")
+        if rank in seen:
+            raise UserError(f"{where}: rank {rank} is also on line {seen[rank]}; each rank names one token")
+        if token in ranks:
+            raise UserError(f"{where}: token {token!r} already has rank {ranks[token]}; each token has one rank")
+        ranks[token], seen[rank] = rank, lineno
     if not ranks:
         raise UserError(f"tokenizer.path: {path} holds no ranks; point it at a *.tiktoken file")
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:  # byte-level BPE starts from single bytes: tiktoken panics on text with a byte it lacks
+        raise UserError(
+            f"tokenizer.path: {path} has no rank for {len(missing)} of the 256 single bytes (e.g. "
+            f"0x{missing[0]:02x}); a byte-level BPE ranks file holds all 256: fix the ranks file"
+        )
     return ranks
 
 

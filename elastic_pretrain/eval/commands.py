@@ -8,6 +8,7 @@ of the checkpoint is read (not the optimizer state), with the same restricted un
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -94,29 +95,45 @@ def _eval(args: argparse.Namespace) -> int:
         (out / "eval.md").write_text(report)
         print(report + f"\nwritten: {', '.join(str(w) for w in written)}")
         if not args.no_track:
-            track_eval(job, ckpt, curve, [sweep.curves()[0]] if decider is not None else [], written)
+            adaptive = [sweep.curves()[0]] if decider is not None else []
+            track_eval(job, ckpt, curve, adaptive, written, uri=args.uri)
     finally:
         teardown()
     return 0
 
 
-def track_eval(job: Any, ckpt: Path, curve: Any, adaptive: list[Any], files: list[Path]) -> str | None:
-    """Log an evaluation to MLflow when the checkpoint's job tracks there: a run named
-    ``<job> eval step_<N>`` nested under the training run (``mlflow.parentRunId``), with the loss and
-    perplexity per ℓ, the AUC (and the adaptive curve's points) at step N, and the report files as
-    artifacts. Returns the run id (None when tracking is off); never fails the evaluation."""
+def track_eval(
+    job: Any, ckpt: Path, curve: Any, adaptive: list[Any], files: list[Path], *, uri: str | None = None
+) -> str | None:
+    """Log an evaluation to MLflow: a run named ``<job> eval step_<N>`` nested under the training run
+    (``mlflow.parentRunId``), with the loss and perplexity per ℓ, the AUC (and the adaptive curve's points)
+    at step N, and the report files as artifacts. Returns the run id (None when tracking is off); never
+    fails the evaluation.
+
+    The store is ``uri`` (``--uri``), else ``$MLFLOW_TRACKING_URI``, else the local store of the
+    checkpoint's run directory; never the ``tracking.uri`` saved in the checkpoint: a checkpoint from
+    someone else must not choose the server that MLflow sends the user's credentials to."""
     import dataclasses
     import math
 
     from elastic_pretrain.checkpoint.store import read_trainer_state
     from elastic_pretrain.launch.layout import RunFiles
+    from elastic_pretrain.tracking.config import redact_uri, resolve_uri
     from elastic_pretrain.tracking.tracker import create_tracker
 
     if job.tracking.backend == "none":
         return None
     step = int(ckpt.name.removeprefix("step_")) if ckpt.name.startswith("step_") else 0
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt
-    cfg = dataclasses.replace(job.tracking, run_name=f"{job.name} eval step_{step}", system_metrics=False)
+    stored = job.tracking.uri
+    cfg = dataclasses.replace(job.tracking, uri=uri, run_name=f"{job.name} eval step_{step}", system_metrics=False)
+    target = resolve_uri(cfg, run_dir)
+    if stored and stored != target:
+        print(
+            f"eval: the checkpoint's job logged to {redact_uri(stored)}; logging this evaluation to "
+            f"{redact_uri(target)} (a checkpoint does not choose the tracking server: pass --uri to pick one)",
+            file=sys.stderr,
+        )
     tracker = create_tracker(cfg, run_dir=run_dir, job_name=job.name, rank=0)
     id_file = RunFiles(run_dir).mlflow_run_id  # written at the end of training; the checkpoint's may be unset
     parent = read_trainer_state(ckpt).get("mlflow_run_id")
@@ -203,6 +220,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-gap", action="store_true", help="also teacher-forced loss with per-loop vs last-loop KV")
     p.add_argument("--out", help="output folder for eval.md and quality.png (default <checkpoint>/eval)")
     p.add_argument("--no-track", action="store_true", help="do not log to MLflow (default: when the job tracks)")
+    p.add_argument(
+        "--uri",
+        help="MLflow tracking URI to log the evaluation to (default: $MLFLOW_TRACKING_URI, else the local store "
+        "of the checkpoint's run directory; never the URI saved in the checkpoint)",
+    )
     p.add_argument(
         "--adaptive",
         action="store_true",

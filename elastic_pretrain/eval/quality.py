@@ -68,7 +68,8 @@ def dense_mlp_flops(cfg: ModelConfig) -> float:
 
 
 def moe_mlp_flops(cfg: ModelConfig) -> float:
-    """Router over the built experts + top-k experts (flattening keeps this equal, Foil §3)."""
+    """Router over the built experts + top-k experts (flattening keeps this equal; Foil, seeds/000:
+    "holding expert parameters and expert compute per token fixed")."""
     d = cfg.hidden_size
     return 2 * d * cfg.experts_built + cfg.moe_top_k * 2 * 3 * d * cfg.moe_ffn_hidden_size
 

@@ -173,11 +173,15 @@ def base_job(path: Path) -> str | None:
 def load_post_training(path: Path, name: str, runs_root: Path, overrides: list[str], runs: list[Run]) -> JobConfig:
     """A job that post-trains a job of its set, on that job's run (trained or reused: ``runs``)."""
     base = next(r for r in runs if r.name == base_job(path))
-    return _load(path, name, runs_root, [*overrides, f"decider.init_from={base.run_dir}"])
+    return _load(path, name, runs_root, overrides, {"decider.init_from": str(base.run_dir)})
 
 
-def _load(path: Path, name: str, runs_root: Path, overrides: list[str]) -> JobConfig:
-    job = load_job(path, [*overrides, f"run_dir={runs_root / name / path.stem}", f"name={name}-{path.stem}"])
+def _load(
+    path: Path, name: str, runs_root: Path, overrides: list[str], values: dict[str, str] | None = None
+) -> JobConfig:
+    # paths are set verbatim, not as key=value overrides that YAML would parse ('#', ': ', '~')
+    values = {**(values or {}), "run_dir": str(runs_root / name / path.stem), "name": f"{name}-{path.stem}"}
+    job = load_job(path, overrides, values=values)
     if job.parallel.tensor * job.parallel.expert * job.parallel.pipeline != 1:
         raise ConfigError(f"{path}: experiments train in one process; set 'parallel: single'")
     return job

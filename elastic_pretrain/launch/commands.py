@@ -12,9 +12,9 @@ from typing import Any
 
 from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.launch.environment import job_environment
-from elastic_pretrain.launch.layout import RunFiles, read_text_or_none
+from elastic_pretrain.launch.layout import RunFiles
 from elastic_pretrain.launch.render import LaunchSpec, render
-from elastic_pretrain.launch.slurm import cancel, query_job, run_status, submit
+from elastic_pretrain.launch.slurm import cancel, query_job, read_job_id, run_status, submit
 
 # submit flag -> SlurmConfig field
 _FLAG_FIELDS = (
@@ -164,7 +164,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     run_dir = args.run_dir.expanduser().absolute()
-    job_id = read_text_or_none(RunFiles(run_dir).job_id)
+    job_id = read_job_id(RunFiles(run_dir))
     state = query_job(job_id) if job_id else None
     if state is not None and not state.live:
         print(f"job {job_id} already ended ({state.state}); nothing to cancel")

@@ -227,6 +227,15 @@ class SlurmConfig:
         return self.gpus_per_node if self.gpus_per_node > 0 else 1
 
 
+def managed_option(name: str) -> str | None:
+    """The managed option ``--name`` means to sbatch, else None. sbatch (getopt_long) takes any unambiguous
+    prefix of a long option (``--outp`` is ``--output``), so a prefix of a managed option counts as it."""
+    if name in MANAGED_SBATCH_OPTIONS:
+        return name
+    matches = sorted(o for o in MANAGED_SBATCH_OPTIONS if len(o) > 1 and o.startswith(name))
+    return matches[0] if matches else None
+
+
 def _check_sbatch_arg(arg: str) -> None:
     if "\n" in arg or "\r" in arg or "\0" in arg:
         raise ConfigError(f"slurm.sbatch_args: {arg!r} contains a line break; give one option per item")
@@ -234,8 +243,8 @@ def _check_sbatch_arg(arg: str) -> None:
         raise ConfigError(
             f"slurm.sbatch_args: {arg!r} is not a long sbatch option: write it as --name=value (e.g. --qos=high)"
         )
-    name = arg[2:].split("=", 1)[0]
-    if name in MANAGED_SBATCH_OPTIONS:
+    name = managed_option(arg[2:].split("=", 1)[0])
+    if name is not None:
         key = {
             "nodes": "nodes",
             "time": "time",
@@ -246,4 +255,6 @@ def _check_sbatch_arg(arg: str) -> None:
             "cpus-per-task": "cpus_per_task",
         }.get(name)
         fix = f"set slurm.{key} instead" if key else "the template sets it; remove it"
-        raise ConfigError(f"slurm.sbatch_args: --{name} is managed by elastic-pretrain: {fix}")
+        given = arg[2:].split("=", 1)[0]
+        what = f"--{name}" if given == name else f"--{given} (sbatch reads it as --{name})"
+        raise ConfigError(f"slurm.sbatch_args: {what} is managed by elastic-pretrain: {fix}")

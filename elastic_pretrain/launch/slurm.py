@@ -12,10 +12,12 @@ import re
 import subprocess
 from pathlib import Path
 
+from elastic_pretrain.config import clip
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.launch.layout import RunFiles, last_committed_step, read_text_or_none
 from elastic_pretrain.launch.render import LaunchSpec, render
+from elastic_pretrain.tracking.config import write_private
 
 # States in which a job still holds (or waits for) resources.
 LIVE_STATES = frozenset(
@@ -68,9 +70,17 @@ def run_slurm(argv: list[str], *, cwd: Path | None = None) -> subprocess.Complet
         raise UserError(f"{argv[0]} did not answer within 120 s: is slurmctld up? (`scontrol ping`)") from None
 
 
+# sbatch's own usage errors (getopt): the line names the option; "Try sbatch --help" after it does not
+_SBATCH_USAGE = re.compile(r"unrecognized option|invalid option|unknown option|requires an argument", re.I)
+_SBATCH_NOISE = re.compile(r"^Try .*--help", re.I)
+
+
 def explain_sbatch_error(stderr: str) -> str:
-    """One line from sbatch's error output plus the flag that fixes it."""
-    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    """sbatch's own error line (one line) plus the flag that fixes it."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip() and not _SBATCH_NOISE.match(ln.strip())]
+    usage = [ln for ln in lines if _SBATCH_USAGE.search(ln)]
+    if usage:  # e.g. "sbatch: unrecognized option '--jobid=4321'": an option in slurm.sbatch_args
+        return f"sbatch rejected the job: {usage[0]}: fix or remove that option (slurm.sbatch_args)"
     errors = (
         [ln for ln in lines if "fatal" in ln.lower()]
         or [ln for ln in lines if "error" in ln.lower()]
@@ -83,7 +93,7 @@ def explain_sbatch_error(stderr: str) -> str:
     for pattern, hint in _SBATCH_HINTS:
         if pattern.search(message):
             return f"sbatch rejected the job: {message}: {hint}"
-    return f"sbatch rejected the job: {message}: fix the Slurm option it names"
+    return f"sbatch rejected the job: {errors[-1]}: fix the Slurm option it names"
 
 
 def submit(cfg: SlurmConfig, spec: LaunchSpec) -> str:
@@ -92,7 +102,7 @@ def submit(cfg: SlurmConfig, spec: LaunchSpec) -> str:
     check_can_submit(files)
     script = render(cfg, spec)
     files.slurm_dir.mkdir(parents=True, exist_ok=True)
-    files.script.write_text(script)
+    write_private(files.script, script)  # it holds slurm.env values and the overrides: owner-only
     files.cancelled.unlink(missing_ok=True)
     proc = run_slurm(["sbatch", "--parsable", str(files.script)], cwd=spec.workdir)
     if proc.returncode != 0:
@@ -106,6 +116,19 @@ def submit(cfg: SlurmConfig, spec: LaunchSpec) -> str:
     return job_id
 
 
+def read_job_id(files: RunFiles) -> str | None:
+    """The job id ``submit`` recorded, or None. It is checked to be a number before any Slurm command
+    sees it: a run directory may come from someone else, and a crafted value (``--user=...``) would be
+    read by squeue/sacct/scancel as an option."""
+    job_id = read_text_or_none(files.job_id)
+    if job_id is not None and not re.fullmatch(r"[0-9]{1,20}", job_id):
+        raise UserError(
+            f"{files.job_id}: holds {clip(job_id, 40)!r}, not a Slurm job id (a number): delete the file "
+            "(its job is then unknown to status/cancel) or write the right id into it"
+        )
+    return job_id
+
+
 def check_can_submit(files: RunFiles) -> None:
     """Refuse to start a second job on a run directory that is finished or already has a live job."""
     if files.finished.exists():
@@ -113,7 +136,7 @@ def check_can_submit(files: RunFiles) -> None:
             f"{files.run_dir} has finished training ({files.finished} exists): pick another --run-dir, "
             "or delete that file to train it further"
         )
-    job_id = read_text_or_none(files.job_id)
+    job_id = read_job_id(files)
     if job_id is None:
         return
     try:
@@ -129,6 +152,8 @@ def check_can_submit(files: RunFiles) -> None:
 
 def query_job(job_id: str) -> JobState | None:
     """The job's state from slurmctld (``squeue``), else from accounting (``sacct``); ``None`` if unknown."""
+    if not re.fullmatch(r"[0-9]{1,20}", job_id):  # never an option to squeue/sacct (see read_job_id)
+        raise UserError(f"{clip(job_id, 40)!r} is not a Slurm job id (a number)")
     fields = "JobID:|,State:|,Reason:|,RestartCnt:|,exit_code:|,NodeList:|,TimeUsed:|,Name:|"
     proc = run_slurm(["squeue", "-h", "-j", job_id, "--states=all", "-O", fields])
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith(f"{job_id}|")]
@@ -176,7 +201,7 @@ def run_status(run_dir: Path) -> RunStatus:
     files = RunFiles(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"{run_dir}: no such run directory (give the --run-dir the job was submitted with)")
-    job_id = read_text_or_none(files.job_id)
+    job_id = read_job_id(files)
     return RunStatus(
         run_dir=str(run_dir),
         job_id=job_id,
@@ -191,7 +216,7 @@ def run_status(run_dir: Path) -> RunStatus:
 def cancel(run_dir: Path) -> str:
     """Cancel the run's job for good: mark it so the batch script does not requeue, then ``scancel``."""
     files = RunFiles(run_dir)
-    job_id = read_text_or_none(files.job_id)
+    job_id = read_job_id(files)
     if job_id is None:
         raise UserError(f"{run_dir}: no Slurm job recorded ({files.job_id} is missing): was it submitted from here?")
     files.cancelled.write_text(job_id + "\n")

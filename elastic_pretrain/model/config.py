@@ -14,7 +14,8 @@ class ModelConfig:
 
     The core is given as a *reference shape* (``core_layers`` × ``num_experts`` × ``loops``);
     ``flatten=f`` builds ``core_layers/f`` layers with ``f·num_experts`` experts run ``f·loops``
-    times (Foil §3): expert parameters and active expert FLOPs per token are unchanged, because the
+    times (Foil, seeds/000: "Halve the number of expert layers, double the experts per layer, double the
+    passes"): expert parameters and active expert FLOPs per token are unchanged, because the
     expert width and top-k stay the same while layers shrink and passes grow by the same factor.
     """
 

@@ -5,7 +5,8 @@ megatron-core layers work sequence-first, so hidden states inside the block are 
 
     embedding -> prelude (run once) -> core (run ℓ times) -> coda (run once per exit) -> norm -> head
 
-Core layer i at pass j = attention A[i][j] (one parameter set per pass: untied, Foil §3) + the MoE
+Core layer i at pass j = attention A[i][j] (one parameter set per pass: untied; Foil,
+seeds/000: "Each pass gets its own attention parameters while the experts and routers stay shared") + the MoE
 MLP M[i] (experts, router and the norm in front of it shared by every pass). The model contains no
 process-group code: it receives a megatron ``TransformerConfig`` built by ``parallel/``.
 """
@@ -170,6 +171,23 @@ class CoreLayer(MegatronModule):
             self.pass0_routes[key] = rec
         return layer._forward_post_mlp((out, None), residual)
 
+    @torch.no_grad()
+    def copy_pass0_attention(self, passes: Sequence[int]) -> list[torch.nn.Parameter]:
+        """Copy pass 0's attention parameters into ``passes`` (j >= 1); returns the parameters written.
+
+        ``schedule.init_unused_passes: copy_pass0`` at a late switch from fewer loops: the fixed phase
+        never ran these passes, so their attention is still at its initialisation. Pass j's layer
+        holds exactly the attention half of pass 0's (same names, same TP shards).
+        """
+        src = dict(self.full_layer.named_parameters())
+        written = []
+        for j in passes:
+            if 1 <= j < len(self.passes):
+                for name, p in self.passes[j].named_parameters():
+                    p.copy_(src[name])
+                    written.append(p)
+        return written
+
     def ghost_pass(self, like_TBD: Tensor) -> Tensor:
         """Join one MoE call (forward and backward collectives) without contributing — see run_loops.
 
@@ -192,7 +210,8 @@ class LoopConditioning(MegatronModule):
     """ELR loop-count conditioning: (target ℓ, pass j) → a vector added to the residual at pass entry.
 
     ``out`` is zero-initialised and the head is only switched on when the schedule enters mixed
-    depth, so the switch step's loss equals the fixed-depth model's (ELR §3: zero-init heads).
+    depth, so the switch step's loss equals the fixed-depth model's (ELR, seeds/003: "conditioning heads
+    initialized to zero at the switch").
     Parameters are replicated over TP; tagged ``sequence_parallel`` so their gradients (partial sums
     over each rank's sequence shard) are all-reduced over TP like norm weights.
     """
@@ -323,6 +342,10 @@ class LoopedMoEModel(LanguageModule):
         if probe is not None:
             probe.detach()
         return probe
+
+    def init_unused_passes(self, passes: Sequence[int]) -> list[torch.nn.Parameter]:
+        """Pass 0's attention into ``passes`` on every core layer of this stage (see CoreLayer.copy_pass0_attention)."""
+        return [p for core in self.core_layers() for p in core.copy_pass0_attention(passes)]
 
     def run_loops(self, input_ids_BT: Tensor, *, loops: int, exits: Sequence[int], sync_loops: int | None = None,
                   keep: list[Tensor] | None = None) -> tuple[dict[int, Tensor], Tensor | None]:

@@ -167,16 +167,30 @@ def any_rank(flag: bool) -> bool:
     return bool(t.item())
 
 
-def teardown() -> None:
+def every_rank(value: int) -> list[int]:
+    """Each rank's ``value``, indexed by rank, on every rank (one all-reduce of world-size ints)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        return [value]
+    t = torch.zeros(world, dtype=torch.int64)
+    t[dist.get_rank()] = value
+    dist.all_reduce(t)
+    return [int(v) for v in t.tolist()]
+
+
+def teardown(*, barrier: bool = True) -> None:
     """Barrier, destroy megatron's groups, destroy the default group.
 
     With torch 2.13 + gloo a finished process otherwise aborts now and then ("terminate called
     without an active exception"); the explicit order below removed it (notes/megatron-cpu.md).
+    ``barrier=False`` on the way out of an error: the other ranks may never reach a barrier (one rank's
+    bad input), and waiting for them would hang this rank until gloo's timeout.
     """
     from megatron.core import parallel_state
 
     if dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 

@@ -9,8 +9,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from elastic_pretrain.config import clip
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.tracking.config import ENV_TRACKING_URI, local_store_dir, local_store_uri
+from elastic_pretrain.tracking.config import ENV_TRACKING_URI, local_store_dir, local_store_uri, redact_uri
 from elastic_pretrain.tracking.mlflow_env import is_transient, make_client, short_error
 from elastic_pretrain.tracking.names import LOSS, SYSTEM_PREFIX, loops_of_val_loss, val_loss_loops
 
@@ -31,7 +32,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         metavar="RUN_DIR",
         help="a run directory (runs/<name>): use its tracking store and experiment",
     )
-    p.add_argument("--uri", help=f"tracking URI (default: RUN_DIR's store, else ${ENV_TRACKING_URI})")
+    p.add_argument(
+        "--uri",
+        help=f"tracking URI (default: ${ENV_TRACKING_URI}, else RUN_DIR's local store; the server a run "
+        "directory names is used only when given here)",
+    )
     p.add_argument("--experiment", "-e", help="experiment name (default: the one RUN_DIR logged to)")
     p.add_argument("--max-runs", type=int, default=50, help="newest runs shown (default 50)")
     p.set_defaults(handler=runs_command)
@@ -50,23 +55,43 @@ def _run_info(run_dir: Path | None) -> dict[str, Any]:
 
 
 def resolve_target(uri: str | None, experiment: str | None, run_dir: Path | None) -> tuple[str, str]:
-    """(uri, experiment) from flags, else RUN_DIR's run.json / local store / name, else the env."""
+    """(uri, experiment): the URI from ``--uri``, else ``$MLFLOW_TRACKING_URI``, else RUN_DIR's local store.
+
+    A run directory may come from someone else: the server its run.json names is never contacted on its
+    say-so (MLflow would send that server the user's ``MLFLOW_TRACKING_TOKEN``/password). Only its local
+    sqlite store, inside the directory itself, is used without asking."""
     if run_dir is not None and not run_dir.is_dir():
         raise UserError(f"{run_dir}: no such run directory (runs live in runs/<name>)")
     info = _run_info(run_dir)
-    uri = uri or info.get("uri") or os.environ.get(ENV_TRACKING_URI) or None
+    uri = uri or os.environ.get(ENV_TRACKING_URI) or None
     if uri is None and run_dir is not None:
-        uri = local_store_uri(run_dir)
+        stored, local = info.get("uri"), local_store_uri(run_dir)
+        if isinstance(stored, str) and stored and stored != local and _outside(stored, run_dir):
+            raise UserError(
+                f"{local_store_dir(run_dir) / 'run.json'} says the run logged to {clip(redact_uri(stored), 100)}; "
+                "a run directory does not choose where your MLflow credentials go: pass --uri with that URI "
+                f"if you trust it (or set ${ENV_TRACKING_URI})"
+            )
+        uri = local
     if uri is None:
         raise UserError(f"no tracking store given: pass RUN_DIR or --uri URI (or set {ENV_TRACKING_URI})")
     if uri.startswith("sqlite:"):
         db = Path(uri.removeprefix("sqlite:///"))
         if not db.is_file():  # opening a missing sqlite store would silently create an empty one
             raise UserError(f"no MLflow store at {db}: run a job with tracking first, or pass --uri")
-    experiment = experiment or info.get("experiment") or (run_dir.absolute().name if run_dir else None)
+    stored_experiment = info.get("experiment") if isinstance(info.get("experiment"), str) else None
+    experiment = experiment or stored_experiment or (run_dir.absolute().name if run_dir else None)
     if not experiment:
         raise UserError("which experiment? pass --experiment NAME (or a RUN_DIR)")
     return uri, experiment
+
+
+def _outside(uri: str, run_dir: Path) -> bool:
+    """True unless ``uri`` is a sqlite store inside ``run_dir`` (a moved run directory keeps working)."""
+    if not uri.startswith("sqlite:///"):
+        return True
+    db = Path(uri.removeprefix("sqlite:///"))
+    return not (db.is_relative_to(local_store_dir(run_dir)) or (db.name == "mlflow.db" and db.parent.name == "mlflow"))
 
 
 def _fmt(value: float | None) -> str:
@@ -108,13 +133,14 @@ def runs_command(args: argparse.Namespace) -> int:
     if args.max_runs < 1:
         raise UserError(f"--max-runs must be >= 1, got {args.max_runs}")
     uri, name = resolve_target(args.uri, args.experiment, args.run_dir)
+    shown = redact_uri(uri)  # printed: without user:password@
     client = make_client(uri, _REQUEST_TIMEOUT_S)
     try:
         exp = client.get_experiment_by_name(name)
         if exp is None:
             names = [e.name for e in client.search_experiments(max_results=20)]
             raise UserError(
-                f"experiment {name!r} not found at {uri} (existing: {', '.join(names) or 'none'}); "
+                f"experiment {name!r} not found at {shown} (existing: {', '.join(names) or 'none'}); "
                 "pass --experiment NAME"
             )
         runs = client.search_runs(
@@ -125,13 +151,13 @@ def runs_command(args: argparse.Namespace) -> int:
     except Exception as err:
         if is_transient(err):
             raise UserError(
-                f"cannot reach MLflow at {uri} ({short_error(err)}): "
+                f"cannot reach MLflow at {shown} ({short_error(err)}): "
                 f"start the server or fix --uri / ${ENV_TRACKING_URI}"
             ) from None
-        raise UserError(f"MLflow at {uri} refused the query: {short_error(err)}") from None
+        raise UserError(f"MLflow at {shown} refused the query: {short_error(err)}") from None
     if not runs:
-        print(f"experiment {name!r} at {uri}: no runs")
+        print(f"experiment {name!r} at {shown}: no runs")
         return 0
-    print(f"experiment {name!r} at {uri}: {len(runs)} run(s), newest first")
+    print(f"experiment {name!r} at {shown}: {len(runs)} run(s), newest first")
     print(runs_table(runs))
     return 0

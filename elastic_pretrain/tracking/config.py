@@ -6,6 +6,7 @@ Nothing here imports MLflow: every rank builds the job config, only rank 0 talks
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -13,6 +14,9 @@ from typing import Literal
 from elastic_pretrain.config import ConfigError, field
 
 ENV_TRACKING_URI = "MLFLOW_TRACKING_URI"
+REDACTED = "<redacted>"
+# scheme://user:password@host: the credentials part of any URL in a string
+_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/?#\s]*@")
 
 
 @dataclass(kw_only=True)
@@ -86,3 +90,20 @@ def resolve_uri(cfg: TrackingConfig, run_dir: Path) -> str:
 
 def is_local_sqlite(uri: str) -> bool:
     return uri.startswith("sqlite:")
+
+
+def redact_uri(text: str) -> str:
+    """``text`` with the ``user:password@`` of every URL in it removed: for logs, files, MLflow params.
+    (Only the live tracking client gets the URI as configured.)"""
+    return _USERINFO.sub(r"\g<scheme>", text)
+
+
+def write_private(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text`` atomically, readable by the owner only (0600): run metadata that may
+    name a tracking server or environment of the job."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    tmp.replace(path)

@@ -71,7 +71,9 @@ def is_transient(err: BaseException) -> bool:
 
 def short_error(err: BaseException, limit: int = 160) -> str:
     """One line for a log message: MLflow errors embed whole URLs and chained reprs."""
-    text = " ".join(str(err).split())
+    from elastic_pretrain.tracking.config import redact_uri
+
+    text = redact_uri(" ".join(str(err).split()))  # MLflow quotes the request URL, credentials included
     if "Connection refused" in text or "NewConnectionError" in text:
         text = "connection refused"
     elif "timed out" in text or "Timeout" in text:

@@ -17,6 +17,7 @@ TOKENS_PER_S = "tokens_per_s"
 MFU = "mfu"  # model FLOPs utilisation in [0, 1]; the peak used is the tag MFU_PEAK_TAG
 HFU = "hfu"  # hardware FLOPs utilisation: MFU + recomputed forward + ghost-pass MoE calls (train/mfu.py)
 GHOST_PASS_FRACTION = "ghost_pass_fraction"  # ghost passes / executed passes (expert-parallel mixed depth)
+TRAIN_FLOPS_VS_BASELINE = "train_flops_vs_baseline"  # model FLOPs trained so far / the ℓ=1 baseline's (same tokens)
 MFU_PEAK_TAG = "mfu.peak_flops_per_s"  # e.g. "989 TFLOP/s (H100 SXM bf16 dense)"
 SYSTEM_PREFIX = "system/"
 

@@ -20,7 +20,7 @@ from typing import Any
 
 from elastic_pretrain.tracking import quality
 from elastic_pretrain.tracking.buffer import Buffer, Staged
-from elastic_pretrain.tracking.config import TrackingConfig, is_local_sqlite
+from elastic_pretrain.tracking.config import TrackingConfig, is_local_sqlite, redact_uri, write_private
 from elastic_pretrain.tracking.mlflow_env import is_transient, make_client, short_error
 
 log = logging.getLogger("elastic_pretrain.tracking")
@@ -50,7 +50,8 @@ class Sender:
     ) -> None:
         self.cfg = cfg
         self.buf = buf
-        self.uri = uri
+        self.uri = uri  # only for the client: logs and run.json get shown_uri (no user:password@)
+        self.shown_uri = redact_uri(uri)
         self.store_dir = store_dir
         self.experiment = experiment
         self.run_name = run_name
@@ -144,7 +145,7 @@ class Sender:
             log.warning(
                 "MLflow at %s unreachable (%s): training continues; buffering up to %d metric values "
                 "and retrying every <= %gs",
-                self.uri,
+                self.shown_uri,
                 short_error(err),
                 self.cfg.max_buffered,
                 self.cfg.retry_max_interval_s,
@@ -159,7 +160,7 @@ class Sender:
         dropped = self.buf.reset_full_warning()
         log.warning(
             "MLflow at %s reachable again after %.0fs: back-filled %d metric values%s",
-            self.uri,
+            self.shown_uri,
             time.monotonic() - self._down_since,
             stats.sent - self._sent_at_outage,
             f" ({dropped} oldest dropped while the buffer was full)" if dropped else "",
@@ -201,7 +202,7 @@ class Sender:
                 log.warning(
                     "cannot continue MLflow run %s at %s (%s): logging to a new run instead",
                     self.resume_run_id,
-                    self.uri,
+                    self.shown_uri,
                     short_error(err),
                 )
         try:
@@ -213,11 +214,13 @@ class Sender:
             with self.buf.cond:  # stop buffering: nothing would ever drain it
                 self.buf.disabled = True
                 self.buf.metrics.clear()
-            log.warning("tracking off: MLflow at %s refused the run (%s)", self.uri, short_error(err))
+            log.warning("tracking off: MLflow at %s refused the run (%s)", self.shown_uri, short_error(err))
             return
         self.run_id = run.info.run_id
         self._write_run_json(run)
-        log.info("MLflow run %r (%s) in experiment %r at %s", run.info.run_name, self.run_id, self.experiment, self.uri)
+        log.info(
+            "MLflow run %r (%s) in experiment %r at %s", run.info.run_name, self.run_id, self.experiment, self.shown_uri
+        )
 
     def _create(self) -> Any:
         client = self._client
@@ -250,17 +253,14 @@ class Sender:
     def _write_run_json(self, run: Any) -> None:
         """Where this run lives, for ``elastic-pretrain runs RUN_DIR`` and for humans."""
         info = {
-            "uri": self.uri,
+            "uri": self.shown_uri,
             "experiment": self.experiment,
             "experiment_id": run.info.experiment_id,
             "run_id": run.info.run_id,
             "run_name": run.info.run_name,
         }
         try:
-            path = self.store_dir / "run.json"
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(info, indent=2) + "\n")
-            tmp.replace(path)
+            write_private(self.store_dir / "run.json", json.dumps(info, indent=2) + "\n")
         except OSError as err:
             log.warning("could not write %s: %s", self.store_dir / "run.json", err)
 

@@ -37,7 +37,7 @@ from typing import Any, Literal
 from elastic_pretrain.config import flatten
 from elastic_pretrain.tracking import quality
 from elastic_pretrain.tracking.buffer import Buffer, MetricRow, Staged, TrackerStats
-from elastic_pretrain.tracking.config import TrackingConfig, local_store_dir, resolve_uri
+from elastic_pretrain.tracking.config import TrackingConfig, local_store_dir, redact_uri, resolve_uri
 from elastic_pretrain.tracking.mlflow_env import prepare_environment
 from elastic_pretrain.tracking.names import sanitize, val_loss_loops, val_ppl_loops
 from elastic_pretrain.tracking.sender import Sender
@@ -104,6 +104,7 @@ class MlflowTracker(Tracker):
     ) -> None:
         self.cfg = cfg
         self.uri = uri
+        self.shown_uri = redact_uri(uri)  # logs never show user:password@
         self.store_dir = local_store_dir(run_dir)
         self.store_dir.mkdir(parents=True, exist_ok=True)
         prepare_environment(cfg.request_timeout_s)  # before any thread imports mlflow
@@ -147,7 +148,7 @@ class MlflowTracker(Tracker):
         values: dict[str, str] = {}
         truncated = False
         for key, value in flat.items():
-            text = _param_text(value)
+            text = redact_uri(_param_text(value))  # the caller's config is already public; a URL never is
             if len(text) > PARAM_VALUE_LIMIT:
                 text = text[: PARAM_VALUE_LIMIT - len(_TRUNCATED)] + _TRUNCATED
                 truncated = True
@@ -155,7 +156,7 @@ class MlflowTracker(Tracker):
         with self._buf.cond:
             self._buf.params.update(values)
         if truncated:
-            full = {k: _param_text(v) for k, v in flat.items()}
+            full = {k: redact_uri(_param_text(v)) for k, v in flat.items()}
             self._stage_bytes("params.json", json.dumps(full, indent=1).encode(), "config")
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
@@ -274,7 +275,7 @@ class MlflowTracker(Tracker):
             log.warning(
                 "tracking closed with %d metric values not sent to MLflow at %s (unreachable or slow for %.0fs)%s",
                 stats.buffered,
-                self.uri,
+                self.shown_uri,
                 timeout,
                 f"; {stats.dropped} more were dropped earlier" if stats.dropped else "",
             )

@@ -10,9 +10,10 @@ import os
 import signal
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
+
+from elastic_pretrain.quiet import third_party_warnings
 
 
 def _quiet_logs() -> None:
@@ -22,30 +23,30 @@ def _quiet_logs() -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    # megatron-core warns at import time that TE/Apex are absent; the CPU path is deliberate.
-    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-    warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
-    # megatron's optimizer probes .grad on shard views; torch warns on every such access.
-    warnings.filterwarnings("ignore", message=".*is not a leaf Tensor is being accessed.*")
-    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
+    third_party_warnings()
     for name in ("megatron", "megatron.core"):
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
 def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Validate the job here (one-line errors), then start torchrun with one rank per process.
+    """Validate the job here (one-line errors), then start torchrun's agent with one rank per process
+    (``launch/local.py``: a user error on any rank prints here, once, exit 2 — no launcher traceback).
 
     Stop signals (SIGTERM, SIGUSR1/2, SIGINT) sent to this process go to every trainer, which saves at
-    the next step boundary and exits 0 — the same contract as under Slurm (slurm/train.sbatch): torchrun
-    runs in its own session with those signals ignored and not handled (its workers inherit that until
-    the trainer installs its handler); this process signals each worker. A second SIGINT (Ctrl-C
-    twice) kills the trainers at once."""
-    from elastic_pretrain.checkpoint.preempt import STOP_SIGNALS
+    the next step boundary and exits 0 — the same contract as under Slurm (slurm/train.sbatch): the
+    launcher runs in its own session with those signals blocked (its ranks inherit that, so a signal
+    that comes before a trainer's handler waits for it); this process says so and signals the
+    launcher, which passes the signal to every rank. A second SIGINT (Ctrl-C twice) kills the trainers."""
+    import tempfile
 
-    torchrun = Path(sys.executable).with_name("torchrun")
+    from elastic_pretrain.checkpoint.preempt import STOP_SIGNALS
+    from elastic_pretrain.errors import UserError
+    from elastic_pretrain.launch.local import ERRORS_ENV, children, reported_error
+
     cmd = [
-        str(torchrun),
+        sys.executable,
+        "-m",
+        "elastic_pretrain.launch.local",
         "--nproc-per-node",
         str(args.nproc_per_node),
         "--rdzv-backend",
@@ -60,64 +61,81 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
         args.job,
         *overrides,
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
-    def ignore_stop_signals() -> None:
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_IGN)
-        # if this process dies (even SIGKILL), torchrun gets SIGHUP, which it handles by ending its workers
+    def block_stop_signals() -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        # if this process dies (even SIGKILL), the launcher gets SIGHUP, which it handles by ending its ranks
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGHUP))  # PR_SET_PDEATHSIG
 
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=ignore_stop_signals)
     interrupts = 0
 
     def forward(signum: int, frame: object) -> None:
         nonlocal interrupts
         interrupts += signum == signal.SIGINT
-        sig = signal.SIGKILL if interrupts > 1 else signum
-        # torchrun starts each worker in a session of its own: signal them by pid
-        for pid in [*_children(proc.pid), *([proc.pid] if sig == signal.SIGKILL else [])]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
+        name = signal.Signals(signum).name
+        if interrupts > 1:  # torchrun starts each rank in a session of its own: kill them by pid
+            print(f"elastic-pretrain train: got {name} again: killing the trainers", file=sys.stderr, flush=True)
+            for pid in [*children(proc.pid), proc.pid]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            return
+        again = " (Ctrl-C again kills them)" if signum == signal.SIGINT else ""
+        print(f"elastic-pretrain train: got {name}: the trainers save at the next step and exit{again}",
+              file=sys.stderr, flush=True)  # fmt: skip
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signum)  # the launcher passes it to every rank, started or about to start
 
-    previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
-    try:
-        return proc.wait()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (Linux /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
-    return found
+    with tempfile.TemporaryDirectory(prefix="elastic-pretrain-errors-") as errors:
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), ERRORS_ENV: errors}
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=block_stop_signals)
+        previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
+        try:
+            code = proc.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        message = reported_error(Path(errors))
+    if message:
+        raise UserError(message)
+    return code
 
 
 def _train(args: argparse.Namespace) -> int:
     _quiet_logs()
-    from elastic_pretrain.job import load_job
-
-    overrides = list(args.overrides)
-    if args.run_dir:
-        overrides.append(f"run_dir={args.run_dir}")
-    if args.resume_from:
-        overrides.append(f"checkpoint.resume_from={Path(args.resume_from).resolve()}")
-    job = load_job(args.job, overrides)
+    job = job_from_args(args)
     if args.nproc_per_node and "RANK" not in os.environ:
         from elastic_pretrain.parallel.validate import check_layout
 
         check_layout(job, args.nproc_per_node)  # once, here, not once per rank after torch imports
-        return _launch(args, overrides)
+        return _launch(args, [*args.overrides, *(f"{flag}={path}" for flag, path in path_flags(args).items())])
     from elastic_pretrain.train.trainer import train
 
     train(job)
     return 0
+
+
+def job_from_args(args: argparse.Namespace) -> Any:
+    """The :class:`~elastic_pretrain.job.JobConfig` that ``train`` runs for its parsed arguments.
+
+    Paths from flags are set as strings: as ``key=value`` overrides YAML would read ``#`` as a comment,
+    ``: `` as a mapping and ``~`` as null, and the trainer would write elsewhere than the flag (and the
+    Slurm batch script watching that directory) says."""
+    from elastic_pretrain.job import load_job
+
+    paths = path_flags(args)
+    values = {"run_dir": paths.get("--run-dir"), "checkpoint.resume_from": paths.get("--resume-from")}
+    return load_job(args.job, list(args.overrides), values={k: v for k, v in values.items() if v is not None})
+
+
+def path_flags(args: argparse.Namespace) -> dict[str, str]:
+    """``--run-dir`` / ``--resume-from`` as given (``~`` expanded; the checkpoint made absolute)."""
+    out = {}
+    if args.run_dir:
+        out["--run-dir"] = os.path.expanduser(args.run_dir)
+    if args.resume_from:
+        out["--resume-from"] = str(Path(args.resume_from).expanduser().resolve())
+    return out
 
 
 def _show(args: argparse.Namespace) -> int:

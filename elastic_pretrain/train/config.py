@@ -50,10 +50,19 @@ class TrainConfig:
         for name in ("steps", "micro_batch_size", "global_batch_size", "log_interval", "threads_per_rank"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.global_batch_size % self.micro_batch_size:
+            raise ConfigError(
+                f"global_batch_size: {self.global_batch_size} is not a multiple of micro_batch_size="
+                f"{self.micro_batch_size}: make it one (each rank runs whole micro-batches)"
+            )
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
             raise ConfigError(f"lr/min_lr: need 0 <= min_lr <= lr and lr > 0, got lr={self.lr} min_lr={self.min_lr}")
         if self.warmup_steps < 0 or self.warmup_steps >= self.steps:
-            raise ConfigError(f"warmup_steps: {self.warmup_steps} must be in [0, steps={self.steps})")
+            # a short run of a job written for a long one (train.steps=20 on a 30-step warmup): say the override
+            raise ConfigError(
+                f"warmup_steps: {self.warmup_steps} must be in [0, steps={self.steps}): "
+                f"add train.warmup_steps={self.steps // 10} (a tenth of the steps; 0 for none)"
+            )
         if self.peak_tflops is not None and self.peak_flops_per_s is not None:
             raise ConfigError("train.peak_tflops and train.peak_flops_per_s both set: keep peak_tflops only")
         if self.peak_tflops is not None and self.peak_tflops <= 0:

@@ -132,3 +132,13 @@ def utilisation(flops: StepFlops, *, tokens_per_s: float, devices: int, peak_flo
         "hfu": per_device * flops.hardware / peak_flops_per_s,
         "ghost_pass_fraction": flops.ghost_pass_fraction,
     }
+
+
+def baseline_flops_per_token(cfg: ModelConfig, *, seq_len: int) -> float:
+    """Training FLOPs per token of the matched non-looped baseline: the same model at ℓ = 1, one exit.
+
+    ELR's compute comparison (seeds/003: "Mixed-depth training from scratch costs an estimated 1.62
+    times the baseline's training compute") divides a run's training compute by this, at equal tokens.
+    """
+    return step_flops(cfg, DepthCounts(loops=1.0, exits=1.0, ghost_passes=0.0), seq_len=seq_len,
+                      micro_batch_tokens=seq_len).model

@@ -1,6 +1,7 @@
 """The schedule controller: the one object that owns depth during training.
 
-Phase ``fixed`` (every micro-batch at ``schedule.loops``) until ``switch_at`` of the run's tokens,
+Phase ``fixed`` (every micro-batch at ``schedule.fixed_loops``: 1 in ELR's recipe, default the anchor
+``schedule.loops``) until ``switch_at`` of the run's tokens,
 then ``mixed``, where the configured sampler picks each micro-batch's loop count ℓ and the exits
 that are supervised. Draws are pure functions of (seed, step, micro-batch, replica), so a resumed
 run draws exactly what an uninterrupted run would, and all TP/PP ranks of one replica agree.
@@ -16,6 +17,7 @@ import numpy as np
 from elastic_pretrain.config import ConfigError, field
 
 Sampler = Literal["fixed", "independent_rank", "per_step", "telescopic", "fixed_exits"]
+UnusedPassInit = Literal["copy_pass0", "as_initialised"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -23,7 +25,15 @@ class ScheduleConfig:
     """Depth during training (ELR fixed→mixed switch; TLM telescopic; Matryoshka fixed exits)."""
 
     sampler: Sampler = field("fixed", doc="How ℓ is chosen in the mixed phase (see docs/elastic-depth.md).")
-    loops: int | None = field(None, doc="ℓ of the fixed phase (and the anchor depth); None = L_max.")
+    loops: int | None = field(None, doc="The anchor depth (sampler fixed, telescopic); None = L_max.")
+    fixed_loops: int | None = field(
+        None, doc="ℓ of the fixed phase before switch_at (ELR's late switch: 1); None = the anchor (loops)."
+    )
+    init_unused_passes: UnusedPassInit = field(
+        "copy_pass0",
+        doc="At the switch, the attention of passes the fixed phase never ran (j >= fixed_loops): copy_pass0 "
+        "copies pass 0's trained attention into them; as_initialised keeps their initialisation (the ablation).",
+    )
     switch_at: float = field(
         1.0, doc="Fraction of the run's tokens after which the mixed phase starts (0: from scratch, 1: never)."
     )
@@ -31,7 +41,9 @@ class ScheduleConfig:
         factory=list, doc="independent_rank/per_step: weight of ℓ = 1..L_max (empty = uniform)."
     )
     one_loop_fraction: float = field(
-        0.0, doc="independent_rank: probability that a replica's micro-batch is forced to ℓ = 1 (ELR override)."
+        0.0,
+        doc="independent_rank/per_step: probability that a replica's micro-batch is forced to ℓ = 1 (ELR's "
+        "one-loop override; under per_step the other replicas keep the step's shared ℓ).",
     )
     telescopic_depths: list[int] = field(
         factory=list, doc="telescopic: prefix depths the random exit is drawn from (empty = uniform over 1..ℓ-1)."
@@ -52,11 +64,26 @@ class ScheduleConfig:
             raise ConfigError("telescopic_weights: give one weight per entry of telescopic_depths")
         if self.sampler == "fixed_exits" and not self.exits:
             raise ConfigError("exits: fixed_exits needs the list of supervised exits, e.g. exits: [1, 2, 4]")
+        if self.sampler != "fixed" and self.switch_at == 1.0:
+            raise ConfigError(
+                f"schedule.sampler: {self.sampler} never runs with switch_at: 1.0 (the whole run stays at fixed depth):"
+                " set schedule.switch_at (0 = from the start, e.g. 0.75 = ELR's late switch) or sampler: fixed"
+            )
 
-    def validate_for(self, max_loops: int) -> None:
-        """Checks that need the model's L_max."""
-        if self.loops is not None and not 1 <= self.loops <= max_loops:
-            raise ConfigError(f"schedule.loops={self.loops} is outside [1, {max_loops}]: pick a value in that range")
+    def validate_for(self, max_loops: int, *, loop_conditioning: bool = False) -> None:
+        """Checks that need the model's L_max (and whether it has loop-count conditioning heads)."""
+        for name in ("loops", "fixed_loops"):
+            value = getattr(self, name)
+            if value is not None and not 1 <= value <= max_loops:
+                raise ConfigError(f"schedule.{name}={value} is outside [1, {max_loops}]: pick a value in that range")
+        if loop_conditioning and self.sampler in ("telescopic", "fixed_exits"):
+            # one run supervises several exits, so every pass is conditioned on the deepest one; evaluation
+            # (and serving) conditions a run of ℓ passes on ℓ itself: the truncated exits would disagree
+            raise ConfigError(
+                f"schedule.sampler: {self.sampler} reads shallower exits out of one deeper run, whose passes the "
+                "loop-conditioning heads condition on the deeper ℓ (evaluation conditions ℓ on itself): "
+                "set model.loop_conditioning: false"
+            )
         if self.weights and len(self.weights) != max_loops:
             raise ConfigError(f"schedule.weights: give {max_loops} weights (one per ℓ = 1..{max_loops})")
         bad = [d for d in self.telescopic_depths + self.exits if not 1 <= d <= max_loops]
@@ -80,6 +107,7 @@ class ScheduleController:
         self.cfg = cfg
         self.max_loops = max_loops
         self.anchor = cfg.loops or max_loops
+        self.fixed_loops = cfg.fixed_loops or self.anchor
         self.total_tokens = total_tokens
         self.seed = seed
         self.phase: Literal["fixed", "mixed"] = "mixed" if cfg.switch_at == 0.0 else "fixed"
@@ -106,10 +134,14 @@ class ScheduleController:
         return w / w.sum()
 
     def plan(self, *, step: int, micro: int, replica: int) -> DepthPlan:
-        if not self.mixed or self.cfg.sampler == "fixed":
-            return DepthPlan(self.anchor, (self.anchor,))
+        if not self.mixed:
+            return DepthPlan(self.fixed_loops, (self.fixed_loops,))
         sampler = self.cfg.sampler
-        if sampler == "per_step":  # one ℓ for every rank and micro-batch of the step (baseline)
+        if sampler == "fixed":
+            return DepthPlan(self.anchor, (self.anchor,))
+        if sampler == "per_step":  # one ℓ for every rank and micro-batch of the step (baseline) ...
+            if self._rng(step, micro, replica, 4).random() < self.cfg.one_loop_fraction:
+                return DepthPlan(1, (1,))  # ... but for the replicas the one-loop override picks (ELR's ablation)
             ell = 1 + int(self._rng(step, 1).choice(self.max_loops, p=self._weights()))
             return DepthPlan(ell, (ell,))
         if sampler == "independent_rank":
@@ -133,6 +165,10 @@ class ScheduleController:
             w = np.asarray([self.cfg.telescopic_weights[self.cfg.telescopic_depths.index(d)] for d in depths])
             return int(rng.choice(depths, p=w / w.sum()))
         return int(rng.choice(depths))
+
+    def unused_passes(self) -> range:
+        """Passes the fixed phase never ran (their attention is what ``init_unused_passes`` sets at the switch)."""
+        return range(self.fixed_loops, self.max_loops) if self.switch_step != 0 else range(0)
 
     # --- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -41,6 +41,13 @@ class Session:
     def on_switch_to_mixed(self, step: int) -> None:
         log.info("step %d: switching to mixed depth (%s)%s", step, self.job.schedule.sampler,
                  "; loop-conditioning heads on (zero-init)" if self.net.loop_conditioning is not None else "")
+        unused = self.controller.unused_passes()
+        if unused and self.job.schedule.init_unused_passes == "copy_pass0":
+            # only passes the fixed phase never ran change, so the switch step's loss at fixed_loops is unchanged
+            written = self.net.init_unused_passes(unused)
+            copy_to_main_params(self.optimizer, written)
+            log.info("step %d: pass 0's attention copied into passes %s (never run before the switch)",
+                     step, list(unused))
         self.sync_phase()
 
     def sync_phase(self) -> None:
@@ -60,6 +67,30 @@ class Session:
             f"{cfg.experts_built} experts top-{cfg.moe_top_k} (flatten {cfg.flatten}) | "
             f"sampler {self.job.schedule.sampler}, switch at {self.job.schedule.switch_at:.2f} of tokens"
         )
+
+
+def copy_to_main_params(optimizer: Any, params: list[torch.nn.Parameter]) -> None:
+    """After writing model ``params`` in place: the same values into the optimizer's fp32 main copies.
+
+    fp32 models need nothing (megatron's main parameters are the model's, or views of them); bf16 models
+    have fp32 main parameters, whole (``Float16OptimizerWithFloat16Params``) or this rank's shard of
+    the parameter's range (distributed optimizer). Only ``params`` are touched: reloading every main
+    parameter from bf16 would drop the fp32 bits of all the others.
+    """
+    for p in params:
+        main = getattr(p, "main_param", None)
+        if main is None or main is p:
+            continue
+        if not getattr(p, "main_param_sharded", False):
+            main.data.copy_(p.data.view_as(main))
+            continue
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            try:
+                span = opt._get_model_param_range_map(p)["param"]
+            except (AttributeError, KeyError):
+                continue
+            main.data.copy_(p.data.view(-1)[span.start : span.end])
+            break
 
 
 def build_optimizer(job: JobConfig, model: DistributedDataParallel) -> tuple[Any, OptimizerParamScheduler]:

@@ -15,15 +15,16 @@ from typing import Any, Protocol
 
 import torch
 
+from elastic_pretrain.checkpoint.latest import repair_latest
 from elastic_pretrain.checkpoint.manager import Checkpointer, check_resumable, resume_source
-from elastic_pretrain.checkpoint.preempt import StopRequest
+from elastic_pretrain.checkpoint.preempt import StopRequest, stop_reason
 from elastic_pretrain.checkpoint.store import CheckpointStore
 from elastic_pretrain.job import JobConfig, write_resolved
 from elastic_pretrain.launch.layout import RunFiles
-from elastic_pretrain.parallel.mesh import Mesh, any_rank, describe, init_mesh, teardown
+from elastic_pretrain.parallel.mesh import Mesh, describe, every_rank, init_mesh, teardown
 from elastic_pretrain.parallel.strict import enter_strict_devices
 from elastic_pretrain.train.decider import load_base
-from elastic_pretrain.train.mfu import device_peak, step_flops, utilisation
+from elastic_pretrain.train.mfu import baseline_flops_per_token, device_peak, step_flops, utilisation
 from elastic_pretrain.train.schedule import ScheduleController
 from elastic_pretrain.train.session import Session, build_session
 from elastic_pretrain.train.step import MicroBatch, StepResult, evaluate
@@ -38,12 +39,23 @@ class TrainState:
     step: int = 0
     tokens: int = 0
     elapsed_s: float = 0.0
+    # model FLOPs of every trained token (train/mfu.py: step_flops), all replicas; None: resumed from a
+    # checkpoint written before this count existed (its earlier steps are unknown, so no ratio is reported)
+    train_flops: float | None = 0.0
 
     def state_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.step, self.tokens, self.elapsed_s = int(d["step"]), int(d["tokens"]), float(d["elapsed_s"])
+        flops = d.get("train_flops")
+        self.train_flops = None if flops is None else float(flops)
+
+    def flops_vs_baseline(self, job: JobConfig) -> float | None:
+        """Training FLOPs so far relative to the matched non-looped baseline (ℓ = 1) on the same tokens."""
+        if not self.tokens or not self.train_flops:  # nothing trained yet, or an unknown count
+            return None
+        return self.train_flops / (self.tokens * baseline_flops_per_token(job.model, seq_len=job.data.seq_len))
 
 
 class Callback(Protocol):
@@ -83,11 +95,16 @@ class Trainer:
             state.step += 1
             state.tokens += job.tokens_per_step
             state.elapsed_s += step_s
+            if result.depth is not None and state.train_flops is not None:
+                state.train_flops += job.tokens_per_step * step_flops(
+                    job.model, result.depth, seq_len=job.data.seq_len,
+                    micro_batch_tokens=job.train.micro_batch_size * job.data.seq_len).model
             for cb in self.callbacks:
                 cb.on_step(state, result, step_s)
-            if self.step_boundary():
+            reason = self.step_boundary()
+            if reason:
                 for cb in self.callbacks:
-                    cb.on_stop(state, self.stop.name)
+                    cb.on_stop(state, reason)
                 return None
             interval = job.train.eval_interval
             if interval and state.step % interval == 0 and state.step < job.train.steps:
@@ -102,15 +119,17 @@ class Trainer:
             cb.on_end(state, val)
         return val
 
-    def step_boundary(self) -> bool:
-        """Commit a finished async save, agree on a stop (signal on any rank, or checkpoint.stop_at), save
-        if due. True: every rank saved this step and stops now."""
+    def step_boundary(self) -> str | None:
+        """Commit a finished async save, agree on a stop (a signal on any rank, or checkpoint.stop_at), save
+        if due. A reason (``SIGTERM``, ``SIGTERM on rank 1``, ``stop_at``): every rank saved this step and
+        stops now; every rank learns which ranks were signalled (one all-reduce, as the flag was)."""
         c, step = self.ckpt, self.state.step
-        stop = any_rank(self.stop.requested) or 0 < c.cfg.stop_at <= step
+        signums = every_rank(self.stop.signum or 0)
+        stop = any(signums) or 0 < c.cfg.stop_at <= step
         c.poll()
         if stop or (c.due(step) and step < self.job.train.steps):
             c.save(self.state, blocking=stop)
-        return stop
+        return stop_reason(signums) if stop else None
 
     def validate(self) -> dict[int, float]:
         loops = list(range(1, self.job.model.max_loops + 1))
@@ -195,8 +214,8 @@ class SummaryWriter:
     a checkpoint kept. A resumed run keeps the lines up to its checkpoint's step and drops the rest
     (steps trained after the checkpoint are trained again)."""
 
-    def __init__(self, run_dir: Path, mesh: Mesh, resumed_step: int = 0) -> None:
-        self.path, self.enabled, self.mesh = run_dir / "summary.json", mesh.is_logging_rank, mesh
+    def __init__(self, run_dir: Path, mesh: Mesh, resumed_step: int = 0, job: JobConfig | None = None) -> None:
+        self.path, self.enabled, self.mesh, self.job = run_dir / "summary.json", mesh.is_logging_rank, mesh, job
         self.history_path = run_dir / "history.jsonl"
         self.history: list[dict[str, Any]] = []
         if resumed_step and self.history_path.is_file():  # the steps before the checkpoint, from earlier attempts
@@ -236,6 +255,8 @@ class SummaryWriter:
                 "stopped": stopped,
                 "tokens": state.tokens,
                 "elapsed_s": state.elapsed_s,
+                "train_flops": state.train_flops,
+                "train_flops_vs_baseline": state.flops_vs_baseline(self.job) if self.job else None,
                 "val_loss_by_loops": {str(k): v for k, v in val.items()},
                 "layout": describe(self.mesh),
                 "routing": self.routing,
@@ -248,7 +269,8 @@ class TrackingCallback:
     """Metrics, validation curves and the quality-budget plot to MLflow (rank 0; never fatal)."""
 
     def __init__(self, job: JobConfig, mesh: Mesh, run_dir: Path, resume_run_id: str | None = None) -> None:
-        from elastic_pretrain.config import flatten, to_dict
+        from elastic_pretrain.config import flatten
+        from elastic_pretrain.job import public_dict
         from elastic_pretrain.tracking import names
         from elastic_pretrain.tracking.tracker import create_tracker, default_tags
 
@@ -256,7 +278,7 @@ class TrackingCallback:
         self.tracker = create_tracker(
             job.tracking, run_dir=run_dir, job_name=job.name, rank=mesh.rank, resume_run_id=resume_run_id
         )
-        self.tracker.log_params(flatten(to_dict(job)))
+        self.tracker.log_params(flatten(public_dict(job)))  # no URI credentials, no slurm.env values
         if mesh.is_logging_rank:
             self.tracker.set_tags({**default_tags(world_size=mesh.world_size), "layout": json.dumps(describe(mesh))})
         self._window: list[float] = []
@@ -281,6 +303,9 @@ class TrackingCallback:
                                recompute=getattr(self.job.train, "recompute", "none"))  # train.recompute: gpu-b
             u = utilisation(flops, tokens_per_s=tokens_per_s, devices=self.world_size, peak_flops_per_s=self.peak[0])
             metrics.update({n.MFU: u["mfu"], n.HFU: u["hfu"], n.GHOST_PASS_FRACTION: u["ghost_pass_fraction"]})
+        vs_baseline = state.flops_vs_baseline(self.job)
+        if vs_baseline is not None:
+            metrics[n.TRAIN_FLOPS_VS_BASELINE] = vs_baseline
         metrics.update({n.loss_loops(k): v for k, v in result.loss_by_loops.items()})
         metrics.update({n.sanitize(k): v for k, v in result.aux.items()})
         for (layer, p), stats in result.routing.items():
@@ -321,18 +346,28 @@ def train(job: JobConfig) -> dict[int, float] | None:
 
     Resumes from the run directory's newest committed checkpoint (or ``checkpoint.resume_from``);
     returns None when a stop signal (or ``checkpoint.stop_at``) ended it after a save — exit code 0,
-    no ``FINISHED`` marker, so the sbatch script requeues it."""
+    no ``FINISHED`` marker, so the sbatch script requeues it. The stop handler is installed first: a
+    signal during the setup (seconds to minutes) stops the run at its first step boundary."""
+    with StopRequest() as stop:
+        return _train(job, stop)
+
+
+def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
     torch.set_num_threads(job.train.threads_per_rank)
     mesh = init_mesh(job.parallel, seed=job.train.seed)
     strict = enter_strict_devices()  # ELASTIC_PRETRAIN_STRICT_DEVICES=1 checks every collective (parallel/strict.py)
+    done = False
     try:
         run_dir = job.run_path
         if mesh.is_logging_rank:
             write_resolved(job, run_dir)
             print(f"run {job.name}: {describe(mesh)} -> {run_dir}", flush=True)
         # refuse a corrupt checkpoint or a changed model shape before building anything
-        source = resume_source(job, CheckpointStore(run_dir / "checkpoints"))
+        store = CheckpointStore(run_dir / "checkpoints")
+        source = resume_source(job, store)
         meta = check_resumable(source, job) if source else {}
+        if mesh.rank == 0 and (repaired := repair_latest(store)):  # a crash left it naming an older/missing step
+            print(repaired, flush=True)
         session = build_session(job, mesh)
         if mesh.is_logging_rank:
             print(session.describe(), flush=True)
@@ -355,15 +390,15 @@ def train(job: JobConfig) -> dict[int, float] | None:
         ckpt.run_id = lambda: tracking.tracker.run_id or resume_id
         callbacks: list[Callback] = [
             ProgressPrinter(job, mesh, session.controller),
-            SummaryWriter(run_dir, mesh, resumed_step=state.step),
+            SummaryWriter(run_dir, mesh, resumed_step=state.step, job=job),
             tracking,
         ]
-        with StopRequest() as stop:
-            val = Trainer(job, mesh, session, callbacks, ckpt, stop, state).fit()
+        val = Trainer(job, mesh, session, callbacks, ckpt, stop, state).fit()
         ckpt.close()
         if val is not None and mesh.is_logging_rank:
             RunFiles(run_dir).finished.write_text(json.dumps({"step": state.step, "tokens": state.tokens}) + "\n")
+        done = True
         return val
     finally:
         strict.close()
-        teardown()
+        teardown(barrier=done)  # after an error (maybe this rank's alone) no rank waits for the others

@@ -36,6 +36,28 @@ def test_switching_on_zero_init_conditioning_leaves_the_loss_unchanged(mesh1):
     assert model.loop_conditioning.out.weight.grad.abs().sum() > 0
 
 
+def test_late_switch_from_one_loop_leaves_the_one_loop_loss_unchanged(mesh1):
+    """ELR's switch from ``fixed_loops: 1``: conditioning heads on (zero-init) and pass 0's attention copied
+    into the never-run passes (``init_unused_passes: copy_pass0``) — the loss at ℓ = 1, the only depth
+    trained so far, is unchanged; deeper runs now start from pass 0's attention."""
+    cfg = tiny()
+    model = build_model(cfg, PAR)
+    tokens = batch(cfg)
+    one = model(tokens[:, :-1], labels=tokens[:, 1:], loops=1)[1].mean()
+    deep = model(tokens[:, :-1], labels=tokens[:, 1:], loops=4)[4].mean()
+    written = model.init_unused_passes(range(1, 4))
+    model.conditioning_active = True
+    core = model.core_layers()[0]
+    assert len(written) == len(model.core_layers()) * 3 * len(list(core.passes[1].parameters())) > 0
+    pass0 = dict(core.full_layer.named_parameters())
+    for j in (1, 2, 3):
+        for name, p in core.passes[j].named_parameters():
+            assert torch.equal(p, pass0[name]) and p.data_ptr() != pass0[name].data_ptr()  # copied, not tied
+    after = model(tokens[:, :-1], labels=tokens[:, 1:], loops=1)[1].mean()
+    assert abs(float(after) - float(one)) <= 1e-6
+    assert float(model(tokens[:, :-1], labels=tokens[:, 1:], loops=4)[4].mean()) != float(deep)
+
+
 def test_conditioning_depends_on_target_loops_once_trained(mesh1):
     cfg = tiny()
     model = build_model(cfg, PAR)

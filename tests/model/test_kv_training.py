@@ -137,4 +137,5 @@ def test_a_job_the_mode_cannot_run_is_refused_before_it_starts(override):
 
     load_job(REPO / "jobs" / "tiny-cpu.yaml", ["model.kv_training=last_loop"])  # the mode itself is accepted
     with pytest.raises(ConfigError, match="kv_training=same_pass"):
-        load_job(REPO / "jobs" / "tiny-cpu.yaml", ["model.kv_training=last_loop", *override.split(";")])
+        load_job(REPO / "jobs" / "tiny-cpu.yaml",
+                 ["model.kv_training=last_loop", "model.loop_conditioning=false", *override.split(";")])

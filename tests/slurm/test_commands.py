@@ -131,8 +131,28 @@ def test_finished_run_is_not_resubmitted(tmp_path: Path) -> None:
         ("sbatch: error: fetch_config: DNS SRV lookup failed\nsbatch: error: _establish_config_source: failed to "
          "fetch config\nsbatch: fatal: Could not establish a configuration source", "cannot reach a Slurm cluster"),
         ("sbatch: error: Something new", "Something new: fix the Slurm option it names"),
+        ("sbatch: unrecognized option '--jobid=4321'\nTry \"sbatch --help\" for more information",
+         "sbatch: unrecognized option '--jobid=4321': fix or remove that option (slurm.sbatch_args)"),
     ],
 )  # fmt: skip
 def test_sbatch_errors_name_the_fix(stderr: str, needle: str) -> None:
     message = explain_sbatch_error(stderr)
     assert needle in message and "\n" not in message
+
+
+def test_submit_shows_sbatchs_own_error_line(
+    job: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An sbatch that rejects an option (injected: a stand-in sbatch printing what sbatch 23 prints)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    sbatch = bin_dir / "sbatch"
+    sbatch.write_text(
+        "#!/bin/sh\necho \"sbatch: unrecognized option '--jobid=4321'\" >&2\n"
+        "echo 'Try \"sbatch --help\" for more information' >&2\nexit 1\n"
+    )
+    sbatch.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    code, _, err = run_cli(["submit", str(job), "slurm.sbatch_args=[--jobid=4321]"], capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "sbatch: unrecognized option '--jobid=4321'" in err and "--help" not in err

@@ -88,7 +88,8 @@ def summary(run_dir: Path) -> dict[str, Any]:
 
 def stopped_at(log: str, sig: str) -> int:
     """The step at which the signalled trainer saved and stopped (from its log)."""
-    found = re.findall(rf"stopped \(SIG{sig}\) at step (\d+)/{STEPS}: checkpoint saved", log)
+    # "SIGTERM", or "SIGTERM on rank 0" when the signal reached the ranks on either side of a step boundary
+    found = re.findall(rf"stopped \(SIG{sig}(?: on ranks? [\d, ]+)?\) at step (\d+)/{STEPS}: checkpoint saved", log)
     assert len(found) == 1, f"the trainer did not save on SIG{sig} (once):\n{log[-6000:]}"
     return int(found[0])
 

@@ -87,7 +87,8 @@ def test_short_run_logs_metrics_params_tags_artifacts(
 
 
 def test_runs_command_table_and_errors(
-    mlflow_server: Any, fast_cfg: Callable[..., TrackingConfig], tmp_path: Path, capsys: Any, dead_uri: str
+    mlflow_server: Any, fast_cfg: Callable[..., TrackingConfig], tmp_path: Path, capsys: Any, dead_uri: str,
+    no_env_uri: None,
 ) -> None:
     tracker = create_tracker(
         fast_cfg(uri=mlflow_server.uri, experiment="table"), run_dir=tmp_path, job_name="tbl", rank=0
@@ -100,8 +101,11 @@ def test_runs_command_table_and_errors(
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split() == ["NAME", "RUN", "ID", "STATUS", "STEP", "LOSS", "VAL_LOSS@1", "VAL_LOSS@2"]
     assert lines[2].split() == ["tbl", tracker.run_id, "FINISHED", "4", "6.0000", "3.0000", "2.5000"]
-    # RUN_DIR alone: the store and experiment come from the run.json the tracker wrote.
-    assert cli_main(["runs", str(tmp_path)]) == 0
+    # RUN_DIR: the experiment comes from the run.json the tracker wrote; the server it names is used only
+    # when the user passes it (a shared run directory must not choose where credentials go: docs/security.md)
+    assert cli_main(["runs", str(tmp_path)]) == 2
+    assert f"says the run logged to {mlflow_server.uri}" in capsys.readouterr().err
+    assert cli_main(["runs", str(tmp_path), "--uri", mlflow_server.uri]) == 0
     assert tracker.run_id in capsys.readouterr().out
 
     assert cli_main(["runs", "--uri", mlflow_server.uri, "-e", "no-such-experiment"]) == 2

@@ -10,6 +10,7 @@ import pytest
 
 from elastic_pretrain.config import ConfigError
 from elastic_pretrain.eval.quality import flops_per_token, moe_mlp_flops
+from elastic_pretrain.job import load_job
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.train.config import TrainConfig
 from elastic_pretrain.train.mfu import DepthCounts, device_peak, step_flops, utilisation
@@ -101,3 +102,24 @@ def test_depth_is_the_global_mean_over_replicas():
     # replica 0: ℓ = 1, 3 (exits 1 + 2); replica 1: ℓ = 4, 2 (exits 1 + 2). EP max per micro-batch: 4, 3
     # → ghost passes 3 + 0 on rank 0, 0 + 1 on rank 1
     assert per_rank == [[2.5, 1.5, 1.0], [2.5, 1.5, 1.0]]
+
+
+def test_training_flops_relative_to_the_non_looped_baseline():
+    """The baseline is the same model at ℓ = 1 with one exit, on the same tokens (ELR's compute ratio)."""
+    from elastic_pretrain.train.mfu import baseline_flops_per_token
+    from elastic_pretrain.train.trainer import TrainState
+
+    job = load_job(REPO / "jobs" / "tiny-cpu.yaml")
+    cfg, seq = job.model, job.data.seq_len
+    base = baseline_flops_per_token(cfg, seq_len=seq)
+    per_token = {ell: step_flops(cfg, DepthCounts(loops=ell, exits=1, ghost_passes=0), seq_len=seq,
+                                 micro_batch_tokens=seq).model for ell in (1, 4)}
+    assert per_token[1] == base and 1.0 < per_token[4] / base < 4.0  # prelude, coda and head are paid once
+    # ELR's late switch from one loop: 3/4 of the tokens at ℓ = 1, then (here) ℓ = 4
+    state = TrainState(tokens=400, train_flops=300 * per_token[1] + 100 * per_token[4])
+    assert state.flops_vs_baseline(job) == pytest.approx(0.75 + 0.25 * per_token[4] / base)
+    # resumed from a checkpoint written before the count existed: no ratio rather than a wrong one
+    old = TrainState()
+    old.load_state_dict({"step": 3, "tokens": 300, "elapsed_s": 1.0})
+    assert old.train_flops is None and old.flops_vs_baseline(job) is None
+    assert TrainState().flops_vs_baseline(job) is None

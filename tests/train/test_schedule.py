@@ -28,8 +28,38 @@ def test_switch_at_fraction_of_tokens():
 
 def test_switch_at_zero_and_one():
     assert ctl(sampler="per_step", switch_at=0.0).mixed
-    never = ctl(sampler="per_step", switch_at=1.0)
+    never = ctl(sampler="fixed", switch_at=1.0)
     assert not never.update(step=10**6, tokens_seen=10 * TOTAL) and not never.mixed
+
+
+def test_late_switch_from_one_loop():
+    """ELR's recipe: the fixed phase runs ℓ = 1 (fixed_loops), mixed depth after the switch; the passes
+    the fixed phase never ran are the ones init_unused_passes sets at the switch."""
+    c = ctl(sampler="independent_rank", switch_at=0.75, fixed_loops=1)
+    assert {c.plan(step=s, micro=m, replica=r) for s in range(7) for m in range(2) for r in range(3)} == {
+        DepthPlan(1, (1,))
+    }
+    assert c.update(step=8, tokens_seen=750) and c.unused_passes() == range(1, 4)
+    assert {c.plan(step=s, micro=0, replica=0).loops for s in range(8, 60)} == {1, 2, 3, 4}
+    # default: the fixed phase runs the anchor (L_max, or schedule.loops): no pass is left unused
+    default = ctl(sampler="independent_rank", switch_at=0.75, loops=3)
+    assert default.plan(step=0, micro=0, replica=0) == DepthPlan(3, (3,))
+    assert default.update(step=8, tokens_seen=750) and default.unused_passes() == range(3, 4)
+    assert ctl(sampler="independent_rank", switch_at=0.0, fixed_loops=1).unused_passes() == range(0)
+
+
+def test_per_step_with_the_one_loop_override():
+    """ELR's sampling ablation: synchronized per-step draws, and a replica forced to ℓ = 1 with probability
+    one_loop_fraction (the others keep the step's shared ℓ)."""
+    c = ctl(sampler="per_step", switch_at=0.0, one_loop_fraction=0.3)
+    plans = {(s, r): c.plan(step=s, micro=0, replica=r).loops for s in range(400) for r in range(4)}
+    share = sum(v == 1 for v in plans.values()) / len(plans)
+    assert 0.40 < share < 0.50  # 0.3 + 0.7/4 = 0.475
+    for s in range(400):  # at most two depths in a step: the shared draw and the override's ℓ = 1
+        assert len({plans[s, r] for r in range(4)} - {1}) <= 1
+    assert any(len({plans[s, r] for r in range(4)}) > 1 for s in range(400))  # the override splits steps
+    plain = ctl(sampler="per_step", switch_at=0.0)  # without the override: every replica in step
+    assert all(len({plain.plan(step=s, micro=0, replica=r).loops for r in range(4)}) == 1 for s in range(100))
 
 
 def test_fixed_sampler_and_configured_depth():
@@ -100,8 +130,24 @@ def test_state_dict_round_trip_draws_the_same():
         ({"weights": [1, 1]}, "give 4 weights"),
         ({"loops": 5}, "schedule.loops=5 is outside [1, 4]"),
         ({"telescopic_depths": [1], "telescopic_weights": [1, 2]}, "one weight per entry"),
+        ({"fixed_loops": 0}, "schedule.fixed_loops=0 is outside [1, 4]"),
+        ({"sampler": "telescopic"}, "telescopic never runs with switch_at: 1.0 .* set schedule.switch_at"),
+        ({"sampler": "fixed_exits", "exits": [1, 4], "switch_at": 1.0}, "fixed_exits never runs with switch_at"),
+        ({"sampler": "independent_rank"}, "independent_rank never runs with switch_at: 1.0"),
     ],
 )
 def test_bad_schedules_are_clear_errors(kw, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         ctl(**kw)
+
+
+@pytest.mark.parametrize("sampler", ["telescopic", "fixed_exits"])
+def test_shared_prefix_exits_with_loop_conditioning_are_refused(sampler):
+    """Training reads a truncated exit out of a deeper run (its passes conditioned on the deeper ℓ);
+    evaluation conditions ℓ on itself. The two cannot agree, so the job is refused, in one line."""
+    cfg = ScheduleConfig(sampler=sampler, switch_at=0.0, exits=[1, 4])
+    with pytest.raises(ConfigError, match=r"set model\.loop_conditioning: false") as err:
+        cfg.validate_for(4, loop_conditioning=True)
+    assert "\n" not in str(err.value)
+    cfg.validate_for(4, loop_conditioning=False)
+    ScheduleConfig(sampler="independent_rank", switch_at=0.0).validate_for(4, loop_conditioning=True)

@@ -1,0 +1,139 @@
+"""The local launcher behind ``train --nproc-per-node N``: torchrun's agent, run in a process of ours.
+
+Why not the ``torchrun`` binary: when a rank stops on a user error (a bad shard, a corrupt checkpoint)
+torchrun prints a ``ChildFailedError`` traceback and two log lines per failure and exits 1, after every
+rank printed the same message. Here, under :data:`ERRORS_ENV`:
+
+* a rank writes its one-line error to ``<dir>/rank_<R>`` instead of printing it and exits 2
+  (``cli.main``); a rank whose collective broke because a peer exited that way exits 2 quietly too;
+* this launcher keeps quiet about failures that a rank reported (the agent's log lines and the
+  traceback) and exits 2; the ``elastic-pretrain train`` process prints the message once (the same
+  contract as every other user error). A crash that no rank reported keeps torchrun's full report.
+
+Stop signals: the ranks start with SIGTERM/SIGUSR1/SIGUSR2/SIGINT *blocked* (inherited), so a signal
+that reaches a rank before its trainer installed the handler stays pending instead of being lost
+(``checkpoint/preempt.py``). This process blocks them too; a thread takes them (``sigwait``), says so,
+and passes them on to the ranks — a signal to the launcher itself is never silently ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from elastic_pretrain.checkpoint.preempt import STOP_SIGNALS
+
+ERRORS_ENV = "ELASTIC_PRETRAIN_ERRORS"
+USER_ERROR_EXIT = 2
+
+
+def _errors_dir() -> Path | None:
+    folder = os.environ.get(ERRORS_ENV)
+    return Path(folder) if folder and "RANK" in os.environ else None
+
+
+def report_user_error(message: str) -> bool:
+    """Under this launcher: leave this rank's one-line error for the launcher to print once. True if left."""
+    folder = _errors_dir()
+    if folder is None:
+        return False
+    path = folder / f"rank_{int(os.environ['RANK']):05d}"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(message)
+    os.replace(tmp, path)
+    return True
+
+
+def peer_reported() -> bool:
+    """Under this launcher: another rank left a user error (so a broken collective here is its echo)."""
+    folder = _errors_dir()
+    return folder is not None and any(folder.glob("rank_*"))
+
+
+def reported_error(folder: Path) -> str | None:
+    """The ranks' errors as one line: the lowest rank's message, plus any different one (with its rank)."""
+    seen: dict[str, int] = {}
+    for path in sorted(folder.glob("rank_*")):
+        with contextlib.suppress(OSError, UnicodeDecodeError, ValueError):
+            seen.setdefault(path.read_text().strip().replace("\n", " "), int(path.name.removeprefix("rank_")))
+    if not seen:
+        return None
+    first, *others = seen
+    return first + "".join(f" (rank {seen[o]}: {o})" for o in others)
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+    return found
+
+
+class _QuietOnReported(logging.Filter):
+    """Drop the agent's 'closing signal' / 'failed (exitcode: …)' lines once a rank reported a user error."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        noise = record.msg.startswith(("Sending process", "failed (exitcode")) if isinstance(record.msg, str) else False
+        return not (noise and any(self.folder.glob("rank_*")))
+
+
+def _relay_stop_signals(nproc: int) -> None:
+    """Pass every stop signal this process gets on to its ranks, waiting for them if they are not started
+    yet (their blocked mask keeps it pending until the trainer's handler is in place)."""
+    while True:
+        info = signal.sigwaitinfo(STOP_SIGNALS)
+        name = signal.Signals(info.si_signo).name
+        if info.si_pid != os.getppid():  # not relayed by `elastic-pretrain train` (which said so itself)
+            print(
+                f"elastic-pretrain train: the launcher (pid {os.getpid()}) got {name} from pid {info.si_pid}: "
+                "the trainers save at the next step and exit",
+                file=sys.stderr,
+                flush=True,
+            )
+        ranks = children(os.getpid())
+        for _ in range(600):  # the agent starts the ranks within seconds of its own start
+            if len(ranks) >= nproc:
+                break
+            time.sleep(0.2)
+            ranks = children(os.getpid())
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, info.si_signo)
+
+
+def main(argv: list[str]) -> int:
+    """``python -m elastic_pretrain.launch.local <torchrun arguments>``; run by ``train --nproc-per-node``."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # before any thread or rank exists: all inherit it
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    args = parse_args(argv)
+    nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else 1
+    threading.Thread(target=_relay_stop_signals, args=(nproc,), name="stop-signals", daemon=True).start()
+    folder = Path(os.environ[ERRORS_ENV]) if os.environ.get(ERRORS_ENV) else None
+    if folder is not None:
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_QuietOnReported(folder))
+    try:
+        run(args)
+    except ChildFailedError:
+        if folder is not None and any(folder.glob("rank_*")):
+            return USER_ERROR_EXIT  # the elastic-pretrain process prints the ranks' message once
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,28 @@
+"""Third-party noise the user cannot act on, filtered once for every command (``cli.main``).
+
+megatron-core warns at import time that Transformer Engine / Apex are absent (the CPU path is
+deliberate); torch's checkpoint planner warns that ShardedTensor — which megatron's
+``dist_checkpointing`` uses on every load — is deprecated. A command's own output is what remains.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+_MESSAGES = (
+    ".*Transformer Engine and Apex are not installed.*",
+    ".*Apex is not installed.*",
+    # megatron's optimizer probes .grad on shard views; torch warns on every such access
+    ".*is not a leaf Tensor is being accessed.*",
+    ".*full scope is deprecated.*",
+)
+# deprecations inside the libraries' own checkpoint code (ShardedTensor, load_state_dict)
+_FUTURE_MODULES = ("torch.distributed", "megatron.core")
+
+
+def third_party_warnings() -> None:
+    """Ignore the warnings above in this process (call before importing megatron)."""
+    for message in _MESSAGES:
+        warnings.filterwarnings("ignore", message=message)
+    for module in _FUTURE_MODULES:
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)

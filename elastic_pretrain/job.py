@@ -65,6 +65,13 @@ class JobConfig:
         tp = self.parallel.tensor
         self.model.check_fp8_layout(tensor=tp, tokens=self.data.seq_len * self.train.micro_batch_size // tp)
         self.model.check_fp8_recompute(self.train.recompute)
+        several_exits = self.decider is not None or self.schedule.sampler in ("telescopic", "fixed_exits")
+        if self.model.kv_training == "last_loop" and (self.parallel.pipeline > 1 or several_exits):
+            raise ConfigError(
+                "model.kv_training=last_loop supervises one exit per forward without pipeline parallelism: use "
+                "parallel.pipeline=1, no decider, a sampler other than telescopic/fixed_exits, "
+                "or model.kv_training=same_pass"
+            )
         if self.decider is not None and self.model.max_loops < 2:
             raise ConfigError(
                 f"decider: the base model runs L_max = {self.model.max_loops} pass; a decider needs L_max >= 2"

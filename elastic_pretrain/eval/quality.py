@@ -327,7 +327,8 @@ def evaluate_loops(
 
     ``tokens_NT1`` holds N sequences of T+1 tokens (inputs ``[:, :-1]``, labels ``[:, 1:]``). Without
     active loop conditioning the exits of one L_max run share its prefix, so one forward gives every
-    ℓ; with it each ℓ is conditioned on itself (ELR) and needs its own run.
+    ℓ; with it each ℓ is conditioned on itself (ELR) and needs its own run — as under
+    ``model.kv_training: last_loop``, where a run attends to its own ℓ's final K/V.
 
     The loss is the cross-entropy over the *real* vocabulary (the distribution ``generate`` samples
     from). The model's training loss (megatron's vocab-parallel CE) normalises over the padded
@@ -345,7 +346,7 @@ def evaluate_loops(
         for start in range(0, tokens_NT1.shape[0], batch_size):
             chunk = tokens_NT1[start : start + batch_size]
             ids, labels = chunk[:, :-1], chunk[:, 1:]
-            if model.conditioning_active:
+            if model.one_exit_per_run:
                 per = {ell: model(ids, loops=ell)[ell] for ell in wanted}
             else:
                 per = model(ids, loops=wanted[-1], exits=wanted)

@@ -70,6 +70,17 @@ class ModelConfig:
         "CUDA + TE, off without; on: refused on machines without them.",
     )
     route_replay: bool = field(False, doc="Passes >= 1 reuse pass-0 expert choices (ELR); gates stay live.")
+    route_replay_impl: Literal["dispatch", "router"] = field(
+        "dispatch",
+        doc="How route replay runs (docs/route-replay.md). dispatch: later passes reuse pass 0's routing map, "
+        "permutation and split sizes and compute only the k gates from live router logits (no top-k, no aux/z "
+        "loss); router: megatron's RouterReplay (the full router runs, only top-k is replaced). alltoall only.",
+    )
+    kv_training: Literal["same_pass", "last_loop"] = field(
+        "same_pass",
+        doc="Attention of core pass j to earlier tokens in training: same_pass reads their pass-j K/V; last_loop "
+        "their final-pass K/V from a no-grad run, as the ELR last-loop KV cache serves them (docs/kv-training.md).",
+    )
     loop_conditioning: bool = field(
         True, doc="Build the ELR loop-count conditioning head (zero-init, switched on at the mixed-depth switch)."
     )
@@ -108,6 +119,11 @@ class ModelConfig:
             raise ConfigError(f"moe_top_k: {self.moe_top_k} exceeds num_experts {self.num_experts}")
         if self.fp8 != "off":
             self.check_fp8_layout(tensor=1, tokens=None)
+        if self.route_replay and self.route_replay_impl == "dispatch" and self.moe_dispatcher != "alltoall":
+            raise ConfigError(
+                f"route_replay_impl: dispatch replays the alltoall dispatcher, not {self.moe_dispatcher!r}; "
+                "use moe_dispatcher: alltoall, or route_replay_impl: router"
+            )
 
     @property
     def fp8_align(self) -> int:

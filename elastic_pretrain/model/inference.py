@@ -217,6 +217,17 @@ class LoopedDecoder:
             return StepOutput(torch.cat([o.logits_BSV for o in outs], 1), torch.cat([o.passes_BS for o in outs], 1))
         return self._chunk(ids_BS)
 
+    @torch.no_grad()
+    def prefill(self, ids_BS: Tensor) -> StepOutput:
+        """Parallel prefill of a prompt (first call only): its S tokens in one step, with per-loop semantics
+        among them (pass j attends to the prompt's pass-j K/V); the cache keeps what its policy keeps —
+        under ``last-loop`` only each prompt token's last-pass K/V."""
+        if self.cache.length:
+            raise ValueError("prefill: the decoder has already seen tokens; prefill the prompt first, then step")
+        if ids_BS.dim() != 2 or ids_BS.shape[1] < 1:
+            raise ValueError(f"prefill expects token ids [B, S>=1], got shape {tuple(ids_BS.shape)}")
+        return self._chunk(ids_BS)
+
     def _chunk(self, ids_BS: Tensor) -> StepOutput:
         model, cache = self.model, self.cache
         p0, s = cache.length, ids_BS.shape[1]
@@ -299,12 +310,17 @@ def teacher_forced_loss(
     kv_cache: KVPolicy = "per-loop",
     stop: StopFn | None = None,
     batch_size: int = 8,
+    prompt_len: int = 0,
 ) -> TeacherForced:
     """Mean per-token CE of ``tokens[:, 1:]`` decoding ``tokens[:, :-1]`` under a cache policy.
 
     ``per-loop`` feeds each sequence as one step (exactly the model's forward at fixed depth);
-    ``last-loop`` decodes token by token (see :meth:`LoopedDecoder.step`).
+    ``last-loop`` decodes token by token (see :meth:`LoopedDecoder.step`). ``prompt_len`` P > 0: the
+    first P tokens are a prompt, prefilled in parallel (:meth:`LoopedDecoder.prefill`), and only the
+    continuation ``tokens[:, P:]`` is scored.
     """
+    if not 0 <= prompt_len < tokens_NT1.shape[1] - 1:
+        raise ValueError(f"prompt_len: {prompt_len} leaves no continuation to score in {tokens_NT1.shape[1]} tokens")
     was_training = model.training
     model.eval()
     total, count, passes, kv_bytes, correct = 0.0, 0, 0.0, 0.0, 0
@@ -312,11 +328,18 @@ def teacher_forced_loss(
         for start in range(0, tokens_NT1.shape[0], batch_size):
             chunk = tokens_NT1[start : start + batch_size].to(_device(model))  # host rows → the model's device
             dec = LoopedDecoder(model, loops=loops, kv_cache=kv_cache, stop=stop)
-            out = dec.step(chunk[:, :-1])
-            ce = F.cross_entropy(out.logits_BSV.float().flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum")
+            if prompt_len:
+                first = dec.prefill(chunk[:, :prompt_len])
+                rest = dec.step(chunk[:, prompt_len:-1])
+                out = StepOutput(torch.cat([first.logits_BSV[:, -1:], rest.logits_BSV], 1),
+                                 torch.cat([first.passes_BS[:, -1:], rest.passes_BS], 1))
+            else:
+                out = dec.step(chunk[:, :-1])
+            labels = chunk[:, 1 + max(prompt_len - 1, 0):]
+            ce = F.cross_entropy(out.logits_BSV.float().flatten(0, 1), labels.flatten(), reduction="sum")
             total += float(ce)
-            correct += int((out.logits_BSV.argmax(-1) == chunk[:, 1:]).sum())
-            count += chunk[:, 1:].numel()
+            correct += int((out.logits_BSV.argmax(-1) == labels).sum())
+            count += labels.numel()
             passes += float(out.passes_BS.double().sum())
             kv_bytes = dec.cache.bytes_per_token()
     finally:

@@ -32,10 +32,13 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
+from elastic_pretrain.config import ConfigError
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.model.decider import DeciderConfig, IterationDecider
+from elastic_pretrain.model.kv_training import FinalKV, mixed_attention, project_kv
 from elastic_pretrain.model.layer_list import LayerList
 from elastic_pretrain.model.recompute import checkpoint_pass
+from elastic_pretrain.model.replay_dispatch import check_replayable, moe_forward
 from elastic_pretrain.model.routing import RoutingProbe
 
 
@@ -88,7 +91,9 @@ class CoreLayer(MegatronModule):
         layers += [build_module(attention_only(spec), config=config, layer_number=layer_number)
                    for _ in range(n_attn - 1)]
         self.passes = LayerList(layers)
-        self.pass0_routes: dict[Hashable, Tensor] = {}  # route replay: pass-0 top-k experts per micro-batch
+        # route replay: pass 0's routing per micro-batch (impl router: its top-k experts; dispatch: a RouteRecord)
+        self.pass0_routes: dict[Hashable, Any] = {}
+        self.replay_impl: Literal["dispatch", "router"] = "dispatch"  # set by LoopedMoEModel from its config
 
     @property
     def full_layer(self) -> Any:
@@ -103,7 +108,7 @@ class CoreLayer(MegatronModule):
         return self.passes[min(pass_idx, len(self.passes) - 1)]
 
     def forward(self, h_TBD: Tensor, *, pass_idx: int, rotary_pos_emb: Tensor | None, replay: bool = False,
-                replay_key: Hashable = None, recomputing: bool = False) -> Tensor:
+                replay_key: Hashable = None, recomputing: bool = False, kv: FinalKV | None = None) -> Tensor:
         """Pass ``pass_idx``: its own attention, then the shared MLP (inside the FP8 autocast, if any).
 
         ``replay_key`` names the micro-batch whose pass-0 routes a later pass replays. Without pipeline
@@ -111,17 +116,30 @@ class CoreLayer(MegatronModule):
         pass 0 of micro-batch m+1 before pass 1 of micro-batch m, so there each micro-batch has its own.
         ``recomputing``: this is the backward's re-run of the pass (``train.recompute: pass``); with route
         replay every pass — pass 0 too — replays the recorded pass-0 routes and records nothing.
+        ``model.route_replay_impl``: ``dispatch`` replays pass 0's routing map and dispatch metadata
+        (model/replay_dispatch.py); ``router`` megatron's RouterReplay (only top-k is replaced).
+        ``kv`` (``model.kv_training: last_loop``, model/kv_training.py): while capturing, keep this pass's
+        K/V as the layer's final K/V; else attend to earlier tokens' final K/V and the token's own.
         """
         with fp8_context(self.config, self.full_layer.layer_number):
-            h_TBD, _ = self.attention_for(pass_idx)._forward_attention(
-                h_TBD, attention_mask=None, rotary_pos_emb=rotary_pos_emb
-            )
+            attention = self.attention_for(pass_idx)
+            number = self.full_layer.layer_number
+            if kv is not None and not kv.capture:
+                assert rotary_pos_emb is not None, "kv_training: last_loop needs the rotary embedding"
+                h_TBD = mixed_attention(attention, h_TBD, rotary_pos_emb, kv.kv[number])
+            else:
+                if kv is not None:  # capturing: this pass's K/V are the layer's final K/V
+                    assert rotary_pos_emb is not None, "kv_training: last_loop needs the rotary embedding"
+                    kv.kv[number] = project_kv(attention, h_TBD, rotary_pos_emb)
+                h_TBD, _ = attention._forward_attention(h_TBD, attention_mask=None, rotary_pos_emb=rotary_pos_emb)
+            if replay and self.replay_impl == "dispatch":
+                return self._replayed_mlp(h_TBD, pass_idx=pass_idx, recomputing=recomputing, key=replay_key)
             router = getattr(self.shared_mlp, "router", None)
             rr = getattr(router, "router_replay", None) if replay else None
             record = rr is not None and pass_idx == 0 and not recomputing
             if rr is not None:
-                # Route replay (ELR): pass 0 records its top-k experts, later passes reuse them; the gate
-                # weights are still a softmax of the live logits at those experts, so routers learn.
+                # Route replay (ELR), route_replay_impl router: pass 0 records its top-k experts, later passes
+                # reuse them; the full router still runs, so the gates are a softmax of the live logits.
                 if record:
                     rr.clear_indices()
                     rr.set_router_replay_action(RouterReplayAction.RECORD)
@@ -135,6 +153,23 @@ class CoreLayer(MegatronModule):
                     if record:
                         self.pass0_routes[replay_key] = rr.recorded_topk_idx
                     rr.clear_router_replay_action()
+
+    def _replayed_mlp(self, h_TBD: Tensor, *, pass_idx: int, recomputing: bool, key: Hashable) -> Tensor:
+        """``TransformerLayer._forward_mlp`` with the MoE call of model/replay_dispatch.py: pass 0 records
+        its routing and dispatch metadata (``pass0_routes[key]``), later passes and re-runs replay them.
+        Only pass 0 adds the router's z-loss and load-balancing loss (in its backward re-run, if any)."""
+        record = pass_idx == 0 and not recomputing
+        layer = self.full_layer
+        if layer.recompute_mlp or layer.recompute_pre_mlp_layernorm:
+            raise RuntimeError("route_replay_impl dispatch does not compose with megatron's MLP recompute")
+        residual = h_TBD
+        x_TBD = layer._forward_pre_mlp_layernorm(h_TBD)
+        ep = self.shared_mlp.token_dispatcher.ep_size * self.shared_mlp.token_dispatcher.tp_size
+        out, rec = moe_forward(self.shared_mlp, x_TBD, None if record else self.pass0_routes[key],
+                               exchange_counts=ep > 1, router_losses=pass_idx == 0 and recomputing)
+        if record:
+            self.pass0_routes[key] = rec
+        return layer._forward_post_mlp((out, None), residual)
 
     @torch.no_grad()
     def copy_pass0_attention(self, passes: Sequence[int]) -> list[torch.nn.Parameter]:
@@ -245,6 +280,13 @@ class LoopedMoEModel(LanguageModule):
             ],
             start=first_core,
         )
+        if cfg.route_replay and cfg.route_replay_impl == "dispatch":
+            check_replayable(config)
+        if cfg.kv_training == "last_loop" and stages > 1:
+            raise ConfigError("model.kv_training=last_loop runs all passes before the graded run: use "
+                              "parallel.pipeline=1, or model.kv_training=same_pass")
+        for core in self.core_layers():
+            core.replay_impl = cfg.route_replay_impl
         self.coda = LayerList(
             [build_module(edge, config=config, layer_number=coda_number + i) for i in range(cfg.coda_layers)]
             if self.post_process else []
@@ -276,6 +318,13 @@ class LoopedMoEModel(LanguageModule):
     # ------------------------------------------------------------------------------------------
     def set_input_tensor(self, input_tensor: Tensor | None) -> None:  # megatron schedule hook (PP=1: unused)
         self.input_tensor = input_tensor
+
+    @property
+    def one_exit_per_run(self) -> bool:
+        """Whether an evaluation at several ℓ needs one run per ℓ (not one L_max run with an exit per ℓ): the
+        conditioning head conditions each ℓ on its own target, and ``kv_training: last_loop`` attends to the
+        final K/V of the run's ℓ."""
+        return self.conditioning_active or self.cfg.kv_training == "last_loop"
 
     def core_layers(self) -> list[CoreLayer]:
         return [c for c in self.core if isinstance(c, CoreLayer)]
@@ -313,12 +362,13 @@ class LoopedMoEModel(LanguageModule):
         rope = self.rotary_pos_emb(input_ids_BT.shape[1])
         h_TBD = self._embed(input_ids_BT, rope, keep)
         out: dict[int, Tensor] = {}
+        kv = self._final_kv(h_TBD, loops, exits, sync_loops, rope) if self.cfg.kv_training == "last_loop" else None
         for j in range(loops):
-            h_TBD = self._core_pass(h_TBD, j, loops, rope)
+            h_TBD = self._core_pass(h_TBD, j, loops, rope, kv=kv)
             if keep is not None:
                 keep.append(h_TBD)
             if j + 1 in exits:
-                out[j + 1] = self._head_states(h_TBD, rope)
+                out[j + 1] = self._head_states(h_TBD, rope, kv)
         ghost = None
         for _ in range(loops, sync_loops or loops):
             g = self._ghost_pass(h_TBD)
@@ -357,22 +407,50 @@ class LoopedMoEModel(LanguageModule):
                 h_TBD, _ = layer(h_TBD, attention_mask=None, rotary_pos_emb=rope)
         return h_TBD
 
-    def _core_pass(self, h_TBD: Tensor, j: int, loops: int, rope: Tensor, key: Hashable = None) -> Tensor:
+    def _final_kv(self, h_TBD: Tensor, loops: int, exits: Sequence[int], sync_loops: int | None,
+                  rope: Tensor) -> FinalKV:
+        """``kv_training: last_loop``: the no-grad ℓ-pass run (and its ghost passes, which EP partners
+        pair with) that yields each core layer's final-pass K/V, and each coda layer's K/V on top of
+        them, for the graded run (model/kv_training.py). Run at ℓ = 1 too (where it changes nothing):
+        an expert-parallel partner at ℓ > 1 joins its MoE all-to-alls."""
+        if any(e != loops for e in exits):
+            raise ValueError(f"model.kv_training=last_loop: exits {sorted(exits)} before ℓ = {loops} would attend to "
+                             "ℓ's final K/V; use one exit per micro-batch (no telescopic exits, no decider training)")
+        kv = FinalKV()
+        probe, self.routing_probe = self.routing_probe, None  # the routing probe observes the graded run only
+        if probe is not None:
+            probe.at(None)  # its router hooks stay attached: they skip calls while it points nowhere
+        try:
+            with torch.no_grad():
+                h_TBD = h_TBD.detach()
+                for j in range(loops):
+                    h_TBD = self._pass_body(h_TBD, rope, j=j, loops=loops, key=None, recomputing=False,
+                                            kv=kv if j == loops - 1 else None)
+                for _ in range(loops, sync_loops or loops):
+                    self._ghost_body(h_TBD)
+                self._head_states(h_TBD, rope, kv)
+        finally:
+            self.routing_probe = probe
+        kv.capture = False
+        return kv
+
+    def _core_pass(self, h_TBD: Tensor, j: int, loops: int, rope: Tensor, key: Hashable = None,
+                   kv: FinalKV | None = None) -> Tensor:
         """Pass j of a micro-batch that runs ℓ = ``loops`` through this stage's core layers."""
-        body = partial(self._pass_body, j=j, loops=loops, key=key)
+        body = partial(self._pass_body, j=j, loops=loops, key=key, kv=kv)
         if self._recompute_passes():
             return self._checkpointed(body, h_TBD, rope)
         return body(h_TBD, rope, recomputing=False)
 
     def _pass_body(self, h_TBD: Tensor, rope: Tensor, *, j: int, loops: int, key: Hashable,
-                   recomputing: bool) -> Tensor:
+                   recomputing: bool, kv: FinalKV | None = None) -> Tensor:
         if self.loop_conditioning is not None and self.conditioning_active:
             h_TBD = h_TBD + self.loop_conditioning(loops, j).to(h_TBD.dtype)
         if self.routing_probe is not None:  # a recomputed pass was observed already
             self.routing_probe.at(None if recomputing else j, key)
         for core in self.core:
             h_TBD = core(h_TBD, pass_idx=j, rotary_pos_emb=rope, replay=self.cfg.route_replay, replay_key=key,
-                         recomputing=recomputing)
+                         recomputing=recomputing, kv=kv)
         return h_TBD
 
     def _ghost_pass(self, like_TBD: Tensor) -> Tensor:
@@ -418,10 +496,19 @@ class LoopedMoEModel(LanguageModule):
             return te_checkpoint(run, False, tensor_parallel.get_cuda_rng_tracker, None, *tensors)
         return checkpoint_pass(run, *tensors)
 
-    def _head_states(self, h_TBD: Tensor, rope: Tensor) -> Tensor:
+    def _head_states(self, h_TBD: Tensor, rope: Tensor, kv: FinalKV | None = None) -> Tensor:
+        """Coda and final norm. ``kv`` (``kv_training: last_loop``): while capturing, keep each coda layer's
+        K/V; else each coda layer attends to earlier tokens' captured K/V and the token's own."""
+        layer: Any
         for layer in self.coda:
-            with fp8_context(self.config, _layer_number(layer)):
-                h_TBD, _ = layer(h_TBD, attention_mask=None, rotary_pos_emb=rope)
+            number = _layer_number(layer)
+            with fp8_context(self.config, number):
+                if kv is not None and kv.capture:
+                    kv.kv[number] = project_kv(layer, h_TBD, rope)
+                if kv is not None and not kv.capture:
+                    h_TBD = layer._forward_mlp(mixed_attention(layer, h_TBD, rope, kv.kv[number]))
+                else:
+                    h_TBD, _ = layer(h_TBD, attention_mask=None, rotary_pos_emb=rope)
         return self.final_layernorm(h_TBD)
 
     def set_vocab_shard(self, start: int, end: int) -> None:

@@ -155,7 +155,7 @@ class Trainer:
             self.s.val_tokens,
             loops=loops,
             batch_size=self.job.train.micro_batch_size,
-            separate_runs=self.s.net.conditioning_active,
+            separate_runs=self.s.net.one_exit_per_run,
             pipeline=self.s.pipeline,
         )
 

@@ -10,6 +10,8 @@ usage: mixed_depth.py ref|dist OUT_DIR — every case of CASES in one launch (a 
           each EP group pairs the two replicas' ranks of one TP rank).
   ep2-recompute — ep2 with ``train.recompute: pass`` (compared with the same reference, no recompute):
           the backward re-runs every pass and ghost pass, and the all-to-alls still pair up.
+  ref-lastloop / ep2-lastloop — ep2 with ``model.kv_training: last_loop`` (every rank's no-grad
+          final-K/V run, with its ghost passes, pairs up with its partner's).
 """
 
 from __future__ import annotations
@@ -30,13 +32,15 @@ from tests.dist.equivalence import global_name, local_view, wrap_ddp_for_test
 
 LOOPS = [1, 3, 2, 4]  # ℓ of replica 0..3; EP groups pair replicas (0,1) and (2,3)
 # (distributed layout, its one-process reference, route replay)
-CASES = [("ep2", "ref", False), ("ep2", "ref", True), ("tp2ep2", "ref2", True), ("ep2-recompute", "ref", True)]
+CASES = [("ep2", "ref", False), ("ep2", "ref", True), ("tp2ep2", "ref2", True), ("ep2-recompute", "ref", True),
+         ("ep2-lastloop", "ref-lastloop", True)]
 
 
-def model_cfg(replay: bool) -> ModelConfig:
+def model_cfg(replay: bool, mode: str = "") -> ModelConfig:
     return ModelConfig(hidden_size=32, num_heads=4, ffn_hidden_size=64, prelude_layers=1, coda_layers=1,
                        core_layers=2, num_experts=4, loops=2, flatten=2, moe_top_k=2, moe_ffn_hidden_size=32,
-                       moe_aux_loss_coeff=0.0, moe_z_loss_coeff=1e-3, route_replay=replay)
+                       moe_aux_loss_coeff=0.0, moe_z_loss_coeff=1e-3, route_replay=replay,
+                       kv_training="last_loop" if mode.endswith("lastloop") else "same_pass")
 
 
 def run(mode: str, out: Path, replay: bool) -> None:
@@ -45,11 +49,12 @@ def run(mode: str, out: Path, replay: bool) -> None:
     tag = "replay" if replay else "plain"
     dist.init_process_group("gloo", init_method=f"file://{out}/store_{mode}_{tag}", rank=rank, world_size=world)
     par = {"ep2": ParallelConfig(expert=2), "ep2-recompute": ParallelConfig(expert=2),
+           "ep2-lastloop": ParallelConfig(expert=2),
            "tp2ep2": ParallelConfig(tensor=2, expert=2)}.get(mode, ParallelConfig())
     replicas = 2 if mode in ("ref2", "tp2ep2") else 4
     mesh = init_mesh(par, seed=11)
     torch.set_num_threads(1)
-    cfg = model_cfg(replay)
+    cfg = model_cfg(replay, mode)
     net = build_model(cfg, par, recompute="pass" if mode.endswith("-recompute") else "none")
     if mode.startswith("ref"):
         batches = torch.randint(0, cfg.vocab_size, (4, 2, 17), generator=torch.Generator().manual_seed(5))

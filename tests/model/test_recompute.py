@@ -66,8 +66,9 @@ def test_recompute_gives_the_same_loss_and_gradients(mesh1, recompute):
 
 
 def test_recompute_replays_recorded_routes_without_overwriting_them(mesh1, monkeypatch):
-    """The backward's re-run of pass 0 replays the recorded routes (not a fresh top-k) and records nothing."""
-    ref = run(tiny(), "none", loops=2)
+    """The backward's re-run of pass 0 replays the recorded routes (not a fresh top-k) and records nothing
+    (megatron's RouterReplay path; the default dispatch path: tests/model/test_replay_dispatch.py)."""
+    ref = run(tiny(route_replay_impl="router"), "none", loops=2)
     calls: list[str] = []
     from megatron.core.transformer.moe import router_replay
 
@@ -78,7 +79,7 @@ def test_recompute_replays_recorded_routes_without_overwriting_them(mesh1, monke
         return original(self, scores, topk, *args, **kw)
 
     monkeypatch.setattr(router_replay.RouterReplay, "get_replay_topk", spy)
-    got = run(tiny(), "pass", loops=2, state=ref["state"])
+    got = run(tiny(route_replay_impl="router"), "pass", loops=2, state=ref["state"])
     net = got["net"]
     for i, core in enumerate(net.core_layers()):
         assert core.pass0_routes[None] is got["routes"][i][None]  # the very tensor recorded in forward

@@ -36,11 +36,12 @@ def out(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.mark.parametrize(
     ("layout", "replay"),
-    [("ep2", False), ("ep2", True), ("tp2ep2", True), ("ep2-recompute", True)],
-    ids=["dp4xep2", "dp4xep2-route-replay", "tp2xep2-route-replay", "dp4xep2-route-replay-recompute-pass"],
+    [("ep2", False), ("ep2", True), ("tp2ep2", True), ("ep2-recompute", True), ("ep2-lastloop", True)],
+    ids=["dp4xep2", "dp4xep2-route-replay", "tp2xep2-route-replay", "dp4xep2-route-replay-recompute-pass",
+         "dp4xep2-route-replay-kv-last-loop"],
 )
 def test_mixed_depth_across_an_expert_group_matches_one_process(out, layout, replay):
-    ref_mode = "ref2" if layout == "tp2ep2" else "ref"
+    ref_mode = {"tp2ep2": "ref2", "ep2-lastloop": "ref-lastloop"}.get(layout, "ref")
     tag = "replay" if replay else "plain"
     ref = torch.load(out / f"{ref_mode}_{tag}_rank0.pt", weights_only=True)
     assert math.isfinite(ref["loss"])

@@ -1,0 +1,81 @@
+"""Last-loop KV cache as a trained mode (``model.kv_training: last_loop``; docs/kv-training.md).
+
+At inference with the ELR last-loop cache, pass j of a token attends to the *final-pass* K/V of the
+earlier tokens plus its own pass-j K/V; training with same-pass attention never shows the model that
+pattern. In ``last_loop`` training a forward of ℓ passes is
+
+1. a no-grad run of the ℓ passes and the coda (same-pass attention, as a parallel prefill does),
+   keeping each core layer's K/V at the last pass and each coda layer's K/V (``FinalKV``:
+   ``[T, B, G, d]`` per layer, after RoPE);
+2. the graded run, in which at every pass j core layer i's query t attends to the final K/V of
+   tokens s < t and to its own pass-j K/V (:func:`mixed_attention`), and so does each coda layer
+   (earlier tokens' coda K/V from step 1, the token's own). The prelude runs as usual (it is not
+   looped: both runs give it the same K/V).
+
+Per token, step 2 equals last-loop inference after a parallel prefill of the token's prefix
+(``LoopedDecoder.prefill``: per-loop semantics within the prompt, only the last pass's K/V kept):
+the prefill's K/V of a token depend only on the tokens before it, so they are the no-grad run's.
+Sequential last-loop decoding of a *generated* continuation differs in one respect: a generated
+token's cached K/V come from its own last-loop run, not a same-pass one (docs/kv-training.md).
+Shape legend: T tokens, B batch, H query heads, G key/value groups, d head width, D hidden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from torch import Tensor
+
+
+@dataclasses.dataclass
+class FinalKV:
+    """Final-pass K/V per core layer (keyed by megatron layer number); ``capture``: being filled."""
+
+    kv: dict[int, tuple[Tensor, Tensor]] = dataclasses.field(default_factory=dict)
+    capture: bool = True
+
+
+def project_kv(layer: Any, h_TBD: Tensor, rope: Tensor) -> tuple[Tensor, Tensor]:
+    """The K/V (after RoPE) the attention half of ``layer`` computes from hidden states ``h_TBD``."""
+    attn = layer.self_attention
+    _, k_TBGd, v_TBGd = attn.get_query_key_value_tensors(layer.input_layernorm(h_TBD), None)
+    return apply_rotary_pos_emb(k_TBGd, rope, config=attn.config, cp_group=attn.pg_collection.cp), v_TBGd
+
+
+def mixed_attention(layer: Any, h_TBD: Tensor, rope: Tensor, final: tuple[Tensor, Tensor]) -> Tensor:
+    """The attention half of a megatron ``TransformerLayer`` (norm, QKV, RoPE, scores, projection,
+    residual) where query t sees the final K/V of tokens s < t and its own K/V. → hidden ``[T, B, D]``."""
+    attn = layer.self_attention
+    residual = h_TBD
+    q_TBHd, k_TBGd, v_TBGd = attn.get_query_key_value_tensors(layer.input_layernorm(h_TBD), None)
+    cp = attn.pg_collection.cp
+    q_TBHd = apply_rotary_pos_emb(q_TBHd, rope, config=attn.config, cp_group=cp)
+    k_TBGd = apply_rotary_pos_emb(k_TBGd, rope, config=attn.config, cp_group=cp)
+    ctx_TBD = _past_and_self_attention(q_TBHd, k_TBGd, v_TBGd, final[0], final[1],
+                                       scale=attn.core_attention.softmax_scale)
+    out_with_bias = attn.linear_proj(ctx_TBD)
+    with layer.bias_dropout_add_exec_handler():
+        return layer.self_attn_bda(layer.training, layer.config.bias_dropout_fusion)(
+            out_with_bias, residual, layer.hidden_dropout)
+
+
+def _past_and_self_attention(q_TBHd: Tensor, k_TBGd: Tensor, v_TBGd: Tensor, kf_TBGd: Tensor, vf_TBGd: Tensor, *,
+                             scale: float) -> Tensor:
+    """softmax over [final keys s < t, own key t] of q·k·scale, times the matching values. → ``[T, B, H·d]``."""
+    t, b, h, d = q_TBHd.shape
+    rep = h // k_TBGd.shape[2]
+
+    def heads(x_TBGd: Tensor) -> Tensor:  # → B H T d
+        return x_TBGd.permute(1, 2, 0, 3).repeat_interleave(rep, dim=1)
+
+    q = q_TBHd.permute(1, 2, 0, 3)
+    past = torch.matmul(q, heads(kf_TBGd).transpose(-1, -2)).float() * scale  # B H T(query) T(key)
+    own = (q * heads(k_TBGd)).sum(-1, keepdim=True).float() * scale  # B H T 1
+    strictly_before = torch.ones(t, t, dtype=torch.bool, device=q.device).tril(-1)
+    past = past.masked_fill(~strictly_before, float("-inf"))
+    probs = torch.softmax(torch.cat([past, own], dim=-1), dim=-1).to(q.dtype)
+    ctx = torch.matmul(probs[..., :t], heads(vf_TBGd)) + probs[..., t:] * heads(v_TBGd)
+    return ctx.permute(2, 0, 1, 3).reshape(t, b, h * d)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,6 +21,17 @@ COMMON = [
     "checkpoint.interval=0",
     "tracking.backend=none",
 ]
+
+
+# history.jsonl values measured with a clock (the estimated ghost time is step time x a FLOP share):
+# not part of a run's numerics, so a bitwise resume compares everything else.
+TIMING_KEYS = ("ghost_time_s",)
+
+
+def history(run_dir: Path) -> list[dict[str, Any]]:
+    """``summary.json``'s per-step history of ``run_dir`` without the wall-clock values."""
+    steps = json.loads((run_dir / "summary.json").read_text())["history"]
+    return [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in steps]
 
 
 def train(run_dir: Path, nproc: int, *overrides: str, env: dict[str, str] | None = None,

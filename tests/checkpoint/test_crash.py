@@ -21,7 +21,7 @@ from elastic_pretrain.checkpoint.manager import check_resumable, resume_source
 from elastic_pretrain.checkpoint.store import FAULT_ENV, CheckpointStore, verify
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.job import load_job
-from tests.checkpoint.runs import COMMON, differing, tensors, train
+from tests.checkpoint.runs import COMMON, differing, history, tensors, train
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prepared"), pytest.mark.timeout(1800)]
@@ -67,7 +67,7 @@ def test_kill_9_at_every_save_point_then_resume(tmp_path: Path) -> None:
     last = train(run, 1, *RUN, "checkpoint.async_save=true")
     assert "step_4 (step 4" in last.stdout and (run / "FINISHED").is_file()
     assert [c.step for c in store.committed()] == [1, 2, 3, 4, 5]
-    a, b = (json.loads((d / "summary.json").read_text())["history"] for d in (full, run))
+    a, b = history(full), history(run)
     assert a == b and [h["step"] for h in b] == list(range(1, STEPS + 1))
     for step in range(1, STEPS + 1):
         x = tensors(full / "checkpoints" / f"step_{step}", tmp_path / "x.pt")

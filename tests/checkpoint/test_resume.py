@@ -6,14 +6,13 @@ tests/eval/test_decider_job.py and, by SIGTERM on a 2-node Slurm job, in tests/s
 
 from __future__ import annotations
 
-import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from elastic_pretrain.checkpoint.store import FAULT_ENV
-from tests.checkpoint.runs import CLI, differing, tensors, train
+from tests.checkpoint.runs import CLI, differing, history, tensors, train
 from tests.conftest import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prepared"), pytest.mark.timeout(1800)]
@@ -30,7 +29,7 @@ def test_kill_and_resume_is_bitwise_equal_at_world_size_2(tmp_path: Path) -> Non
     assert (split / "checkpoints" / "latest").read_text().strip() == "step_4"
     last = train(split, 2, steps)
     assert "step_4 (step 4" in last.stdout and (split / "FINISHED").is_file()
-    a, b = (json.loads((d / "summary.json").read_text())["history"] for d in (full, split))
+    a, b = history(full), history(split)
     assert [h["step"] for h in b] == list(range(1, STEPS + 1))
     assert a == b  # per-step losses (JSON floats round-trip exactly)
     x = tensors(full / "checkpoints" / f"step_{STEPS}", tmp_path / "x.pt")

@@ -233,8 +233,10 @@ def _cuda_device_shim() -> None:
     shim = _CpuTorch()
     for name in SHIMMED_MODULES:
         importlib.import_module(name).torch = shim  # type: ignore[attr-defined]
-    # exchange_utils / tensor_parallel.data call Tensor.cuda(): identity on a CPU-only machine.
-    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+    # exchange_utils / tensor_parallel.data call Tensor.cuda(): a move to this machine's device, i.e. the same
+    # tensor (`.to("cpu")` of a CPU tensor returns it). Through `.to` rather than a bare identity so that torch
+    # function modes see the move (strict device mode, parallel/strict.py, counts the result as on the device).
+    torch.Tensor.cuda = lambda self, *a, **k: self.to("cpu")  # type: ignore[method-assign]
 
 
 # 8 ------------------------------------------------------------------------------------------------

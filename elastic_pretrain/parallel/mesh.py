@@ -211,7 +211,7 @@ def every_rank(value: int) -> list[int]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         return [value]
-    t = torch.zeros(world, dtype=torch.int64)
+    t = torch.zeros(world, dtype=torch.int64, device=device())  # NCCL reduces device tensors only
     t[dist.get_rank()] = value
     dist.all_reduce(t)
     return [int(v) for v in t.tolist()]

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.parallel.device import device
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class SpikeDetector:
 
 def _agree(flags: list[bool]) -> list[bool]:
     """Each flag True on every rank if it is True on any rank (one all-reduce)."""
-    t = torch.tensor([int(f) for f in flags], dtype=torch.int64)
+    t = torch.tensor([int(f) for f in flags], dtype=torch.int64, device=device())  # NCCL: device tensors
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [bool(v) for v in t.tolist()]

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from elastic_pretrain.parallel.device import device
+
 DATA_WAIT_KEY = "time/data_wait_s"  # StepResult.aux entry the Trainer fills
 
 
@@ -53,7 +55,8 @@ class StragglerReport:
         if state.step % self.interval:
             return
         busy_s = (time.thread_time() - self.cpu0) / self.steps
-        mine = torch.tensor([busy_s, self.data_s / self.steps, self.wall_s / self.steps], dtype=torch.float64)
+        times = [busy_s, self.data_s / self.steps, self.wall_s / self.steps]
+        mine = torch.tensor(times, dtype=torch.float64, device=device())  # NCCL gathers device tensors only
         rows = [mine]
         if dist.is_initialized() and dist.get_world_size() > 1:
             rows = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]

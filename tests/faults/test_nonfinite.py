@@ -96,6 +96,7 @@ def test_guarded_step_updates_exactly_as_megatrons_optimizer_step(mesh1, prepare
     """The veto path (prepare_grads, norm, veto, clip, step_with_ready_grads) is bitwise megatron's step()."""
     import torch
     from megatron.core import tensor_parallel
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from elastic_pretrain.job import load_job
     from elastic_pretrain.parallel.mesh import seed_everything
@@ -103,6 +104,9 @@ def test_guarded_step_updates_exactly_as_megatrons_optimizer_step(mesh1, prepare
     from elastic_pretrain.train.step import MicroBatch
     from tests.conftest import REPO
 
+    # megatron keeps the aux-loss scale in a class attribute; an earlier test in this process may have left
+    # one of another shape (copy_ then fails): start from none, as a fresh training process does
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
     overrides = ["parallel=single", "train.eval_sequences=4", "train.clip_grad=0.5"]
     job = load_job(REPO / "jobs" / "tiny-cpu.yaml", overrides)
     sessions = []

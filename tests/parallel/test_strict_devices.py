@@ -24,8 +24,11 @@ from tests.conftest import REPO, VENV_BIN
 @pytest.fixture
 def group1():
     """A 1-rank gloo default group (no megatron groups: every group counts as NCCL)."""
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
+    if dist.is_initialized():  # the session's 1-process mesh (tests/conftest.py mesh1): its default group serves
+        if dist.get_world_size() != 1:
+            pytest.skip("a multi-rank process group is already initialised in this process")
+        yield
+        return
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()

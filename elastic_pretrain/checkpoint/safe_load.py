@@ -1,8 +1,8 @@
 """Loading a checkpoint never unpickles arbitrary objects (docs/security.md).
 
 torch.distributed.checkpoint (under megatron's ``torch_dist`` format) reads its ``.metadata`` file
-with plain ``pickle.load`` and every byte item (megatron's ``_extra_state`` objects) with
-``torch.load(weights_only=False)``. :func:`restricted_unpickling` swaps both for the duration of a
+with plain ``pickle.load`` and every byte item (megatron's ``_extra_state`` objects) with a
+full-pickle ``torch.load`` (weights-only switched off). :func:`restricted_unpickling` swaps both for the duration of a
 load: the metadata goes through an unpickler that resolves only the exact ``(module, name)`` pairs
 a DCP metadata file holds (the checkpoint-metadata dataclasses and enums, ``torch.Size``, dtypes,
 the layout helper), and byte items load with ``weights_only=True``. megatron's own ``common.pt``

@@ -15,10 +15,7 @@ Written by ``elastic-pretrain submit`` / ``cancel`` and the batch script:
 from __future__ import annotations
 
 import dataclasses
-import re
 from pathlib import Path
-
-_STEP_RE = re.compile(r"^(?:step_)?(\d+)$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,16 +62,14 @@ class RunFiles:
 
 
 def last_committed_step(files: RunFiles) -> int | None:
-    """Step of ``checkpoints/latest`` (a ``step_<N>`` text file or symlink); ``None`` if there is none."""
-    latest = files.latest
-    if latest.is_symlink():
-        text = Path(latest.readlink()).name
-    elif latest.is_file():
-        text = latest.read_text().strip()
-    else:
-        return None
-    m = _STEP_RE.match(Path(text).name)
-    return int(m.group(1)) if m else None
+    """The newest committed step, the one a resumed run continues from; ``None`` if there is none.
+
+    Not ``latest`` as written: it may be stale (naming a missing or uncommitted step), and the store
+    decides the same way ``train`` does (``checkpoint/latest.py`` says what is wrong with it)."""
+    from elastic_pretrain.checkpoint.store import CheckpointStore
+
+    newest = CheckpointStore(files.checkpoints).newest()
+    return newest.step if newest else None
 
 
 def read_text_or_none(path: Path) -> str | None:

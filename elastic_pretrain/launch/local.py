@@ -1,4 +1,5 @@
-"""The local launcher behind ``train --nproc-per-node N``: torchrun's agent, run in a process of ours.
+"""The node launcher: torchrun's agent, run in a process of ours. ``train --nproc-per-node N`` runs it
+on this machine; under Slurm ``slurm/train.sbatch`` runs it once per node (``srun``), instead of torchrun.
 
 Why not the ``torchrun`` binary: when a rank stops on a user error (a bad shard, a corrupt checkpoint)
 torchrun prints a ``ChildFailedError`` traceback and two log lines per failure and exits 1, after every
@@ -9,11 +10,16 @@ rank printed the same message. Here, under :data:`ERRORS_ENV`:
 * this launcher keeps quiet about failures that a rank reported (the agent's log lines and the
   traceback) and exits 2; the ``elastic-pretrain train`` process prints the message once (the same
   contract as every other user error). A crash that no rank reported keeps torchrun's full report.
+  Under Slurm the folder is ``<run_dir>/slurm/errors``, shared by every node (rank file names are
+  global, and a rank sees a peer's report on another node), and the batch script prints the message
+  once per job and exits 2.
 
 Stop signals: the ranks start with SIGTERM/SIGUSR1/SIGUSR2/SIGINT *blocked* (inherited), so a signal
 that reaches a rank before its trainer installed the handler stays pending instead of being lost
 (``checkpoint/preempt.py``). This process blocks them too; a thread takes them (``sigwait``), says so,
-and passes them on to the ranks — a signal to the launcher itself is never silently ignored.
+and passes them on to the ranks — a signal to the launcher itself is never silently ignored (one
+from the parent — ``elastic-pretrain train``, or Slurm's step daemon forwarding the batch script's
+signal to every process of the step — is passed on without a message: the parent said so already).
 """
 
 from __future__ import annotations
@@ -45,8 +51,11 @@ def report_user_error(message: str) -> bool:
         return False
     path = folder / f"rank_{int(os.environ['RANK']):05d}"
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(message)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(message)
+        os.replace(tmp, path)
+    except OSError:  # e.g. the folder is not shared with this node: print it here after all
+        return False
     return True
 
 
@@ -115,7 +124,8 @@ def _relay_stop_signals(nproc: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m elastic_pretrain.launch.local <torchrun arguments>``; run by ``train --nproc-per-node``."""
+    """``python -m elastic_pretrain.launch.local <torchrun arguments>``; run by ``train --nproc-per-node`` and
+    by slurm/train.sbatch on each node."""
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # before any thread or rank exists: all inherit it
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run

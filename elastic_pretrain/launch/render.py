@@ -25,6 +25,7 @@ from elastic_pretrain.config import ConfigError
 from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.launch.environment import export_lines
 from elastic_pretrain.launch.layout import RunFiles
+from elastic_pretrain.launch.local import ERRORS_ENV
 
 PLACEHOLDER_RE = re.compile(r"\{\{([A-Z][A-Z0-9_]*)\}\}")
 DEFAULT_TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "train.sbatch"
@@ -143,6 +144,7 @@ def template_values(cfg: SlurmConfig, spec: LaunchSpec) -> dict[str, Value]:
         "ON_FAILURE": cfg.on_failure,
         "TRAINER": list(spec.trainer),
         "ENV_EXPORTS": exports,
+        "ERRORS_ENV": ERRORS_ENV,  # where the node launcher and its ranks leave user errors (launch/local.py)
         **node_launch_values(cfg, spec),
     }
 

@@ -3,9 +3,10 @@ the real trainer (elastic_pretrain/launch/layout.py), with a cheap all-reduce as
 
 * ``torch.distributed`` over gloo (NCCL if CUDA is there) across every node of the job;
 * SIGTERM / SIGUSR1 / SIGUSR2 only set a flag; at each step boundary the flag is all-reduced, so
-  every rank saves the same step and exits 0 together;
-* rank 0 commits ``checkpoints/step_<N>/`` (written under a temporary name, then renamed) and
-  then replaces ``checkpoints/latest``; a restart resumes from it;
+  every rank saves the same step and exits 0 together. The node launcher (launch/local.py) starts
+  the ranks with those signals blocked, so a signal before the handler waits: unblocked once it is in;
+* rank 0 commits ``checkpoints/step_<N>/`` (written under a temporary name with its ``COMMITTED``
+  marker, then renamed) and then replaces ``checkpoints/latest``; a restart resumes from it;
 * ``FINISHED`` (JSON with the final state) once all steps are done.
 
 The state update is order-sensitive (``v = v / 2 + sum_r (r+1) * s``), so resuming from the
@@ -31,6 +32,8 @@ from types import FrameType
 
 import torch
 import torch.distributed as dist
+
+from elastic_pretrain.checkpoint.store import COMMIT_FILE, FORMAT_VERSION, crc32_file
 
 STOP = False
 
@@ -58,6 +61,10 @@ def _save(ckpts: Path, step: int, value: float) -> None:
     tmp = ckpts / f".tmp-step_{step}"
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "state.json").write_text(json.dumps({"step": step, "value": value}))
+    # the commit marker the real trainer writes (checkpoint/store.py): `status` counts committed steps only
+    files = {"state.json": [(tmp / "state.json").stat().st_size, crc32_file(tmp / "state.json")]}
+    marker = {"version": FORMAT_VERSION, "step": step, "files": files}
+    (tmp / COMMIT_FILE).write_text(json.dumps(marker))
     os.replace(tmp, ckpts / f"step_{step}")
     _write_atomic(ckpts / "latest", f"step_{step}\n")
 
@@ -80,8 +87,10 @@ def main() -> int:
     )
     p.add_argument("--forget-finished", action="store_true", help="break the contract: no FINISHED at the end")
     args = p.parse_args()
-    for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+    stop_signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+    for sig in stop_signals:
         signal.signal(sig, _on_signal)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)  # a signal that came before the handler arrives now
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from elastic_pretrain import cli
+from elastic_pretrain.checkpoint.store import CheckpointStore
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.launch.layout import RunFiles, last_committed_step
 from elastic_pretrain.launch.slurm import check_can_submit, explain_sbatch_error
@@ -87,10 +88,17 @@ def test_submit_without_slurm_says_where_to_run(
     assert len(err.strip().splitlines()) == 1
 
 
+def commit(files: RunFiles, step: int) -> None:
+    """A committed checkpoint as the trainer leaves it (marker, rename, ``latest``)."""
+    store = CheckpointStore(files.checkpoints)
+    tmp = store.prepare(step)
+    (tmp / "trainer.json").write_text("{}")
+    store.commit(step, {})
+
+
 def test_status_of_a_run_dir_without_slurm_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     files = RunFiles(tmp_path)
-    files.checkpoints.mkdir()
-    files.latest.write_text("step_40\n")
+    commit(files, 40)
     files.mlflow_run_id.write_text("abc123\n")
     code, out, _ = run_cli(["status", str(tmp_path)], capsys)
     assert code == 0
@@ -101,15 +109,22 @@ def test_status_of_a_run_dir_without_slurm_job(tmp_path: Path, capsys: pytest.Ca
     assert code == 2 and "no Slurm job recorded" in err
 
 
-def test_latest_may_be_a_file_or_a_symlink(tmp_path: Path) -> None:
+def test_last_step_is_the_newest_committed_even_when_latest_is_stale(tmp_path: Path) -> None:
+    """``status`` reports what a resumed run continues from: a stale ``latest`` (naming a missing or an
+    uncommitted step, or an older one after a crash before its update) is not trusted."""
     files = RunFiles(tmp_path)
     assert last_committed_step(files) is None
-    files.checkpoints.mkdir()
-    (files.checkpoints / "step_12").mkdir()
-    os.symlink("step_12", files.latest)
+    commit(files, 12)
+    commit(files, 9)  # latest now names step_9, but step_12 is the newest commit
+    assert last_committed_step(files) == 12
+    files.latest.write_text("step_40\n")  # missing
+    assert last_committed_step(files) == 12
+    (files.checkpoints / "step_50").mkdir()  # a save that never committed
+    files.latest.write_text("step_50\n")
     assert last_committed_step(files) == 12
     files.latest.unlink()
-    files.latest.write_text("9")
+    assert last_committed_step(files) == 12
+    shutil.rmtree(files.checkpoints / "step_12")
     assert last_committed_step(files) == 9
 
 

@@ -15,6 +15,7 @@ import pytest
 
 from elastic_pretrain.config import ConfigError, build
 from elastic_pretrain.launch.config import SlurmConfig, parse_time_limit
+from elastic_pretrain.launch.local import reported_error
 from elastic_pretrain.launch.render import LaunchSpec, Lines, fill, output_pattern, render, sbatch_escape
 
 NASTY = 'it\'s a "run" #1 $HOME `id` %j \\ \t ünï'
@@ -187,3 +188,24 @@ def test_relative_run_dir_and_missing_template_are_user_errors(tmp_path: Path) -
 def test_local_cluster_scripts_parse() -> None:
     for script in ("up.sh", "down.sh", "common.sh"):
         subprocess.run(["bash", "-n", str(REPO / "slurm" / "local-cluster" / script)], check=True)
+
+
+def test_the_script_reports_user_errors_as_the_local_launcher_does(tmp_path: Path) -> None:
+    """The batch script's ``reported_error`` (it prints a user error once per job) gives the same line
+    as launch/local.py's for the ranks' files: the lowest rank's message, then each different one."""
+    script = (REPO / "slurm" / "train.sbatch").read_text()
+    m = re.search(r"^reported_error\(\) \{.*?^\}$", script, flags=re.M | re.S)
+    assert m, "slurm/train.sbatch lost its reported_error function"
+
+    def both(folder: Path) -> tuple[str, str]:
+        code = m.group(0) + '\nreported_error "$1"\n'
+        out = subprocess.run(["bash", "-c", code, "x", str(folder)], capture_output=True, text=True, check=True)
+        return out.stdout, reported_error(folder) or ""
+
+    assert both(tmp_path) == ("", "")
+    odd = "data/x.yaml: shard * [a] $HOME `id` 'q' \"dq\" is corrupt; delete it\nand re-run"
+    for rank, text in [(3, "other error\n"), (0, odd + "\n"), (1, odd), (12, "other error"), (2, "third")]:
+        (tmp_path / f"rank_{rank:05d}").write_text(text)
+    (tmp_path / ".rank_00004.tmp").write_text("half written")
+    bash, python = both(tmp_path)
+    assert bash == python == odd.replace("\n", " ") + " (rank 2: third) (rank 3: other error)"

@@ -6,11 +6,13 @@ MoE, expert parallel 2 over two nodes x one process, gloo) instead of the stand-
 * an uninterrupted reference run trains, commits checkpoints and ends with FINISHED;
 * a run signalled like at the time limit (`scancel --signal=TERM --batch`) once a checkpoint exists
   saves at the next step boundary, requeues, resumes from that checkpoint, continues the same
-  MLflow run, and ends with a per-step loss curve bitwise equal to the reference's.
+  MLflow run, and ends with a per-step loss curve bitwise equal to the reference's;
+* a run whose training shards are corrupt stops on that user error: its one line is in the log
+  once for the whole job (not once per rank), with no launcher traceback, and the job exits 2.
 
 The retry cap, a killed rank, cancel and real partition preemption are test_cluster.py's (the
 batch script decides those; the real trainer's part, save and exit 0 on the signal, is the same).
-Both jobs are submitted at once and run side by side (each start imports torch and megatron on
+The jobs are submitted at once and run side by side (each start imports torch and megatron on
 four processes, which dominates on two cores). Unlike the stand-in, the real trainer cannot hold
 mid-run, so the interrupted run is signalled as soon as its first checkpoint is committed;
 train.steps leaves many steps after that, and the test checks that the signal landed mid-run.
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -27,6 +30,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
+import yaml
 from slurm_helpers import MAIN_NODES, REPO, Cluster, log_tail, wait_checkpoint, wait_job_end
 
 from elastic_pretrain import cli
@@ -70,7 +74,10 @@ def jobs(slurm_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
         jobs = {
             "reference": submit_real(base / "reference", "--retries", "1"),
             "preempted": submit_real(base / "preempted", "--retries", "1"),
-        }
+            # on_failure=requeue: a user error must stop the job all the same (a restart fails the same way)
+            "bad_shards": submit_real(base / "bad shards", f"data={corrupt_copy(base)}", "slurm.on_failure=requeue",
+                                      "--retries", "2"),
+        }  # fmt: skip
     try:
         # what Slurm does `signal_lead_s` before the time limit: signal the batch shell only
         job_id, run_dir = jobs["preempted"]
@@ -80,6 +87,25 @@ def jobs(slurm_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
     finally:
         for job in jobs.values():  # a failed test may leave its job running
             subprocess.run(["scancel", job.job_id], capture_output=True)
+
+
+def corrupt_copy(base: Path) -> Path:
+    """A recipe reading a copy of the prepared corpus whose training shards each have one byte flipped."""
+    src = yaml.safe_load((REPO / "data" / "stdlib-code.yaml").read_text())
+    copy = base / "corrupt-stdlib-code"
+    shutil.copytree(REPO / src["prepare"]["output"], copy)
+    shards = [p for p in (copy / "train").iterdir() if p.is_file() and p.name != "index.json"]
+    assert shards, f"no shards in {copy / 'train'}"
+    for shard in shards:
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    recipe = {k: v for k, v in src.items() if k != "prepare"}
+    recipe["streams"] = [{**s, "path": str(copy)} for s in src["streams"]]
+    recipe["validation"] = {**src["validation"], "path": str(copy)}
+    path = base / "corrupt-stdlib-code.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
 
 
 def summary(run_dir: Path) -> dict[str, Any]:
@@ -160,3 +186,21 @@ def test_preempted_real_run_resumes_same_mlflow_run_and_matches_reference_bitwis
     assert [s for s, _ in curve] == list(range(LOG_INTERVAL, STEPS + 1, LOG_INTERVAL))
     ref_run_id = RunFiles(ref_dir).mlflow_run_id.read_text().strip()
     assert curve == loss_metric(ref_dir, ref_run_id)
+
+
+def test_user_error_on_two_nodes_prints_once_without_traceback_and_exits_2(jobs: dict[str, Job]) -> None:
+    """Every rank (one per node) reads a corrupt shard: the ranks leave their line in slurm/errors, the
+    node launchers exit 2 quietly, the batch script prints it once and ends the job with exit 2, not
+    requeued although slurm.on_failure=requeue."""
+    job_id, run_dir = jobs["bad_shards"]
+    state = wait_job_end(job_id, run_dir, timeout=END_TIMEOUT_S)
+    log = RunFiles(run_dir).log.read_text()
+    assert state.state == "FAILED" and state.exit_code == "2:0", f"{state}\n{log[-6000:]}"
+    assert state.restarts == 0, "a user error must not be requeued"
+    for noise in ("Traceback", "ChildFailedError", "torch.distributed.elastic"):
+        assert noise not in log, log[-6000:]
+    errors = [line for line in log.splitlines() if "delete it and re-run prepare-data" in line]
+    assert len(errors) == 1, log[-6000:]
+    assert "] error: " in errors[0] and "corrupt-stdlib-code [train]: shard " in errors[0], errors[0]
+    assert "training stopped on this user error: not requeueing" in log
+    assert not RunFiles(run_dir).finished.exists() and last_committed_step(RunFiles(run_dir)) is None

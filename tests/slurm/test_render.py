@@ -15,7 +15,7 @@ import pytest
 
 from elastic_pretrain.config import ConfigError, build
 from elastic_pretrain.launch.config import SlurmConfig, parse_time_limit
-from elastic_pretrain.launch.local import reported_error
+from elastic_pretrain.launch.local import ERRORS_ENV, report_user_error, reported_error
 from elastic_pretrain.launch.render import LaunchSpec, Lines, fill, output_pattern, render, sbatch_escape
 
 NASTY = 'it\'s a "run" #1 $HOME `id` %j \\ \t ünï'
@@ -209,3 +209,16 @@ def test_the_script_reports_user_errors_as_the_local_launcher_does(tmp_path: Pat
     (tmp_path / ".rank_00004.tmp").write_text("half written")
     bash, python = both(tmp_path)
     assert bash == python == odd.replace("\n", " ") + " (rank 2: third) (rank 3: other error)"
+
+
+def test_a_rank_prints_its_error_itself_when_the_errors_folder_is_out_of_reach(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under Slurm the folder is <run_dir>/slurm/errors, made by the batch script on node 0: a node that
+    cannot write there (not shared after all) must not turn the one-line error into a traceback."""
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv(ERRORS_ENV, str(tmp_path / "not-here"))
+    assert report_user_error("bad shard") is False
+    monkeypatch.setenv(ERRORS_ENV, str(tmp_path))
+    assert report_user_error("bad shard") is True
+    assert reported_error(tmp_path) == "bad shard" and (tmp_path / "rank_00003").is_file()

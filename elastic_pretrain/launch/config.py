@@ -90,7 +90,8 @@ class SlurmConfig:
         "TERM",
         doc="Signal that asks the trainer to checkpoint and stop: TERM (default), USR1 or USR2. It is sent "
         "signal_lead_s before the time limit, on preemption, and forwarded by the batch script to the "
-        "trainer processes only (torchrun ignores it). TERM is the safe default: NCCL has been known to "
+        "processes of the training step (each node's launcher passes it on to its ranks and never acts on it). "
+        "TERM is the safe default: NCCL has been known to "
         "swallow USR1, and TERM is also what Slurm sends when it finally kills a job.",
     )
     signal_lead_s: int = field(

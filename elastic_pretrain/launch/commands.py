@@ -157,6 +157,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         ("mlflow run", st.mlflow_run_id or "-"),
         ("log", st.log),
     ]
+    if st.latest_problem:
+        rows.append(("warning", f"{st.latest_problem} (the next resumed run repairs it)"))
     for key, value in rows:
         print(f"{key + ':':<11} {value}")
     return 0

@@ -12,6 +12,8 @@ import re
 import subprocess
 from pathlib import Path
 
+from elastic_pretrain.checkpoint.latest import latest_problem
+from elastic_pretrain.checkpoint.store import CheckpointStore
 from elastic_pretrain.config import clip
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.launch.config import SlurmConfig
@@ -190,6 +192,7 @@ class RunStatus:
     finished: bool
     mlflow_run_id: str | None
     log: str
+    latest_problem: str | None = None  # ``checkpoints/latest`` is stale: what is wrong with it, in one line
 
     def as_dict(self) -> dict[str, object]:
         out = dataclasses.asdict(self)
@@ -207,6 +210,7 @@ def run_status(run_dir: Path) -> RunStatus:
         job_id=job_id,
         job=query_job(job_id) if job_id else None,
         last_step=last_committed_step(files),
+        latest_problem=latest_problem(CheckpointStore(files.checkpoints)),
         finished=files.finished.exists(),
         mlflow_run_id=read_text_or_none(files.mlflow_run_id),
         log=str(files.log),

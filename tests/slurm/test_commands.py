@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -126,6 +127,19 @@ def test_last_step_is_the_newest_committed_even_when_latest_is_stale(tmp_path: P
     assert last_committed_step(files) == 12
     shutil.rmtree(files.checkpoints / "step_12")
     assert last_committed_step(files) == 9
+
+
+def test_status_warns_about_a_stale_latest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    files = RunFiles(tmp_path)
+    commit(files, 12)
+    code, out, _ = run_cli(["status", str(tmp_path)], capsys)
+    assert code == 0 and "warning" not in out
+    files.latest.write_text("step_40\n")  # names a checkpoint that does not exist
+    code, out, _ = run_cli(["status", str(tmp_path)], capsys)
+    assert code == 0 and "last step:  12" in out
+    assert "warning:    latest names step_40, which does not exist; the newest committed checkpoint is step_12" in out
+    code, out, _ = run_cli(["status", "--json", str(tmp_path)], capsys)
+    assert "step_40" in json.loads(out)["latest_problem"]
 
 
 def test_finished_run_is_not_resubmitted(tmp_path: Path) -> None:

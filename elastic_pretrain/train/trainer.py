@@ -149,7 +149,7 @@ class Trainer:
         return stop_reason(signums) if stop else None
 
     def validate(self) -> dict[int, float]:
-        loops = list(range(1, self.job.model.max_loops + 1))
+        loops = list(range(1, self.job.exit_depths + 1))  # loop counts, or core layers on exit_axis layer
         return evaluate(
             self.s.model,
             self.s.val_tokens,
@@ -157,6 +157,7 @@ class Trainer:
             batch_size=self.job.train.micro_batch_size,
             separate_runs=self.s.net.one_exit_per_run,
             pipeline=self.s.pipeline,
+            exit_axis=self.job.schedule.exit_axis,
         )
 
 

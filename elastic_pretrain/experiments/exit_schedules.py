@@ -142,8 +142,8 @@ def exit_schedules(ctx: Context) -> Findings:
 def _claims(by: dict[str, dict[int, float]], loss_auc: dict[str, float], ppl_auc: dict[str, float],
             worst: dict[str, float], *, n: int, matched: bool, seeds: int) -> list[str]:
     """The report's opening table: TLM's claims (seeds/000, seeds/001) against what this run measured."""
-    why = (f"not resolved at this scale: {seeds} seed(s); a direction needs a paired interval over >= 3 seeds"
-           if seeds < 3 else "see the seed intervals")
+    why = (f"not resolved at this scale: {seeds} seed(s), and a direction needs a paired interval over >= 3 seeds"
+           if seeds < 3 else "a direction needs the paired seed interval (not computed by this analysis)")
     t, b = MATCHED, BASELINE
     rows = ["| TLM's claim | measured here | resolved? |", "|---|---|---|"]
 
@@ -152,17 +152,18 @@ def _claims(by: dict[str, dict[int, float]], loss_auc: dict[str, float], ppl_auc
 
     rows.append(f"| \"cuts the area under the quality-budget curve by 43-44% relative to MLMS\" (lower AUC) | "
                 f"AUC {t} vs {b}: loss {rel(loss_auc)}, perplexity {rel(ppl_auc)}"
-                f"{'' if matched else ' (FLOPs not matched)'} | no — {why} |")
+                f"{'' if matched else ' (FLOPs not matched)'} | no: {why} |")
     if t in by and b in by:
         rows.append(f"| \"while matching it at full capacity\" | loss at k = {n}: {t} {by[t][n]:.4f}, {b} "
-                    f"{by[b][n]:.4f} ({by[t][n] - by[b][n]:+.4f}) | no — {why} |")
+                    f"{by[b][n]:.4f} ({by[t][n] - by[b][n]:+.4f}) | no: {why} |")
     if b in worst:
         rows.append(f"| fixed exits leave unsupervised depths at \"perplexity 10^2 to 10^5\" | highest perplexity "
                     f"of {b} at an unsupervised exit: {worst[b]:,.1f} (uniform over 257 tokens: 257) | "
-                    f"no — {why} |")
+                    f"no: {why} |")
     rows.append("| \"Concentrate sampling on a few depths and you recover fixed-exit quality there\" | telescopic "
                 "weights on the baseline's exits with as many draws supervise exactly its exits every micro-batch "
-                "(same plans, same loss and gradients: tests/train/test_exit_axis.py) | yes — by construction |")
+                "(same plans, same loss and gradients: tests/train/test_exit_axis.py) | "
+                "yes: by construction (a test, not a measurement) |")
     return rows
 
 

@@ -203,8 +203,9 @@ class ProgressPrinter:
     def on_end(self, state: TrainState, val: dict[int, float]) -> None:
         if not self.enabled:
             return
-        print("\nvalidation loss per loop count (held-out tokens)")
-        print(f"  {'loops':>5}  {'loss':>8}  {'ppl':>9}")
+        layer = self.job.schedule.exit_axis == "layer"  # exits after core layer k of a non-looped stack
+        print(f"\nvalidation loss per {'layer exit' if layer else 'loop count'} (held-out tokens)")
+        print(f"  {'layer' if layer else 'loops':>5}  {'loss':>8}  {'ppl':>9}")
         for k, v in sorted(val.items()):
             print(f"  {k:>5}  {v:8.4f}  {math.exp(min(v, 50)):9.2f}")
         if self.routing:

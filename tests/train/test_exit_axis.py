@@ -112,13 +112,21 @@ def test_layer_exit_gradient_reaches_only_layers_up_to_k(mesh1):
                            anchor["core.0.passes.0.self_attention.linear_qkv.weight"])
 
 
-def test_evaluate_on_the_layer_axis_reads_every_layer_exit(mesh1):
+@pytest.mark.parametrize("conditioned", [False, True], ids=["plain", "loop-conditioning-on"])
+def test_evaluate_on_the_layer_axis_reads_every_layer_exit(mesh1, conditioned):
     """The trainer's validation (train/step.py evaluate) on the layer axis: loss after each layer k, the same
-    numbers as the training forward's per-token losses at those exits."""
-    cfg = stack()
+    numbers as the training forward's per-token losses at those exits — with the loop-conditioning head on
+    too (both condition every exit on ℓ = 1)."""
+    cfg = stack(loop_conditioning=conditioned)
     torch.manual_seed(0)
     model = build_model(cfg, PAR)
     t = tokens(cfg, rows=4, seed=5)
+    if conditioned:
+        with torch.no_grad():
+            plain = evaluate(model, t, loops=[1, 2], batch_size=2, exit_axis="layer")
+            model.conditioning_active = True
+            model.loop_conditioning.out.weight.normal_(0, 0.5)
+        assert evaluate(model, t, loops=[1, 2], batch_size=2, exit_axis="layer")[1] != pytest.approx(plain[1])
     val = evaluate(model, t, loops=[1, 2, 3, 4], batch_size=2, exit_axis="layer")
     with torch.no_grad():
         per = model(t[:, :-1], labels=t[:, 1:], loops=1, exits=[1, 2, 3, 4], exit_axis="layer")
@@ -128,8 +136,9 @@ def test_evaluate_on_the_layer_axis_reads_every_layer_exit(mesh1):
     assert len({round(v, 6) for v in val.values()}) == 4
     from elastic_pretrain.eval.layer_exits import evaluate_layers, layer_quality_curve
 
-    evals = evaluate_layers(model, t, batch_size=2)
+    evals = evaluate_layers(model, t, batch_size=2)  # CE over the real vocabulary: padded ids have -inf logits
     assert sorted(evals) == [1, 2, 3, 4]
+    assert all(evals[k].loss == pytest.approx(val[k], abs=1e-5) for k in val)
     curve = layer_quality_curve(model, t, batch_size=2)
     xs = [p.relative_compute for p in curve.points]
     assert xs == sorted(xs) and xs[-1] == 1.0 and 0 < xs[0] < 0.5

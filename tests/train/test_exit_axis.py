@@ -286,3 +286,11 @@ def test_layer_axis_job_builds_with_loop_conditioning_on():
     job = load_job(TINY, [*LAYER, "model.loop_conditioning=true"])
     assert job.exit_depths == 4 and job.schedule.exit_axis == "layer"
     assert load_job(TINY).exit_depths == 4 and load_job(TINY).schedule.exit_axis == "loop"
+
+
+def test_telescopic_without_a_prefix_depth_supervises_the_anchor_once():
+    """No depth below the anchor to draw (anchor ℓ = 1): the plan is the anchor alone — before, the anchor was
+    listed twice and its loss counted twice in the objective."""
+    c = ScheduleController(ScheduleConfig(sampler="telescopic", switch_at=0.0, loops=1), max_loops=4,
+                           total_tokens=10, seed=0)
+    assert c.plan(step=0, micro=0, replica=0) == DepthPlan(1, (1,))

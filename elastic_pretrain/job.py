@@ -60,7 +60,10 @@ class JobConfig:
                 f"name: {show(self.name)} must be a plain name (not '.' or '..'; no '/', '\\' or control "
                 "characters), e.g. name=tiny-cpu-2"
             )
-        self.schedule.validate_for(self.model.max_loops, loop_conditioning=self.model.loop_conditioning)
+        self.schedule.validate_for(self.model.max_loops, loop_conditioning=self.model.loop_conditioning,
+                                   layers=self.model.core_layers_built)
+        if self.schedule.exit_axis == "layer":
+            self._check_layer_axis()
         self.model.check_pipeline(self.parallel.pipeline)  # before any process starts (the CLI validates jobs)
         tp = self.parallel.tensor
         self.model.check_fp8_layout(tensor=tp, tokens=self.data.seq_len * self.train.micro_batch_size // tp)
@@ -82,6 +85,25 @@ class JobConfig:
                 f"{self.parallel.pipeline}): use a parallel preset with pipeline: 1 (checkpoints load at any layout)"
             )
 
+    def _check_layer_axis(self) -> None:
+        """``schedule.exit_axis: layer`` reads every exit out of one pass through the stack (model/looped.py
+        ``run_layers``): one process-local forward, nothing recomputed per pass, every K/V from that pass."""
+        fixes = {
+            "parallel.pipeline": (self.parallel.pipeline > 1, "parallel.pipeline=1"),
+            "train.recompute": (self.train.recompute == "pass", "train.recompute=selective (or none)"),
+            "model.kv_training": (self.model.kv_training == "last_loop", "model.kv_training=same_pass (the same "
+                                  "thing with one loop)"),
+        }
+        for key, (bad, fix) in fixes.items():
+            if bad:
+                raise ConfigError(f"{key}={_get(self, key)} does not run with schedule.exit_axis=layer "
+                                  f"(every layer exit is read out of one pass): set {fix}, or exit_axis=loop")
+
+    @property
+    def exit_depths(self) -> int:
+        """How many exits the depth axis has: L_max, or the core layers on ``schedule.exit_axis: layer``."""
+        return self.model.core_layers_built if self.schedule.exit_axis == "layer" else self.model.max_loops
+
     def check_vocab(self, tokenizer_vocab: int) -> None:
         if tokenizer_vocab > self.model.vocab_size:
             raise ConfigError(
@@ -96,6 +118,12 @@ class JobConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.train.global_batch_size * self.data.seq_len
+
+
+def _get(obj: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
 
 
 def repo_root_for(job_path: Path) -> Path:

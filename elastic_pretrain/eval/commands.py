@@ -67,7 +67,13 @@ def _eval(args: argparse.Namespace) -> int:
         job, model = load_model(ckpt)
         decider = pick_decider(model, ckpt, args.decider) if args.adaptive else None
         tokens = load_validation(job.data, num_sequences=args.sequences)
-        curve = quality_curve(model, tokens, name=job.name, batch_size=args.batch_size)
+        if job.schedule.exit_axis == "layer":  # a non-looped stack with layer exits: the 'loops' column is k
+            from elastic_pretrain.eval.layer_exits import layer_quality_curve
+
+            curve = layer_quality_curve(model, tokens, name=f"{job.name} (exit after core layer k)",
+                                        batch_size=args.batch_size)
+        else:
+            curve = quality_curve(model, tokens, name=job.name, batch_size=args.batch_size)
         lines = [markdown_table(curve)]
         if args.kv_gap:
             lines.append(f"| KV cache at ℓ={model.cfg.max_loops} | KV bytes/token | teacher-forced loss |")

@@ -29,6 +29,7 @@ from elastic_pretrain.eval.quality import (
     plot,
     quality_curve,
 )
+from elastic_pretrain.experiments import exit_schedules as layer_exits
 from elastic_pretrain.experiments.report import parameters
 from elastic_pretrain.experiments.runner import Context, Experiment, Findings, Run
 
@@ -724,15 +725,7 @@ def decider(ctx: Context) -> Findings:
 EXPERIMENTS: dict[str, Experiment] = {
     e.name: e
     for e in (
-        Experiment(
-            name="exit-schedules",
-            title="Exit schedules: telescopic, mixed depth and fixed exits vs fixed depth",
-            question="Which way of training the exits gives the best loss at every loop count ℓ and the best "
-            "quality-per-compute (AUC)? Four schedules on the same model, tokens and seed: fixed depth (ℓ = L_max "
-            "only), mixed depth from scratch (a random ℓ per micro-batch), telescopic (full depth plus one random "
-            "prefix exit, TLM) and fixed exits 1, 2, 4 (Matryoshka-style).",
-            analyse=exit_schedules,
-        ),
+        layer_exits.EXPERIMENT,  # on the layer axis (experiments/exit_schedules.py); exit_schedules above is unused
         Experiment(
             name="late-switch",
             title="Late switch vs mixed depth from scratch vs a non-looped model",

@@ -72,7 +72,8 @@ def training_compute(run: Run) -> tuple[float, float]:
     micro = job.train.micro_batches(1)
     tokens_per_micro = job.train.micro_batch_size * seq
     ctl = ScheduleController(
-        job.schedule, max_loops=cfg.max_loops, total_tokens=run.steps * job.tokens_per_step, seed=job.train.seed
+        job.schedule, max_loops=cfg.max_loops, total_tokens=run.steps * job.tokens_per_step, seed=job.train.seed,
+        layers=cfg.core_layers_built,
     )
     passes, flops, n = 0.0, 0.0, 0
     for step in range(run.steps):

@@ -375,6 +375,35 @@ class LoopedMoEModel(LanguageModule):
             ghost = g if ghost is None else ghost + g
         return out, ghost
 
+    def run_layers(self, input_ids_BT: Tensor, *, exits: Sequence[int]) -> dict[int, Tensor]:
+        """``schedule.exit_axis: layer`` (TLM's own axis): hidden states after core layer k, then the coda and the
+        final norm (shared by every exit, as the output layer is), for each k in ``exits``; one pass.
+
+        The exit after layer k is exactly the stack truncated after layer k: the prelude, core layers 1..k, the
+        coda and the final norm (pass 0's attention, loop conditioning on ℓ = 1 when it is on — training and
+        evaluation both read exits here). Layers after the deepest exit do not run."""
+        k_max = self.cfg.core_layers_built
+        if self.cfg.max_loops != 1 or self.stages != 1:
+            raise ValueError("exit_axis=layer needs a non-looped stack (L_max = 1) without pipeline parallelism")
+        if not exits or not all(1 <= k <= k_max for k in exits):
+            raise ValueError(f"layer exits {sorted(exits)} must be a non-empty subset of 1..{k_max} (core layers)")
+        if self.cfg.kv_training == "last_loop" or self._recompute_passes():
+            raise ValueError("exit_axis=layer runs with model.kv_training=same_pass and train.recompute none|selective")
+        rope = self.rotary_pos_emb(input_ids_BT.shape[1])
+        h_TBD = self._embed(input_ids_BT, rope)
+        if self.loop_conditioning is not None and self.conditioning_active:  # as _pass_body does at pass 0
+            h_TBD = h_TBD + self.loop_conditioning(1, 0).to(h_TBD.dtype)
+        if self.routing_probe is not None:
+            self.routing_probe.at(0, None)
+        out: dict[int, Tensor] = {}
+        for k, core in enumerate(self.core, start=1):
+            if k > max(exits):
+                break
+            h_TBD = core(h_TBD, pass_idx=0, rotary_pos_emb=rope)
+            if k in exits:
+                out[k] = self._head_states(h_TBD, rope)
+        return out
+
     def run_chunk(self, h_TBD: Tensor | None, input_ids_BT: Tensor, *, pass_idx: int, loops: int, sync_loops: int,
                   key: Hashable) -> Tensor:
         """Virtual pipeline chunk ``pass_idx`` of this stage, for a micro-batch that runs ℓ = ``loops``.
@@ -530,18 +559,26 @@ class LoopedMoEModel(LanguageModule):
 
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 labels: Tensor | None = None, *, loops: int | None = None, exits: Sequence[int] = (),
-                sync_loops: int | None = None) -> dict[int, Tensor]:
+                sync_loops: int | None = None, exit_axis: Literal["loop", "layer"] = "loop") -> dict[int, Tensor]:
         """Run ℓ = ``loops`` passes (default L_max).
 
         Returns ``{exit: tensor}`` for ℓ and every extra exit in ``exits`` (< ℓ): per-token losses
         ``[B, T]`` when ``labels`` are given, else full-vocabulary logits ``[B, T, V]`` (the padded
         vocabulary entries beyond ``cfg.vocab_size`` are dropped).
+        ``exit_axis="layer"`` (a non-looped stack, ℓ = 1): ``exits`` are core layers k, and the result holds
+        exactly those (:meth:`run_layers`).
         """
         loops = self.cfg.max_loops if loops is None else loops
-        all_exits = sorted({*exits, loops})
-        if all_exits[0] < 1:
-            self.cfg.check_loops(all_exits[0])
-        states, ghost = self.run_loops(input_ids, loops=loops, exits=all_exits, sync_loops=sync_loops)
+        ghost = None
+        if exit_axis == "layer":
+            if loops != 1:
+                raise ValueError(f"exit_axis=layer runs one pass through the stack (loops=1), got loops={loops}")
+            states = self.run_layers(input_ids, exits=exits)
+        else:
+            all_exits = sorted({*exits, loops})
+            if all_exits[0] < 1:
+                self.cfg.check_loops(all_exits[0])
+            states, ghost = self.run_loops(input_ids, loops=loops, exits=all_exits, sync_loops=sync_loops)
         out: dict[int, Tensor] = {}
         for ell, h_TBD in states.items():
             logits_TBV = self.logits(h_TBD)

@@ -22,6 +22,7 @@ Sampler = Literal["fixed", "independent_rank", "per_step", "telescopic", "fixed_
 DepthGroup = Literal["replica", "expert_group"]
 Order = Literal["draw", "deep_first"]
 UnusedPassInit = Literal["copy_pass0", "as_initialised"]
+ExitAxis = Literal["loop", "layer"]
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -55,7 +56,17 @@ class ScheduleConfig:
     telescopic_weights: list[float] = field(
         factory=list, doc="telescopic: sampling density over telescopic_depths (empty = uniform)."
     )
+    telescopic_draws: int = field(
+        1,
+        doc="telescopic: prefix exits drawn per micro-batch besides the anchor, without replacement (TLM: 1). "
+        "Set it to len(exits) - 1 of a fixed_exits baseline to match its training FLOPs (docs/exit-axis.md).",
+    )
     exits: list[int] = field(factory=list, doc="fixed_exits: the only supervised exits (Matryoshka baseline).")
+    exit_axis: ExitAxis = field(
+        "loop",
+        doc="What an exit counts: loop counts ℓ (loop), or core layers of a non-looped stack (layer: TLM's own axis; "
+        "model.loops * model.flatten = 1, the anchor is all core layers; docs/exit-axis.md).",
+    )
     depth_group: DepthGroup = field(
         "replica",
         doc="independent_rank: who draws one ℓ per micro-batch: each replica (ELR), or each expert-parallel group "
@@ -76,6 +87,9 @@ class ScheduleConfig:
             raise ConfigError("weights: must be non-negative with a positive sum")
         if self.telescopic_weights and len(self.telescopic_weights) != len(self.telescopic_depths):
             raise ConfigError("telescopic_weights: give one weight per entry of telescopic_depths")
+        if self.telescopic_draws < 1 or (self.telescopic_draws != 1 and self.sampler != "telescopic"):
+            raise ConfigError(f"schedule.telescopic_draws: {self.telescopic_draws} must be >= 1 and applies to "
+                              "sampler telescopic only: remove it or set sampler: telescopic")
         if self.depth_group != "replica" and self.sampler != "independent_rank":
             raise ConfigError(f"schedule.depth_group: {self.depth_group} applies to sampler independent_rank only "
                               f"(got {self.sampler}); remove depth_group or set sampler: independent_rank")
@@ -87,15 +101,18 @@ class ScheduleConfig:
                 " set schedule.switch_at (0 = from the start, e.g. 0.75 = ELR's late switch) or sampler: fixed"
             )
 
-    def validate_for(self, max_loops: int, *, loop_conditioning: bool = False) -> None:
-        """Checks that need the model's L_max (and whether it has loop-count conditioning heads)."""
+    def validate_for(self, max_loops: int, *, loop_conditioning: bool = False, layers: int | None = None) -> None:
+        """Checks that need the model's L_max (whether it has loop-count conditioning heads, and its core layers)."""
         for name in ("loops", "fixed_loops"):
             value = getattr(self, name)
             if value is not None and not 1 <= value <= max_loops:
                 raise ConfigError(f"schedule.{name}={value} is outside [1, {max_loops}]: pick a value in that range")
-        if loop_conditioning and self.sampler in ("telescopic", "fixed_exits"):
+        if self.exit_axis == "layer":
+            self._validate_layer_axis(max_loops, layers)
+        elif loop_conditioning and self.sampler in ("telescopic", "fixed_exits"):
             # one run supervises several exits, so every pass is conditioned on the deepest one; evaluation
-            # (and serving) conditions a run of ℓ passes on ℓ itself: the truncated exits would disagree
+            # (and serving) conditions a run of ℓ passes on ℓ itself: the truncated exits would disagree.
+            # (On the layer axis every exit is read out of one pass conditioned on ℓ = 1, in training and eval.)
             raise ConfigError(
                 f"schedule.sampler: {self.sampler} reads shallower exits out of one deeper run, whose passes the "
                 "loop-conditioning heads condition on the deeper ℓ (evaluation conditions ℓ on itself): "
@@ -103,20 +120,67 @@ class ScheduleConfig:
             )
         if self.weights and len(self.weights) != max_loops:
             raise ConfigError(f"schedule.weights: give {max_loops} weights (one per ℓ = 1..{max_loops})")
-        bad = [d for d in self.telescopic_depths + self.exits if not 1 <= d <= max_loops]
+        top, unit = (layers or 0, "core layers") if self.exit_axis == "layer" else (max_loops, "loop counts")
+        bad = [d for d in self.telescopic_depths + self.exits if not 1 <= d <= top]
         if bad:
-            raise ConfigError(f"schedule: exit/depth {bad[0]} is outside [1, {max_loops}]")
+            raise ConfigError(f"schedule: exit/depth {bad[0]} is outside [1, {top}] (exit_axis: {self.exit_axis} "
+                              f"counts {unit}): pick exits in that range")
+        if self.sampler == "telescopic":
+            anchor = top if self.exit_axis == "layer" else (self.loops or max_loops)
+            have = len(self.telescopic_candidates(anchor))
+            if self.telescopic_draws > 1 and have < self.telescopic_draws:
+                raise ConfigError(
+                    f"schedule.telescopic_draws: {self.telescopic_draws} prefix exits per micro-batch, but only {have} "
+                    f"depth(s) below the anchor {anchor} can be drawn (with weight > 0): lower telescopic_draws or "
+                    "list more telescopic_depths"
+                )
+
+    def _validate_layer_axis(self, max_loops: int, layers: int | None) -> None:
+        if max_loops != 1:
+            raise ConfigError(
+                f"schedule.exit_axis: layer exits after the core layers of a non-looped stack, but the model runs "
+                f"L_max = model.loops * model.flatten = {max_loops} passes: set model.loops=1 and model.flatten=1, "
+                "or exit_axis: loop"
+            )
+        if layers is None:
+            raise ValueError("validate_for: exit_axis layer needs the model's core layer count (layers=...)")
+        if self.sampler in ("independent_rank", "per_step"):
+            raise ConfigError(
+                f"schedule.sampler: {self.sampler} draws loop counts, and a non-looped stack has one: on exit_axis: "
+                "layer use sampler telescopic, fixed_exits or fixed"
+            )
+        if self.sampler == "fixed_exits" and layers not in self.exits:
+            raise ConfigError(
+                f"schedule.exits: {self.exits} on exit_axis: layer must include the full stack {layers} (the anchor; "
+                f"its head is shared by every exit): add it, e.g. exits: {_sparse_example(layers)}"
+            )
+
+    def telescopic_candidates(self, anchor: int) -> list[int]:
+        """The prefix depths a telescopic exit is drawn from: below ``anchor``, listed (or all), weight > 0."""
+        if not self.telescopic_depths:
+            return list(range(1, anchor))
+        w = self.telescopic_weights or [1.0] * len(self.telescopic_depths)
+        return [d for d, x in zip(self.telescopic_depths, w, strict=True) if d < anchor and x > 0]
+
+
+def _sparse_example(layers: int) -> list[int]:
+    """Matryoshka-style sparse exits L/4, L/2, L (the ones that exist)."""
+    return sorted({d for d in (layers // 4, layers // 2, layers) if d >= 1})
 
 
 @dataclasses.dataclass(frozen=True)
 class DepthPlan:
-    """What one micro-batch of one replica runs: ℓ passes, supervised at ``exits`` (ℓ included)."""
+    """What one micro-batch of one replica runs: ℓ passes, supervised at ``exits`` (ℓ included).
+
+    ``axis`` layer (``schedule.exit_axis``): one pass (ℓ = 1) through a non-looped stack, supervised after
+    the core layers ``exits`` (the full stack included)."""
 
     loops: int
     exits: tuple[int, ...]
     # passes the expert-parallel group's MoE calls run for (max ℓ over the group; ghosts beyond ``loops``);
     # None: not known locally (a hand-built plan), and the step agrees on it with a collective
     group_loops: int | None = None
+    axis: ExitAxis = "loop"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,11 +203,13 @@ class ExpertLayout:
 class ScheduleController:
     """Owns depth: phase, switch, per-micro-batch plans. Checkpointable via ``state_dict``."""
 
-    def __init__(self, cfg: ScheduleConfig, *, max_loops: int, total_tokens: int, seed: int) -> None:
-        cfg.validate_for(max_loops)
+    def __init__(self, cfg: ScheduleConfig, *, max_loops: int, total_tokens: int, seed: int,
+                 layers: int | None = None) -> None:
+        cfg.validate_for(max_loops, layers=layers)
         self.cfg = cfg
         self.max_loops = max_loops
         self.anchor = cfg.loops or max_loops
+        self.layers = layers or 0  # exit_axis layer: the core layers of the stack (its anchor)
         self.fixed_loops = cfg.fixed_loops or self.anchor
         self.total_tokens = total_tokens
         self.seed = seed
@@ -171,6 +237,8 @@ class ScheduleController:
         return w / w.sum()
 
     def plan(self, *, step: int, micro: int, replica: int) -> DepthPlan:
+        if self.cfg.exit_axis == "layer":
+            return self._layer_plan(step, micro, replica)
         if not self.mixed:
             return DepthPlan(self.fixed_loops, (self.fixed_loops,))
         sampler = self.cfg.sampler
@@ -188,9 +256,22 @@ class ScheduleController:
             ell = 1 + int(rng.choice(self.max_loops, p=self._weights()))
             return DepthPlan(ell, (ell,))
         if sampler == "telescopic":
-            return DepthPlan(self.anchor, (self._telescopic_exit(step, micro, replica), self.anchor))
+            return DepthPlan(self.anchor, (*self._telescopic_exits(step, micro, replica, self.anchor), self.anchor))
         exits = tuple(sorted(set(self.cfg.exits)))  # fixed_exits
         return DepthPlan(max(exits), exits)
+
+    def _layer_plan(self, step: int, micro: int, replica: int) -> DepthPlan:
+        """``exit_axis: layer``: one pass through the stack; the exits are core layers, the anchor all of them
+        (TLM, seeds/001: "run the model only up to that depth, and train that truncated prefix against the
+        full next-token target. Alongside that, they run one full-capacity pass")."""
+        full, sampler = self.layers, self.cfg.sampler
+        if not self.mixed or sampler == "fixed":
+            exits: tuple[int, ...] = (full,)
+        elif sampler == "telescopic":
+            exits = (*self._telescopic_exits(step, micro, replica, full), full)
+        else:  # fixed_exits (validated to include the full stack)
+            exits = tuple(sorted(set(self.cfg.exits)))
+        return DepthPlan(1, exits, group_loops=1, axis="layer")
 
     def step_plans(self, *, step: int, micro_batches: int, replica: int,
                    layout: ExpertLayout | None = None) -> list[tuple[int, DepthPlan]]:
@@ -223,16 +304,21 @@ class ScheduleController:
         idx = list(range(len(plans)))
         return sorted(idx, key=lambda i: -plans[i].loops) if self.cfg.order == "deep_first" else idx
 
-    def _telescopic_exit(self, step: int, micro: int, replica: int) -> int:
-        """A random prefix depth < anchor (TLM): uniform, or from the configured density."""
+    def _telescopic_exits(self, step: int, micro: int, replica: int, anchor: int) -> tuple[int, ...]:
+        """``telescopic_draws`` random prefix depths < ``anchor`` (TLM), sorted: uniform, or from the configured
+        density, without replacement. Concentrated on the sparse exits of a fixed_exits baseline with as many
+        draws as it has prefix exits, every draw is exactly that baseline's exits (tests/train/test_exit_axis.py)."""
         rng = self._rng(step, micro, replica, 3)
-        depths = [d for d in (self.cfg.telescopic_depths or range(1, self.anchor)) if d < self.anchor]
+        depths = [d for d in (self.cfg.telescopic_depths or range(1, anchor)) if d < anchor]
         if not depths:
-            return self.anchor
+            return ()  # the anchor alone (an exit list is a set: the plan does not repeat it)
+        p = None
         if self.cfg.telescopic_weights:
             w = np.asarray([self.cfg.telescopic_weights[self.cfg.telescopic_depths.index(d)] for d in depths])
-            return int(rng.choice(depths, p=w / w.sum()))
-        return int(rng.choice(depths))
+            p = w / w.sum()
+        if self.cfg.telescopic_draws == 1:  # the one-draw stream of earlier runs, kept bit for bit
+            return (int(rng.choice(depths, p=p)),)
+        return tuple(sorted(int(d) for d in rng.choice(depths, size=self.cfg.telescopic_draws, replace=False, p=p)))
 
     def unused_passes(self) -> range:
         """Passes the fixed phase never ran (their attention is what ``init_unused_passes`` sets at the switch)."""

@@ -147,9 +147,10 @@ def build_session(job: JobConfig, mesh: Mesh) -> Session:
                             "validation runs through the pipeline too: raise train.eval_sequences")
     val_tokens = val_all[:rows][mesh.dp_rank :: mesh.dp_size].contiguous()
     controller = ScheduleController(job.schedule, max_loops=job.model.max_loops,
-                                    total_tokens=job.train.steps * job.tokens_per_step, seed=job.train.seed)
+                                    total_tokens=job.train.steps * job.tokens_per_step, seed=job.train.seed,
+                                    layers=job.model.core_layers_built)
     step_kw: dict[str, Any] = dict(seq_len=job.data.seq_len, micro_batch_size=job.train.micro_batch_size,
-                                   max_loops=job.model.max_loops, pipeline=pipeline)
+                                   max_loops=job.exit_depths, pipeline=pipeline)
     step = (TrainStep(model, optimizer, scheduler, **step_kw) if job.decider is None
             else DeciderStep(model, optimizer, scheduler, decider=job.decider, **step_kw))
     session = Session(job, net, model, optimizer, scheduler, batches, val_tokens, controller, step, pipeline)

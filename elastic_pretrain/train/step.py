@@ -30,7 +30,7 @@ from elastic_pretrain.parallel.pipeline import AttachLoss, PassChunk, Pipeline
 from elastic_pretrain.tracking import names
 from elastic_pretrain.train.faults import guarded_step
 from elastic_pretrain.train.mfu import DepthCounts, ghost_time_share
-from elastic_pretrain.train.schedule import DepthPlan
+from elastic_pretrain.train.schedule import DepthPlan, ExitAxis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +65,8 @@ def _forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module) -
     mb = next(data_iterator)
     inputs, labels = mb.tokens_BT1[:, :-1].contiguous(), mb.tokens_BT1[:, 1:].contiguous()
     sync_loops = group_loops([mb])[0]  # EP-safe mixed depth (see LoopedMoEModel.run_loops)
-    losses = model(inputs, labels=labels, loops=mb.plan.loops, exits=mb.plan.exits, sync_loops=sync_loops)
+    losses = model(inputs, labels=labels, loops=mb.plan.loops, exits=mb.plan.exits, sync_loops=sync_loops,
+                   exit_axis=mb.plan.axis)
     return losses, partial(_loss_func, mb.plan)
 
 
@@ -255,16 +256,20 @@ def _evaluate_pipeline(pipeline: Pipeline, tokens_NT1: torch.Tensor, runs: list[
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, tokens_NT1: torch.Tensor, *, loops: list[int], batch_size: int,
-             separate_runs: bool = False, pipeline: Pipeline | None = None) -> dict[int, float]:
+             separate_runs: bool = False, pipeline: Pipeline | None = None,
+             exit_axis: ExitAxis = "loop") -> dict[int, float]:
     """Per-token validation CE at every loop count, over this rank's rows, summed over DP ranks.
 
     One ℓ_max run with an exit at every ℓ — or, when the loop-count conditioning is on (each ℓ is
     conditioned on its own target), one run per ℓ. Every rank has the same number of rows (the
     caller splits them evenly), so the MoE all-to-alls of an expert-parallel group pair up.
+    ``exit_axis="layer"``: ``loops`` are core layers k of a non-looped stack, read out of one pass as in
+    training (LoopedMoEModel.run_layers).
     """
     model.eval()
     runs: list[tuple[int, tuple[int, ...]]] = (
-        [(ell, (ell,)) for ell in loops] if separate_runs else [(max(loops), tuple(loops))]
+        [(1, tuple(loops))] if exit_axis == "layer"
+        else [(ell, (ell,)) for ell in loops] if separate_runs else [(max(loops), tuple(loops))]
     )
     if pipeline is not None:
         sums, count = _evaluate_pipeline(pipeline, tokens_NT1, runs, loops, batch_size)
@@ -275,7 +280,7 @@ def evaluate(model: torch.nn.Module, tokens_NT1: torch.Tensor, *, loops: list[in
             batch = to_device(tokens_NT1[start : start + batch_size])
             inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
             for ell, exits in runs:
-                losses = model(inputs, labels=labels, loops=ell, exits=exits)
+                losses = model(inputs, labels=labels, loops=ell, exits=exits, exit_axis=exit_axis)
                 for e in exits:
                     sums[loops.index(e)] += losses[e].double().sum()
             count += labels.numel()

@@ -149,7 +149,7 @@ class Trainer:
         return stop_reason(signums) if stop else None
 
     def validate(self) -> dict[int, float]:
-        loops = list(range(1, self.job.model.max_loops + 1))
+        loops = list(range(1, self.job.exit_depths + 1))  # loop counts, or core layers on exit_axis layer
         return evaluate(
             self.s.model,
             self.s.val_tokens,
@@ -157,6 +157,7 @@ class Trainer:
             batch_size=self.job.train.micro_batch_size,
             separate_runs=self.s.net.one_exit_per_run,
             pipeline=self.s.pipeline,
+            exit_axis=self.job.schedule.exit_axis,
         )
 
 
@@ -202,8 +203,9 @@ class ProgressPrinter:
     def on_end(self, state: TrainState, val: dict[int, float]) -> None:
         if not self.enabled:
             return
-        print("\nvalidation loss per loop count (held-out tokens)")
-        print(f"  {'loops':>5}  {'loss':>8}  {'ppl':>9}")
+        layer = self.job.schedule.exit_axis == "layer"  # exits after core layer k of a non-looped stack
+        print(f"\nvalidation loss per {'layer exit' if layer else 'loop count'} (held-out tokens)")
+        print(f"  {'layer' if layer else 'loops':>5}  {'loss':>8}  {'ppl':>9}")
         for k, v in sorted(val.items()):
             print(f"  {k:>5}  {v:8.4f}  {math.exp(min(v, 50)):9.2f}")
         if self.routing:

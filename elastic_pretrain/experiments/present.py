@@ -71,13 +71,12 @@ def claim_table(results: Sequence[ClaimResult]) -> str:
     for r in results:
         c = r.claim
         measured = f"{c.measure}: {r.interval.text()}" if r.interval else c.measure
-        rows.append(
-            (
-                f"{c.paper} ({c.source}; expected: {c.expect}, {c.magnitude})",
-                measured.replace("|", "\\|"),
-                f"**{r.verdict}** — {r.reason}",
-            )
+        cells = (
+            f"{c.paper} ({c.source}; expected: {c.expect}, {c.magnitude})",
+            measured,
+            f"**{r.verdict}** — {r.reason}",
         )
+        rows.append(tuple(cell.replace("|", "\\|") for cell in cells))  # a '|' in a quote would split the row
     note = (
         f"Measured: the mean over seeds of a paired difference (each seed's arms share initialisation, data "
         f"order and depth draws) with its two-sided {CONFIDENCE:.0%} Student-t interval [lo, hi]. A direction is "

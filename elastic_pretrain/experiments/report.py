@@ -41,6 +41,7 @@ class Outcome:
     quick: bool
     scale: int
     wall_s: float  # the command's wall time for this experiment (training included)
+    train_wall_s: float  # of which: training (or finding) the runs
 
     @property
     def seeds(self) -> list[int]:
@@ -70,6 +71,7 @@ def run_experiment(
     for path, seed, job in load_jobs(experiment.name, runs_root, overrides, seeds=seeds, scale=scale):
         job = job or load_post_training(path, experiment.name, runs_root, overrides, runs, seed=seed, scale=scale)
         runs.append(ensure_trained(path, job, runs_root))
+    train_wall = time.perf_counter() - t0
     init_mesh(ParallelConfig(), seed=0)  # one process, for loading and evaluating the checkpoints
     try:
         contexts = {s: Context(experiment, [r for r in runs if r.seed == s], quick=quick) for s in seeds_of(runs)}
@@ -80,7 +82,8 @@ def run_experiment(
                 ctx.forget_models()  # the first seed's models stay for the setup table
         metrics = {s: f.metrics for s, f in findings.items()}
         claims = [evaluate(c, metrics) for c in experiment.claims]
-        outcome = Outcome(experiment, runs, findings, claims, command, quick, scale, time.perf_counter() - t0)
+        wall = time.perf_counter() - t0
+        outcome = Outcome(experiment, runs, findings, claims, command, quick, scale, wall, train_wall)
         out_dir.mkdir(parents=True, exist_ok=True)
         png = out_dir / f"{experiment.name}.png"
         findings[runs[0].seed].plot(png)
@@ -104,6 +107,7 @@ def numbers(ctx: Context, o: Outcome) -> dict[str, Any]:
         "scale": o.scale,
         "seeds": o.seeds,
         "wall_s": o.wall_s,
+        "train_wall_s": o.train_wall_s,
         "tokens_trained": o.tokens_trained,
         "runs": [_run_row(ctx, r) for r in o.runs],
         "claims": [
@@ -147,7 +151,6 @@ def _status(run: Run) -> str:
 
 def _how(o: Outcome, png: str) -> list[str]:
     e = o.experiment
-    trained = sum(float(r.summary["elapsed_s"]) for r in o.runs if r.status != "reused")
     return [
         "## How this report was made",
         "",
@@ -155,7 +158,8 @@ def _how(o: Outcome, png: str) -> list[str]:
         o.command,
         "```",
         "",
-        f"- **Wall time** {o.wall_s:,.0f} s for this experiment (training {trained:,.0f} s of it); **tokens "
+        f"- **Wall time** {o.wall_s:,.0f} s for this experiment (training or finding the runs {o.train_wall_s:,.0f} "
+        f"s of it, evaluation the rest); **tokens "
         f"trained** {o.tokens_trained:,} by this command ({sum(r.tokens for r in o.runs):,} in the "
         f"{len(o.runs)} runs the report reads; a reused run was trained by an earlier command).",
         f"- **Seeds** {', '.join(map(str, o.seeds))} for every arm (initialisation, data order, depth draws): the "

@@ -107,7 +107,7 @@ def analyse(ctx: Context) -> Findings:
     return Findings(
         tables=[table(header, rows)],
         reading=reading,
-        numbers={"runs": numbers},
+        numbers={"jobs": numbers},
         metrics=metrics,
         plot=lambda path: figure(path, lambda axes: _draw(numbers, axes), panels=2),
         method=[

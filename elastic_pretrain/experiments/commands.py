@@ -1,4 +1,5 @@
-"""``elastic-pretrain experiment <name>|all [--quick]``: train, evaluate, write ``docs/results/<name>.md``."""
+"""``elastic-pretrain experiment <name>|all [--quick] [--seeds N] [--scale K]``: train every job of the set
+once per seed, evaluate, decide the papers' claims over the seeds, write ``docs/results/<name>.md``."""
 
 from __future__ import annotations
 
@@ -29,19 +30,32 @@ def _experiment(args: argparse.Namespace) -> int:
     from elastic_pretrain.train.commands import _quiet_logs
 
     _quiet_logs()
+    if args.scale < 1:
+        raise UserError(f"--scale {args.scale}: must be a positive integer (e.g. 1, 4, 16)")
     runs = Path(args.runs or ("runs/experiments-quick" if args.quick else "runs/experiments"))
-    out = Path(args.out or (runs / "results" if args.quick else "docs/results"))
+    default_out = Path("docs/results") if args.scale == 1 else Path(f"docs/results/scale-{args.scale}")
+    out = Path(args.out or (runs / "results" if args.quick else default_out))
     overrides = [*(QUICK_OVERRIDES if args.quick else ()), *args.overrides]
     for name in names:
         flags = [
             *(["--quick"] if args.quick else []),
+            "--seeds",
+            args.seeds,
+            *(["--scale", str(args.scale)] if args.scale != 1 else []),
             *(["--runs", str(runs)] if args.runs else []),
             *(["--out", str(out)] if args.out else []),
             *args.overrides,
         ]
         command = shlex.join(["elastic-pretrain", "experiment", name, *flags])
         run_experiment(
-            EXPERIMENTS[name], runs_root=runs, out_dir=out, overrides=overrides, quick=args.quick, command=command
+            EXPERIMENTS[name],
+            runs_root=runs,
+            out_dir=out,
+            overrides=overrides,
+            quick=args.quick,
+            command=command,
+            seeds=args.seeds,
+            scale=args.scale,
         )
     return 0
 
@@ -59,6 +73,21 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="experiment name(s) or 'all', then dotted overrides applied to every job (e.g. train.steps=400)",
     )
     p.add_argument("--quick", action="store_true", help="2 steps per job, tiny evaluations (a smoke test)")
+    p.add_argument(
+        "--seeds",
+        default="3",
+        metavar="N|S1,S2,...",
+        help="seeds every job trains with: a count N (the set's own seed and the N-1 after it; default 3, the "
+        "fewest a claim's interval is decided on) or a list of seeds",
+    )
+    p.add_argument(
+        "--scale",
+        type=int,
+        default=1,
+        metavar="K",
+        help="the same designs K times wider and K times longer (e.g. 4, 16; for a GPU; reports go to "
+        "docs/results/scale-K/)",
+    )
     p.add_argument("--runs", help="run directories root (default runs/experiments, --quick: runs/experiments-quick)")
     p.add_argument("--out", help="report folder (default docs/results, --quick: <runs>/results)")
     p.add_argument("--list", action="store_true", help="list the experiments and exit")

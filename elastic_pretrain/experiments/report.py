@@ -1,12 +1,19 @@
-"""The markdown report of an experiment (``<out>/<name>.md``), its plot and its numbers as JSON."""
+"""The markdown report of an experiment (``<out>/<name>.md``), its plot and its numbers as JSON.
+
+Every report opens with the claim table (the papers' claims, decided over the seeds by
+:mod:`~elastic_pretrain.experiments.stats`), then how it was made (command, wall time, tokens trained),
+the seed noise of every arm and metric, the setup, and the first seed's detailed tables and plot."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 from pathlib import Path
 from typing import Any
 
-from elastic_pretrain.eval.quality import flops_breakdown, flops_per_token
+from elastic_pretrain.experiments.measure import max_flops, parameters, training_compute
+from elastic_pretrain.experiments.present import claim_table, noise_table
 from elastic_pretrain.experiments.runner import (
     Context,
     Experiment,
@@ -16,95 +23,125 @@ from elastic_pretrain.experiments.runner import (
     job_diff,
     load_jobs,
     load_post_training,
+    seeds_of,
 )
+from elastic_pretrain.experiments.stats import ClaimResult, evaluate
 from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 
 
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """An experiment over its seeds: the findings per seed, the claims decided, what it cost."""
+
+    experiment: Experiment
+    runs: list[Run]  # every (arm, seed), seed-major
+    findings: dict[int, Findings]  # seed -> that seed's findings
+    claims: list[ClaimResult]
+    command: str
+    quick: bool
+    scale: int
+    wall_s: float  # the command's wall time for this experiment (training included)
+    train_wall_s: float  # of which: training (or finding) the runs
+
+    @property
+    def seeds(self) -> list[int]:
+        return list(self.findings)
+
+    @property
+    def tokens_trained(self) -> int:
+        """Tokens trained by this command (runs reused from earlier commands not counted)."""
+        return sum(r.tokens for r in self.runs if r.status != "reused")
+
+
 def run_experiment(
-    experiment: Experiment, *, runs_root: Path, out_dir: Path, overrides: list[str], quick: bool, command: str
+    experiment: Experiment,
+    *,
+    runs_root: Path,
+    out_dir: Path,
+    overrides: list[str],
+    quick: bool,
+    command: str,
+    seeds: str | None = None,
+    scale: int = 1,
 ) -> Path:
-    """Train or reuse every job, analyse, write ``<out_dir>/<name>.{md,png,json}``; returns the .md path."""
+    """Train or reuse every (job, seed), analyse each seed, decide the claims over the seeds, write
+    ``<out_dir>/<name>.{md,png,json}``; returns the .md path. ``seeds``: runner.parse_seeds."""
+    t0 = time.perf_counter()
     runs: list[Run] = []
-    for path, job in load_jobs(experiment.name, runs_root, overrides):  # config errors before any training
-        job = job or load_post_training(path, experiment.name, runs_root, overrides, runs)
+    for path, seed, job in load_jobs(experiment.name, runs_root, overrides, seeds=seeds, scale=scale):
+        job = job or load_post_training(path, experiment.name, runs_root, overrides, runs, seed=seed, scale=scale)
         runs.append(ensure_trained(path, job, runs_root))
+    train_wall = time.perf_counter() - t0
     init_mesh(ParallelConfig(), seed=0)  # one process, for loading and evaluating the checkpoints
     try:
-        ctx = Context(experiment, runs, quick=quick)
-        findings = experiment.analyse(ctx)
+        contexts = {s: Context(experiment, [r for r in runs if r.seed == s], quick=quick) for s in seeds_of(runs)}
+        findings = {}
+        for s, ctx in contexts.items():
+            findings[s] = experiment.analyse(ctx)
+            if s != runs[0].seed:
+                ctx.forget_models()  # the first seed's models stay for the setup table
+        metrics = {s: f.metrics for s, f in findings.items()}
+        claims = [evaluate(c, metrics) for c in experiment.claims]
+        wall = time.perf_counter() - t0
+        outcome = Outcome(experiment, runs, findings, claims, command, quick, scale, wall, train_wall)
         out_dir.mkdir(parents=True, exist_ok=True)
         png = out_dir / f"{experiment.name}.png"
-        findings.plot(png)
+        findings[runs[0].seed].plot(png)
         md = out_dir / f"{experiment.name}.md"
-        md.write_text(render(ctx, findings, command=command, png=png.name))
-        numbers = {
-            "experiment": experiment.name,
-            "command": command,
-            "quick": quick,
-            "runs": _run_rows(ctx),
-            **findings.numbers,
-        }
-        (out_dir / f"{experiment.name}.json").write_text(json.dumps(numbers, indent=1) + "\n")
+        first = contexts[runs[0].seed]
+        md.write_text(render(first, outcome, png=png.name))
+        (out_dir / f"{experiment.name}.json").write_text(json.dumps(numbers(first, outcome), indent=1) + "\n")
     finally:
         teardown()
     print(f"written: {md}, {png}, {out_dir / (experiment.name + '.json')}", flush=True)
     return md
 
 
-def parameters(ctx: Context, run: Run) -> int:
-    return sum(p.numel() for p in ctx.model(run.name).parameters())
+def numbers(ctx: Context, o: Outcome) -> dict[str, Any]:
+    """Every number of the report: the run rows, the claims with their per-seed values, each seed's numbers."""
+    first = o.findings[o.seeds[0]]
+    return {
+        "experiment": o.experiment.name,
+        "command": o.command,
+        "quick": o.quick,
+        "scale": o.scale,
+        "seeds": o.seeds,
+        "wall_s": o.wall_s,
+        "train_wall_s": o.train_wall_s,
+        "tokens_trained": o.tokens_trained,
+        "runs": [_run_row(ctx, r) for r in o.runs],
+        "claims": [
+            {
+                "paper": c.claim.paper,
+                "measure": c.claim.measure,
+                "expect": c.claim.expect,
+                "values": list(c.values),
+                "interval": dataclasses.asdict(c.interval) if c.interval else None,
+                "verdict": c.verdict,
+                "reason": c.reason,
+            }
+            for c in o.claims
+        ],
+        "metrics_by_seed": {str(s): f.metrics for s, f in o.findings.items()},
+        **first.numbers,  # the first seed's detail, as in the report's tables
+        "numbers_by_seed": {str(s): f.numbers for s, f in o.findings.items()},
+    }
 
 
-def max_flops(run: Run) -> float:
-    cfg = run.job.model
-    return flops_per_token(cfg, cfg.max_loops, seq_len=run.job.data.seq_len)
-
-
-def training_compute(run: Run) -> tuple[float, float]:
-    """(mean passes per training micro-batch, training FLOPs = 3 x forward FLOPs summed over the tokens).
-
-    Replays the run's depth plans (a pure function of seed, step and micro-batch; train/schedule.py); an
-    extra supervised exit costs one more coda + output layer."""
-    from elastic_pretrain.train.schedule import ScheduleController
-
-    job = run.job
-    cfg, seq = job.model, job.data.seq_len
-    micro = job.train.micro_batches(1)
-    tokens_per_micro = job.train.micro_batch_size * seq
-    ctl = ScheduleController(
-        job.schedule, max_loops=cfg.max_loops, total_tokens=run.steps * job.tokens_per_step, seed=job.train.seed,
-        layers=cfg.core_layers_built,
-    )
-    passes, flops, n = 0.0, 0.0, 0
-    for step in range(run.steps):
-        ctl.update(step=step, tokens_seen=step * job.tokens_per_step)
-        for i in range(micro):
-            plan = ctl.plan(step=step, micro=i, replica=0)
-            b = flops_breakdown(cfg, plan.loops, seq_len=seq)
-            per_exit = b.edges * cfg.coda_layers / max(1, cfg.prelude_layers + cfg.coda_layers) + b.output
-            passes += plan.loops
-            flops += 3 * tokens_per_micro * (b.total + (len(plan.exits) - 1) * per_exit)
-            n += 1
-    return passes / max(1, n), flops
-
-
-def _run_rows(ctx: Context) -> list[dict[str, Any]]:
-    return [
-        {
-            "job": r.name,
-            "file": str(r.job_path),
-            "run_dir": str(r.run_dir),
-            "status": r.status,
-            "steps": r.steps,
-            "tokens": r.tokens,
-            "seed": r.job.train.seed,
-            "parameters": parameters(ctx, r),
-            "flops_per_token_at_max_loops": max_flops(r),
-            "max_loops": r.job.model.max_loops,
-            "train_seconds": r.summary["elapsed_s"],
-        }
-        for r in ctx.runs
-    ]
+def _run_row(ctx: Context, r: Run) -> dict[str, Any]:
+    return {
+        "job": r.name,
+        "seed": r.seed,
+        "file": str(r.job_path),
+        "run_dir": str(r.run_dir),
+        "status": r.status,
+        "steps": r.steps,
+        "tokens": r.tokens,
+        "parameters": parameters(ctx, r),
+        "flops_per_token_at_max_loops": max_flops(r),
+        "max_loops": r.job.model.max_loops,
+        "train_seconds": r.summary["elapsed_s"],
+    }
 
 
 def _status(run: Run) -> str:
@@ -112,83 +149,113 @@ def _status(run: Run) -> str:
     return run.status if own else f"{run.status}: `{run.run_dir}` (same config)"
 
 
-def render(ctx: Context, findings: Findings, *, command: str, png: str) -> str:
-    e, runs = ctx.experiment, ctx.runs
-    seeds = sorted({r.job.train.seed for r in runs})
+def _how(o: Outcome, png: str) -> list[str]:
+    e = o.experiment
+    return [
+        "## How this report was made",
+        "",
+        "```",
+        o.command,
+        "```",
+        "",
+        f"- **Wall time** {o.wall_s:,.0f} s for this experiment (training or finding the runs {o.train_wall_s:,.0f} "
+        f"s of it, evaluation the rest); **tokens "
+        f"trained** {o.tokens_trained:,} by this command ({sum(r.tokens for r in o.runs):,} in the "
+        f"{len(o.runs)} runs the report reads; a reused run was trained by an earlier command).",
+        f"- **Seeds** {', '.join(map(str, o.seeds))} for every arm (initialisation, data order, depth draws): the "
+        "arms of one seed are paired.",
+        f"- Reproduce with the command above from the repository root (after `elastic-pretrain prepare-data "
+        f"stdlib-code`). It trains every job of `jobs/experiments/{e.name}/` once per seed in one process, one "
+        f"after the other (a finished run whose config is unchanged is reused, also from another experiment), "
+        f"evaluates the final checkpoints and rewrites this page, `{png}` and `{e.name}.json` (all numbers).",
+    ]
+
+
+def _setup(ctx: Context, o: Outcome) -> list[str]:
+    runs, first = o.runs, o.runs[0].job
     tokens = sorted({r.tokens for r in runs})
-    first = runs[0].job
+    m = first.model
     lines = [
-        f"# {e.title}",
-        "",
-        e.question,
-        "",
-        "```",
-        command,
-        "```",
-        "",
-        f"Reproduce with the command above from the repository root (after `elastic-pretrain prepare-data "
-        f"stdlib-code`). It trains every job of `jobs/experiments/{e.name}/` in one process, one after the other "
-        f"(a finished run whose config is unchanged is reused, also from another experiment), evaluates the final "
-        f"checkpoints and rewrites this page, `{png}` and `{e.name}.json` (all numbers).",
-        "",
         "## Setup",
         "",
-        (
-            f"- **Seed** {seeds[0]} in every job (initialisation, data order, depth draws): all jobs see the same "
-            "training sequences in the same order."
-            if len(seeds) == 1
-            else f"- **Seeds** {', '.join(map(str, seeds))}, one per job (initialisation, data order, depth draws): "
-            "what this experiment varies."
-        ),
-        f"- **Training tokens** {', '.join(f'{t:,}' for t in tokens)} per job ({runs[0].steps} steps x "
+        f"- **Training tokens** {', '.join(f'{t:,}' for t in tokens)} per run ({runs[0].steps} steps x "
         f"{first.train.global_batch_size} sequences x {first.data.seq_len} tokens), byte-level CPython standard "
         f"library (`data: stdlib-code`), one process (`parallel: single`).",
         "- **Held-out tokens**: "
         + (
-            findings.held_out
+            o.findings[o.seeds[0]].held_out
             or f"the first {ctx.eval_sequences} sequences of the validation split "
             f"({ctx.eval_sequences * first.data.seq_len:,} predicted tokens, files never trained on)"
         )
         + "; losses are cross-entropy in nats/token over the real 257-token vocabulary.",
-        "- **Scale and noise**: far smaller and shorter than a real run (hidden 64, a few hundred thousand "
-        "parameters, minutes on 2 CPU cores), one seed per job. How far the same job lands with other seeds, per "
-        "ℓ: [seed-noise.md](seed-noise.md).",
+        f"- **Scale** {o.scale} (`--scale`): hidden {m.hidden_size}, "
+        f"{parameters(ctx, runs[0]):,} parameters in {runs[0].name} — far smaller and shorter than the papers' "
+        "runs; a claim not resolved here may resolve at a larger `--scale` (docs/experiments.md).",
     ]
-    if ctx.quick:
+    if o.quick:
         lines.append("- **--quick**: a smoke test of the pipeline (2 steps per job); the numbers mean nothing.")
-    diff = job_diff([r.job for r in runs])
     lines += [
         "",
-        "| job | file | parameters | FLOPs/token at L_max | L_max | steps | tokens | mean passes in training "
+        "| job | seed | file | parameters | FLOPs/token at L_max | L_max | steps | tokens | mean passes in training "
         "| training FLOPs | train time | run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
+        passes, flops = training_compute(r)
         lines.append(
-            f"| {r.name} | `{r.job_path}` | {parameters(ctx, r):,} | {max_flops(r):,.0f} | {r.job.model.max_loops} "
-            f"| {r.steps} | {r.tokens:,} | {training_compute(r)[0]:.2f} | {training_compute(r)[1]:.3g} "
+            f"| {r.name} | {r.seed} | `{r.job_path}` | {parameters(ctx, ctx.run(r.name)):,} | {max_flops(r):,.0f} "
+            f"| {r.job.model.max_loops} | {r.steps} | {r.tokens:,} | {passes:.2f} | {flops:.3g} "
             f"| {r.summary['elapsed_s']:.0f} s | {_status(r)} |"
         )
+    diff = [k for k in job_diff([r.job for r in runs]) if k not in ("train.seed",)]
     lines += [
         "",
         "Training FLOPs = 3 x forward matmul FLOPs (docs/evaluation.md) summed over the training tokens at "
         "each micro-batch's depth (replayed from the seed), plus a coda and output layer per extra supervised "
         "exit: same tokens does not mean same training compute when depth is sampled.",
+        "",
+        "Jobs differ (besides the seed) only in: " + (", ".join(f"`{k}`" for k in diff) or "nothing") + ".",
     ]
-    lines += ["", "Jobs differ only in: " + (", ".join(f"`{k}`" for k in diff) or "nothing") + "."]
+    return lines
+
+
+def render(ctx: Context, o: Outcome, *, png: str) -> str:
+    """The report; ``ctx`` is the first seed's context (its models give the parameter counts)."""
+    e, seed = o.experiment, o.seeds[0]
+    findings = o.findings[seed]
+    lines = [f"# {e.title}", "", e.question, "", "## Claims", "", claim_table(o.claims), ""]
+    lines += [*_how(o, png), ""]
+    lines += [
+        "## Seed noise",
+        "",
+        "Every metric the claims and the reading use, per arm, over the seeds (std = the seed noise of that "
+        "arm; the interval is of the arm's own mean, not of a difference).",
+        "",
+        noise_table({s: f.metrics for s, f in o.findings.items()}),
+        "",
+    ]
+    lines += [*_setup(ctx, o), ""]
     if findings.method:
-        lines += ["", "## Method", "", *[f"- {m}" for m in findings.method]]
-    lines += ["", "## Results", ""]
+        lines += ["## Method", "", *[f"- {m}" for m in findings.method], ""]
+    lines += [f"## Results of seed {seed}", ""]
+    if len(o.seeds) > 1:
+        lines += [f"One seed's tables and plot ({seed}; every seed's numbers are in `{e.name}.json`).", ""]
     for table in findings.tables:
         lines += [table.rstrip(), ""]
     reading = list(findings.reading)
-    flops = {r.name: training_compute(r)[1] for r in runs}
-    ref = runs[0].name
+    flops = {r.name: training_compute(r)[1] for r in ctx.runs}
+    ref = ctx.runs[0].name
     if max(flops.values()) > 1.01 * min(flops.values()):
         reading.append(
             f"Training compute differs (same tokens, different depth): training FLOPs relative to {ref}: "
             + ", ".join(f"{n} x{f / flops[ref]:.2f}" for n, f in flops.items() if n != ref)
             + "."
         )
-    lines += [f"![{e.name}]({png})", "", "## Reading", "", *[f"- {s}" for s in reading], ""]
+    lines += [f"![{e.name}]({png})", "", f"## Reading of seed {seed}", ""]
+    lines += [
+        "One seed's numbers: a difference or ranking here is a direction only where the claim table above resolves it.",
+        "",
+        *[f"- {s}" for s in reading],
+        "",
+    ]
     return "\n".join(lines)

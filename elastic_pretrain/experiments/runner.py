@@ -1,13 +1,17 @@
-"""Run an experiment: train (or reuse) each job of its set, evaluate, write ``docs/results/<name>.md``.
+"""Run an experiment: train (or reuse) each job of its set once per seed, evaluate, write the report.
 
 An experiment is a job set ``jobs/experiments/<name>/*.yaml`` (single-process jobs, the same data,
-tokens and seed) plus an analysis in :mod:`elastic_pretrain.experiments.registry`. Every job trains in
-this process, one after the other, into ``<runs>/<name>/<job>``. A finished run is **reused** when its
-resolved config (``config.yaml``, name and run directory left out) equals the job's — also a run of
-another experiment with the same config (e.g. the late-switch job that three experiments share) — so a
-rerun that changes nothing only evaluates. A run whose config changed is deleted and trained again; an
-unfinished run with the same config resumes from its checkpoint. A job may post-train another job of its
-set (``decider.init_from: <job>.yaml``): it is loaded, on that job's run, once that run is trained or found.
+tokens and seed) plus an analysis, one file under ``experiments/analyses/`` registered in
+:mod:`elastic_pretrain.experiments.registry`. Each job is an *arm*; every arm trains with every seed of
+``--seeds`` (``train.seed`` set, the same seeds for every arm, so that a seed's arms are paired: same
+initialisation, data order and depth draws), in this process, one after the other, into
+``<runs>/<name>/<job>-seed<seed>``. ``--scale k`` multiplies the widths and the steps of every job
+(:func:`scale_overrides`; for a GPU). A finished run is **reused** when its resolved config
+(``config.yaml``, name and run directory left out) equals the job's — also a run of another experiment
+with the same config — so a rerun that changes nothing only evaluates. A run whose config changed is
+deleted and trained again; an unfinished run with the same config resumes from its checkpoint. A job may
+post-train another job of its set (``decider.init_from: <job>.yaml``): it is loaded, on that job's run of
+the same seed, once that run is trained or found.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import yaml
 
 from elastic_pretrain.config import ConfigError, build, flatten, load_yaml, to_dict
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.experiments.stats import MIN_SEEDS, Claim, Metrics
 from elastic_pretrain.job import JobConfig, dump_job, load_job
 
 if TYPE_CHECKING:
@@ -59,6 +64,10 @@ class Run:
     status: Literal["trained", "resumed", "reused"]
 
     @property
+    def seed(self) -> int:
+        return self.job.train.seed
+
+    @property
     def steps(self) -> int:
         return int(self.summary["steps"])
 
@@ -73,12 +82,14 @@ class Run:
 
 @dataclasses.dataclass
 class Findings:
-    """What an analysis hands back: markdown tables, plot, a factual reading, the raw numbers."""
+    """What an analysis hands back for one seed: markdown tables, plot, a factual reading, the raw numbers,
+    and the scalar metrics per arm that the claims and the seed-noise table are computed from."""
 
     tables: list[str]
     reading: list[str]
     numbers: dict[str, Any]
     plot: Callable[[Path], Any]
+    metrics: Metrics = dataclasses.field(default_factory=dict)  # arm -> metric -> value, this seed
     method: list[str] = dataclasses.field(default_factory=list)  # how the numbers were measured
     held_out: str | None = None  # replaces the report's default held-out tokens line when set
 
@@ -90,14 +101,18 @@ class Experiment:
     name: str
     title: str
     question: str  # what is compared, and what is held equal
-    analyse: Callable[[Context], Findings]
+    analyse: Callable[[Context], Findings]  # one seed's runs (one per arm) -> findings
     varies: tuple[str, ...] = ()  # train.*/data.* keys its jobs may differ in (all others are shared)
+    claims: tuple[Claim, ...] = ()  # the papers' claims it tests, decided over the seeds
 
 
 class Context:
-    """What an analysis sees: the runs (in job-file order), loaded models, held-out tokens, quick mode."""
+    """What an analysis sees: the runs of one seed (one per arm, in job-file order), loaded models,
+    held-out tokens, quick mode."""
 
-    def __init__(self, experiment: Experiment, runs: list[Run], *, quick: bool) -> None:
+    def __init__(self, experiment: Experiment, runs: list[Run], *, quick: bool) -> None:  # one seed's runs
+        if len({r.seed for r in runs}) > 1:
+            raise ValueError("a Context holds the runs of one seed; use for_seed")
         self.experiment, self.runs, self.quick = experiment, runs, quick
         self.by_name = {r.name: r for r in runs}
         self._models: dict[str, LoopedMoEModel] = {}
@@ -125,6 +140,10 @@ class Context:
             self._models[name] = load_model(self.run(name).run_dir)[1]
         return self._models[name]
 
+    def forget_models(self) -> None:
+        """Drop the loaded models (an experiment analyses one seed after another)."""
+        self._models.clear()
+
     def val_tokens(self, n: int | None = None) -> torch.Tensor:
         """The first ``n`` held-out sequences (default :attr:`eval_sequences`) of the first job's data."""
         from elastic_pretrain.data.loader import load_validation
@@ -133,6 +152,43 @@ class Context:
         if n not in self._tokens:
             self._tokens[n] = load_validation(self.runs[0].job.data, num_sequences=n)
         return self._tokens[n]
+
+
+def seeds_of(runs: list[Run]) -> list[int]:
+    """The seeds the runs trained with, in first-seen order."""
+    return list(dict.fromkeys(r.seed for r in runs))
+
+
+def parse_seeds(text: str, base: int) -> list[int]:
+    """``--seeds``: a count N (seeds base, base+1, …, base+N−1; base is the job set's own train.seed) or
+    a comma-separated list of seeds."""
+    try:
+        seeds = [base + i for i in range(int(text))] if "," not in text else [int(s) for s in text.split(",")]
+    except ValueError:
+        seeds = []
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise UserError(
+            f"--seeds {text}: give a count (e.g. --seeds {MIN_SEEDS}) or distinct seeds (e.g. --seeds 1234,1235,1236)"
+        )
+    return seeds
+
+
+def scale_overrides(job: JobConfig, scale: int) -> list[str]:
+    """``--scale k``: the same design k times wider (residual, FFN and expert widths; heads unchanged)
+    and k times longer (steps and warmup, so k times the tokens). Meant for a GPU: at k = 16 the hidden
+    size 64 of the experiment jobs becomes 1,024 and 200 steps become 3,200."""
+    if scale < 1:
+        raise UserError(f"--scale {scale}: must be a positive integer (1, 4, 16)")
+    if scale == 1:
+        return []
+    m, t = job.model, job.train
+    return [
+        f"model.hidden_size={m.hidden_size * scale}",
+        f"model.ffn_hidden_size={m.ffn_hidden_size * scale}",
+        f"model.moe_ffn_hidden_size={m.moe_ffn_hidden_size * scale}",
+        f"train.steps={t.steps * scale}",
+        f"train.warmup_steps={t.warmup_steps * scale}",
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -145,12 +201,20 @@ def job_paths(name: str, jobs_dir: Path = JOBS_DIR) -> list[Path]:
 
 
 def load_jobs(
-    name: str, runs_root: Path, overrides: list[str], jobs_dir: Path = JOBS_DIR
-) -> list[tuple[Path, JobConfig | None]]:
-    """Every job of the set with the overrides applied, its run directory under ``runs_root/<name>/``.
+    name: str,
+    runs_root: Path,
+    overrides: list[str],
+    jobs_dir: Path = JOBS_DIR,
+    *,
+    seeds: str | None = None,
+    scale: int = 1,
+) -> list[tuple[Path, int, JobConfig | None]]:
+    """Every (job, seed) of the set with the overrides applied, seed-major (all arms of the first seed
+    first, so that an interrupted experiment holds complete pairs), run directories
+    ``runs_root/<name>/<job>-seed<seed>``. ``seeds``: see :func:`parse_seeds` (None: the set's own seed).
 
     A job that post-trains another job of the set (``decider.init_from: <job>.yaml``) comes after it and
-    is None here: :func:`load_post_training` loads it once that job's run exists."""
+    is None here: :func:`load_post_training` loads it once that job's run of the same seed exists."""
     paths = job_paths(name, jobs_dir)
     bases = {p: base_job(p) for p in paths}
     for path, base in bases.items():
@@ -160,7 +224,13 @@ def load_jobs(
                 "(name a job file of this set, or a run directory)"
             )
     paths.sort(key=lambda p: bases[p] is not None)  # bases first
-    return [(p, None if bases[p] else _load(p, name, runs_root, overrides)) for p in paths]
+    own = load_job(paths[0], overrides).train.seed  # config errors before any training
+    seed_list = parse_seeds(seeds, own) if seeds is not None else [own]
+    return [
+        (p, seed, None if bases[p] else _load(p, name, runs_root, overrides, seed=seed, scale=scale))
+        for seed in seed_list
+        for p in paths
+    ]
 
 
 def base_job(path: Path) -> str | None:
@@ -170,18 +240,32 @@ def base_job(path: Path) -> str | None:
     return ref.removesuffix(".yaml") if isinstance(ref, str) and ref.endswith(".yaml") and "/" not in ref else None
 
 
-def load_post_training(path: Path, name: str, runs_root: Path, overrides: list[str], runs: list[Run]) -> JobConfig:
-    """A job that post-trains a job of its set, on that job's run (trained or reused: ``runs``)."""
-    base = next(r for r in runs if r.name == base_job(path))
-    return _load(path, name, runs_root, overrides, {"decider.init_from": str(base.run_dir)})
+def load_post_training(
+    path: Path, name: str, runs_root: Path, overrides: list[str], runs: list[Run], *, seed: int, scale: int = 1
+) -> JobConfig:
+    """A job that post-trains a job of its set, on that job's run of the same seed (trained or reused)."""
+    base = next(r for r in runs if r.name == base_job(path) and r.seed == seed)
+    values = {"decider.init_from": str(base.run_dir)}
+    return _load(path, name, runs_root, overrides, seed=seed, scale=scale, values=values)
 
 
 def _load(
-    path: Path, name: str, runs_root: Path, overrides: list[str], values: dict[str, str] | None = None
+    path: Path,
+    name: str,
+    runs_root: Path,
+    overrides: list[str],
+    *,
+    seed: int,
+    scale: int = 1,
+    values: dict[str, str] | None = None,
 ) -> JobConfig:
     # paths are set verbatim, not as key=value overrides that YAML would parse ('#', ': ', '~')
-    values = {**(values or {}), "run_dir": str(runs_root / name / path.stem), "name": f"{name}-{path.stem}"}
+    stem = f"{path.stem}-seed{seed}"
+    values = {**(values or {}), "run_dir": str(runs_root / name / stem), "name": f"{name}-{stem}"}
+    overrides = [*overrides, f"train.seed={seed}"]
     job = load_job(path, overrides, values=values)
+    if scale != 1:  # after the other overrides: --scale multiplies what they set
+        job = load_job(path, [*overrides, *scale_overrides(job, scale)], values=values)
     if job.parallel.tensor * job.parallel.expert * job.parallel.pipeline != 1:
         raise ConfigError(f"{path}: experiments train in one process; set 'parallel: single'")
     return job

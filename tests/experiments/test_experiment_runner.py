@@ -1,6 +1,6 @@
-"""The experiment command end to end (``--quick``, one subprocess): trains the kv-cache job set, writes the
-report, table and plot from those runs; a rerun after one job file changed retrains that job only and reuses
-the other.
+"""The experiment command end to end (``--quick --seeds 3``, one subprocess): trains the kv-cache job set with
+three seeds, writes the report (claim table first), table and plot from those runs; a rerun after one job
+file changed retrains that job only (every seed) and reuses the other.
 Also: every experiment job file parses, and the registry names exactly the job sets that exist."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from tests.conftest import REPO
 
 JOB_FILES = sorted((REPO / "jobs/experiments").glob("*/*.yaml"))
 
-# Runs in a fresh process (the trainer owns the process group and tears it down): the command twice,
-# a job file edited in between, then an independent evaluation of one checkpoint.
+# Runs in a fresh process (the trainer owns the process group and tears it down): the command twice with
+# three seeds, a job file edited in between, then an independent evaluation of two checkpoints.
 CYCLE = textwrap.dedent(
     """
     import json, sys
@@ -37,22 +37,23 @@ CYCLE = textwrap.dedent(
 
     if __name__ == "__main__":
         out = {}
-        assert main(["experiment", "kv-cache", "--quick"]) == 0
+        assert main(["experiment", "kv-cache", "--quick", "--seeds", "3"]) == 0
         out["first"] = mtimes()
         job = Path("jobs/experiments/kv-cache/late-switch.yaml")
         job.write_text(job.read_text().replace("lr: 3.0e-3", "lr: 2.0e-3"))
-        assert main(["experiment", "kv-cache", "--quick"]) == 0
+        assert main(["experiment", "kv-cache", "--quick", "--seeds", "3"]) == 0
         out["third"] = mtimes()
-        # the number the report shows, measured here independently from the checkpoint
+        # the numbers the report shows, measured here independently from the checkpoints of two seeds
         import torch
         from elastic_pretrain.data.loader import load_validation
         from elastic_pretrain.eval.commands import load_model
         from elastic_pretrain.model.inference import teacher_forced_loss
         from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
         init_mesh(ParallelConfig(), seed=0)
-        job, model = load_model(Path("runs/experiments-quick/kv-cache/fixed-depth"))
-        tokens = load_validation(job.data, num_sequences=2)[:, :33]  # --quick: 2 x 32 predicted tokens
-        out["per_loop"] = teacher_forced_loss(model, tokens, loops=4, kv_cache="per-loop").loss
+        for seed in (1234, 1235):
+            job, model = load_model(Path(f"runs/experiments-quick/kv-cache/fixed-depth-seed{seed}"))
+            tokens = load_validation(job.data, num_sequences=2)[:, :33]  # --quick: 2 x 32 predicted tokens
+            out[f"per_loop_{seed}"] = teacher_forced_loss(model, tokens, loops=4, kv_cache="per-loop").loss
         teardown()
         print("CYCLE " + json.dumps(out))
     """
@@ -77,35 +78,52 @@ def test_quick_experiment_reports_reuses_and_retrains(tmp_path: Path) -> None:
     (tmp_path / "cycle.py").write_text(CYCLE)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "cycle.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, "cycle.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     cycle = json.loads(proc.stdout.split("CYCLE ", 1)[1])
 
-    # reuse when unchanged, retrain only the job whose file changed
-    assert set(cycle["first"]) == {"fixed-depth", "late-switch"}
-    assert cycle["third"]["fixed-depth"] == cycle["first"]["fixed-depth"]
-    assert cycle["third"]["late-switch"] > cycle["first"]["late-switch"]
-    assert proc.stdout.count("fixed-depth: reused") == 1 and "late-switch: reused" not in proc.stdout
-    assert proc.stdout.count("late-switch: trained") == 2
+    # every arm with every seed; reuse when unchanged, retrain only the job whose file changed (all its seeds)
+    runs = {f"{job}-seed{s}" for job in ("fixed-depth", "late-switch") for s in (1234, 1235, 1236)}
+    assert set(cycle["first"]) == runs
+    for s in (1234, 1235, 1236):
+        assert cycle["third"][f"fixed-depth-seed{s}"] == cycle["first"][f"fixed-depth-seed{s}"]
+        assert cycle["third"][f"late-switch-seed{s}"] > cycle["first"][f"late-switch-seed{s}"]
+    assert proc.stdout.count("fixed-depth: reused") == 3 and "late-switch: reused" not in proc.stdout
+    assert proc.stdout.count("late-switch: trained") == 6
 
     results = tmp_path / "runs/experiments-quick/results"
     report = (results / "kv-cache.md").read_text()
     numbers = json.loads((results / "kv-cache.json").read_text())
-    assert "elastic-pretrain experiment kv-cache --quick" in report and "Seed** 1234" in report
+    assert "elastic-pretrain experiment kv-cache --quick --seeds 3" in report and "Seeds** 1234, 1235, 1236" in report
     assert (results / "kv-cache.png").read_bytes()[:4] == b"\x89PNG"
+    # the claim table comes first, then how the report was made (command, wall time, tokens), then seed noise
+    order = [report.index(h) for h in ("## Claims", "## How this report was made", "## Seed noise", "## Setup")]
+    assert order == sorted(order) and numbers["tokens_trained"] == 3 * 4096 and numbers["wall_s"] > 0
+    assert f"**tokens trained** {3 * 4096:,} by this command" in report
     # the table's numbers are the runs': steps and tokens from summary.json, losses from the checkpoint
     for run in numbers["runs"]:
         summary = json.loads((tmp_path / run["run_dir"] / "summary.json").read_text())
         assert (run["steps"], run["tokens"]) == (summary["steps"], summary["tokens"]) == (2, 4096)
-        assert f"| {run['job']} | `{run['file']}` | {run['parameters']:,} |" in report
-    assert f"| fixed-depth | 4 | 3,072 | 1,536 | {cycle['per_loop']:.4f} | " in report
-    assert numbers["teacher_forced"]["fixed-depth"]["4"]["per-loop"]["loss"] == pytest.approx(cycle["per_loop"])
-    lr = json.loads((tmp_path / "runs/experiments-quick/kv-cache/late-switch/summary.json").read_text())
-    assert (
-        lr["steps"] == 2
-        and "lr: 0.002" in (tmp_path / "runs/experiments-quick/kv-cache/late-switch/config.yaml").read_text()
-    )
+        assert f"| {run['job']} | {run['seed']} | `{run['file']}` | {run['parameters']:,} |" in report
+    assert f"| fixed-depth | 4 | 3,072 | 1,536 | {cycle['per_loop_1234']:.4f} | " in report  # seed 1234's detail
+    by_seed = numbers["metrics_by_seed"]
+    assert by_seed["1235"]["fixed-depth"]["per_loop@max"] == pytest.approx(cycle["per_loop_1235"])
+    # each claim: one paired value per seed, from that seed's numbers; the interval and verdict from them
+    from elastic_pretrain.experiments.stats import decide, t_interval
+
+    claims = {c["measure"].split(":")[0]: c for c in numbers["claims"]}
+    for arm in ("fixed-depth", "late-switch"):
+        tf = {s: numbers["numbers_by_seed"][s]["teacher_forced"][arm]["4"] for s in ("1234", "1235", "1236")}
+        want = [t["last-loop"]["loss"] - t["per-loop"]["loss"] for t in tf.values()]
+        assert claims[arm]["values"] == pytest.approx(want)
+        iv = t_interval(want)
+        assert (claims[arm]["interval"]["lo"], claims[arm]["interval"]["hi"]) == pytest.approx((iv.lo, iv.hi))
+        assert claims[arm]["verdict"] == decide(iv, "positive")[0]
+        assert f"**{claims[arm]['verdict']}**" in report
+    lr = json.loads((tmp_path / "runs/experiments-quick/kv-cache/late-switch-seed1235/summary.json").read_text())
+    config = (tmp_path / "runs/experiments-quick/kv-cache/late-switch-seed1235/config.yaml").read_text()
+    assert lr["steps"] == 2 and "lr: 0.002" in config and "seed: 1235" in config
 
 
 @pytest.mark.parametrize("path", JOB_FILES, ids=lambda p: f"{p.parent.name}/{p.name}")
@@ -130,6 +148,7 @@ def test_registry_matches_job_sets_and_jobs_of_a_set_share_tokens_and_seed() -> 
         assert {k: load_yaml(path)[k] for k in ("data", "train")} == {k: base[k] for k in ("data", "train")}
     for name in sets:
         jobs = [load_job(p) for p in JOB_FILES if p.parent.name == name and base_job(p) is None]
+        assert len({j.train.seed for j in jobs}) == 1, f"{name}: the runner gives every job the same seeds"
         assert len({(j.train.steps, j.tokens_per_step, j.data.shuffle_seed) for j in jobs}) == 1
         differing = {k for k in job_diff(jobs) if k.startswith(("data.", "train."))}
         assert differing == set(EXPERIMENTS[name].varies), name
@@ -138,8 +157,11 @@ def test_registry_matches_job_sets_and_jobs_of_a_set_share_tokens_and_seed() -> 
 def test_a_post_training_job_loads_after_its_base(tmp_path: Path) -> None:
     # the decider set: the base first (loaded now), the decider job after it (loaded once the base has a run)
     jobs = load_jobs("decider", tmp_path, [], jobs_dir=REPO / "jobs/experiments")
-    assert [(p.name, j is None) for p, j in jobs] == [("late-switch.yaml", False), ("decider.yaml", True)]
-    assert jobs[0][1] is not None and jobs[0][1].run_path == tmp_path / "decider/late-switch"
+    assert [(p.name, s, j is None) for p, s, j in jobs] == [
+        ("late-switch.yaml", 1234, False),
+        ("decider.yaml", 1234, True),
+    ]
+    assert jobs[0][2] is not None and jobs[0][2].run_path == tmp_path / "decider/late-switch-seed1234"
     bad = tmp_path / "jobs/bad"
     bad.mkdir(parents=True)
     (bad / "a.yaml").write_text("decider:\n  init_from: nope.yaml\n")
@@ -181,3 +203,106 @@ def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["experiment", "kv-cache", "--quick", "modle.loops=2"]) == 2
     assert "unknown key 'modle'" in capsys.readouterr().err
     assert main(["experiment", "--list"]) == 0 and "route-replay" in capsys.readouterr().out
+    assert main(["experiment", "kv-cache", "--seeds", "two"]) == 2
+    assert "--seeds two: give a count (e.g. --seeds 3)" in capsys.readouterr().err
+    assert main(["experiment", "kv-cache", "--seeds", "5,5,6"]) == 2
+    assert "distinct seeds" in capsys.readouterr().err
+    assert main(["experiment", "kv-cache", "--scale", "0"]) == 2
+    assert "--scale 0: must be a positive integer" in capsys.readouterr().err
+
+
+def test_every_arm_trains_with_every_seed_paired_and_seed_major(tmp_path: Path) -> None:
+    jobs = load_jobs("decider", tmp_path, [], jobs_dir=REPO / "jobs/experiments", seeds="3")
+    assert [(p.stem, s) for p, s, _ in jobs] == [
+        (stem, seed) for seed in (1234, 1235, 1236) for stem in ("late-switch", "decider")
+    ]
+    for path, seed, job in jobs:
+        if job is not None:  # the same job file, only the seed and the run directory differ
+            assert job.train.seed == seed and job.run_path == tmp_path / f"decider/{path.stem}-seed{seed}"
+    listed = load_jobs("kv-cache", tmp_path, [], jobs_dir=REPO / "jobs/experiments", seeds="7,3")
+    assert [(p.stem, s) for p, s, _ in listed] == [
+        ("fixed-depth", 7),
+        ("late-switch", 7),
+        ("fixed-depth", 3),
+        ("late-switch", 3),
+    ]
+    a, b = (j for p, s, j in listed[:2])
+    assert (
+        a is not None
+        and b is not None
+        and job_diff([a, b])
+        == job_diff(
+            [
+                load_job(REPO / "jobs/experiments/kv-cache/fixed-depth.yaml"),
+                load_job(REPO / "jobs/experiments/kv-cache/late-switch.yaml"),
+            ]
+        )
+    )
+
+
+def test_post_training_runs_on_its_base_of_the_same_seed(tmp_path: Path) -> None:
+    from elastic_pretrain.experiments.runner import Run, load_post_training
+
+    jobs = load_jobs("decider", tmp_path, [], jobs_dir=REPO / "jobs/experiments", seeds="2")
+    bases = [
+        Run(name="late-switch", job=j, job_path=p, run_dir=tmp_path / f"base-{s}", summary={}, status="trained")
+        for p, s, j in jobs
+        if j is not None
+    ]
+    post = next(p for p, _, j in jobs if j is None)
+    # load_job checks that the base run holds a checkpoint: the error names the run it was pointed at
+    with pytest.raises(ConfigError, match=r"decider.init_from: .*/base-1235: no committed checkpoint"):
+        load_post_training(post, "decider", tmp_path, [], bases, seed=1235)
+
+
+def test_scale_multiplies_widths_and_steps_and_the_job_still_builds(tmp_path: Path) -> None:
+    from elastic_pretrain.experiments.runner import parse_seeds, scale_overrides
+
+    path = REPO / "jobs/experiments/late-switch/late-switch.yaml"
+    one = load_job(path)
+    assert scale_overrides(one, 1) == []
+    [(_, _, big)] = [
+        t
+        for t in load_jobs("late-switch", tmp_path, [], jobs_dir=REPO / "jobs/experiments", seeds="1", scale=4)
+        if t[0] == path
+    ]
+    assert big is not None
+    m1, m4 = one.model, big.model
+    assert (m4.hidden_size, m4.ffn_hidden_size, m4.moe_ffn_hidden_size) == (
+        4 * m1.hidden_size,
+        4 * m1.ffn_hidden_size,
+        4 * m1.moe_ffn_hidden_size,
+    )
+    assert (big.train.steps, big.train.warmup_steps) == (4 * one.train.steps, 4 * one.train.warmup_steps)
+    assert big.tokens_per_step == one.tokens_per_step and m4.num_heads == m1.num_heads  # tokens grow by the steps
+    # --scale multiplies what an override set (an override first, then the scale)
+    [(_, _, short)] = [
+        t
+        for t in load_jobs(
+            "late-switch",
+            tmp_path,
+            ["train.steps=50", "train.warmup_steps=5"],
+            jobs_dir=REPO / "jobs/experiments",
+            seeds="1",
+            scale=4,
+        )
+        if t[0] == path
+    ]
+    assert short is not None and short.train.steps == 200
+    assert parse_seeds("3", 10) == [10, 11, 12] and parse_seeds("5,1", 10) == [5, 1]
+
+
+def test_every_claim_reads_arms_of_its_own_job_set() -> None:
+    from collections import defaultdict
+
+    from elastic_pretrain.experiments.registry import EXPERIMENTS
+    from elastic_pretrain.experiments.stats import evaluate
+
+    for name, experiment in EXPERIMENTS.items():
+        arms = {p.stem for p in JOB_FILES if p.parent.name == name}
+        # every arm has every metric (value 0.1 + seed): only an arm name outside the set can be missing
+        by_seed = {s: {a: defaultdict(lambda s=s: 0.1 + s) for a in arms} for s in (0, 1, 2)}
+        for claim in experiment.claims:
+            result = evaluate(claim, by_seed)  # type: ignore[arg-type]
+            assert result.interval is not None, f"{name}: {claim.measure}: {result.reason}"
+            assert claim.paper.count('"') % 2 == 0 and claim.source.startswith("seeds/"), claim.paper

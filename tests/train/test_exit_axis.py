@@ -238,7 +238,7 @@ def test_equal_flops_pair_has_the_same_step_loss_and_gradients(mesh1):
 
 # --- equal training FLOPs ------------------------------------------------------------------------------
 def test_exit_schedule_jobs_are_matched_in_training_flops():
-    from elastic_pretrain.experiments.exit_schedules import planned_training_flops
+    from elastic_pretrain.experiments.analyses.exit_schedules import planned_training_flops
 
     flops = {p.stem: planned_training_flops(load_job(p), steps=20) for p in sorted(SET.glob("*.yaml"))}
     assert set(flops) == {"fixed-depth", "sparse-exits", "telescopic", "telescopic-one-draw"}

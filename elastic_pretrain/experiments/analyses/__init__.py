@@ -1,0 +1,1 @@
+"""One module per experiment analysis; each defines ``EXPERIMENT`` (registered in ``../registry.py``)."""

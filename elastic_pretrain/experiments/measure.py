@@ -1,0 +1,79 @@
+"""Measurements of a trained run that several analyses and the report share: held-out losses per loop
+count, FLOPs, parameters, training compute and held-out routing health."""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from elastic_pretrain.eval.quality import evaluate_loops, flops_breakdown, flops_per_token
+from elastic_pretrain.experiments.runner import Context, Run
+
+ROUTING_STATS = ("confidence", "load_cv", "maxvio", "entropy")
+
+
+def losses(ctx: Context, run: Run, loops: list[int] | None = None) -> dict[int, float]:
+    """Held-out loss at each ℓ (default 1..L_max) of the run's final checkpoint."""
+    return {ell: e.loss for ell, e in evaluate_loops(ctx.model(run.name), ctx.val_tokens(), loops).items()}
+
+
+def run_flops(run: Run, loops: float) -> float:
+    """Forward FLOPs per token of the run's model at ``loops`` passes."""
+    return flops_per_token(run.job.model, loops, seq_len=run.job.data.seq_len)
+
+
+def max_flops(run: Run) -> float:
+    return run_flops(run, run.job.model.max_loops)
+
+
+def parameters(ctx: Context, run: Run) -> int:
+    return sum(p.numel() for p in ctx.model(run.name).parameters())
+
+
+def training_compute(run: Run) -> tuple[float, float]:
+    """(mean passes per training micro-batch, training FLOPs = 3 x forward FLOPs summed over the tokens).
+
+    Replays the run's depth plans (a pure function of seed, step and micro-batch; train/schedule.py); an
+    extra supervised exit costs one more coda + output layer."""
+    from elastic_pretrain.train.schedule import ScheduleController
+
+    job = run.job
+    cfg, seq = job.model, job.data.seq_len
+    micro = job.train.micro_batches(1)
+    tokens_per_micro = job.train.micro_batch_size * seq
+    ctl = ScheduleController(
+        job.schedule,
+        max_loops=cfg.max_loops,
+        total_tokens=run.steps * job.tokens_per_step,
+        seed=job.train.seed,
+        layers=cfg.core_layers_built,
+    )
+    passes, flops, n = 0.0, 0.0, 0
+    for step in range(run.steps):
+        ctl.update(step=step, tokens_seen=step * job.tokens_per_step)
+        for i in range(micro):
+            plan = ctl.plan(step=step, micro=i, replica=0)
+            b = flops_breakdown(cfg, plan.loops, seq_len=seq)
+            per_exit = b.edges * cfg.coda_layers / max(1, cfg.prelude_layers + cfg.coda_layers) + b.output
+            passes += plan.loops
+            flops += 3 * tokens_per_micro * (b.total + (len(plan.exits) - 1) * per_exit)
+            n += 1
+    return passes / max(1, n), flops
+
+
+@torch.no_grad()
+def held_out_routing(ctx: Context, run: Run) -> dict[str, float]:
+    """Routing health on held-out tokens at ℓ = L_max, averaged over every (layer, pass) router call."""
+    from elastic_pretrain.train.step import reduce_routing
+
+    net = ctx.model(run.name)
+    tokens = ctx.val_tokens()
+    net.start_routing_probe()
+    try:
+        for start in range(0, tokens.shape[0], 8):
+            net(tokens[start : start + 8, :-1], loops=net.cfg.max_loops)
+    finally:
+        probe = net.stop_routing_probe()
+    stats = reduce_routing(probe)
+    return {s: statistics.fmean(v[s] for v in stats.values()) for s in ROUTING_STATS}

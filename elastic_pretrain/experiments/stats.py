@@ -1,0 +1,168 @@
+"""How a report decides a paper's claim: a t-interval over seeds of a paired difference.
+
+Every arm of an experiment trains with the same seeds (initialisation, data order and depth draws), so
+a claim's quantity is measured once per seed from that seed's runs only — e.g. *mixed-scratch minus
+fixed-depth loss at ℓ = 1* — and the seeds' values are one sample of paired differences. The report
+states a direction only when the two-sided 95% Student-t interval of their mean excludes zero; otherwise
+the claim is "not resolved at this scale". No scipy: the t quantile is computed here (tested against
+scipy.stats.t and a printed table).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+CONFIDENCE = 0.95  # two-sided, for every interval in every report
+MIN_SEEDS = 3
+
+Direction = Literal["negative", "positive", "equal"]  # the sign the paper predicts for the quantity
+Verdict = Literal["yes", "no", "contradicted", "not resolved at this scale"]
+Metrics = dict[str, dict[str, float]]  # one seed's scalar metrics: arm (job name) -> metric -> value
+
+
+# ---------------------------------------------------------------------------------------------------
+# Student-t quantile (regularized incomplete beta by Lentz's continued fraction, then bisection)
+def _beta_cf(a: float, b: float, x: float) -> float:
+    tiny, c, d = 1e-300, 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):
+        for num in (m * (b - m) * x / ((a + 2 * m - 1) * (a + 2 * m)),
+                    -(a + m) * (a + b + m) * x / ((a + 2 * m) * (a + 2 * m + 1))):  # fmt: skip
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-15:
+            break
+    return h
+
+
+def _betainc(a: float, b: float, x: float) -> float:
+    """Regularized incomplete beta I_x(a, b)."""
+    if x <= 0.0 or x >= 1.0:
+        return 0.0 if x <= 0.0 else 1.0
+    log_front = math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x) + b * math.log1p(-x)
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(log_front) * _beta_cf(a, b, x) / a
+    return 1.0 - math.exp(log_front) * _beta_cf(b, a, 1.0 - x) / b
+
+
+def t_cdf(t: float, df: float) -> float:
+    tail = 0.5 * _betainc(df / 2.0, 0.5, df / (df + t * t))
+    return 1.0 - tail if t >= 0 else tail
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The t value with P(T ≤ t) = p for Student's t with ``df`` degrees of freedom."""
+    if not 0.0 < p < 1.0 or df <= 0:
+        raise ValueError(f"t_quantile needs 0 < p < 1 and df > 0, got p={p}, df={df}")
+    if p < 0.5:
+        return -t_quantile(1.0 - p, df)
+    lo, hi = 0.0, 1.0
+    while t_cdf(hi, df) < p:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if t_cdf(mid, df) < p else (lo, mid)
+    return 0.5 * (lo + hi)
+
+
+# ---------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Interval:
+    """Mean of per-seed values with its two-sided t-interval (n ≥ 2; with n = 1 lo = hi = mean)."""
+
+    mean: float
+    std: float  # sample standard deviation over the seeds (the seed noise of this quantity)
+    n: int
+    lo: float
+    hi: float
+    confidence: float = CONFIDENCE
+
+    def text(self, fmt: str = "+.4f") -> str:
+        if self.n < 2:
+            return f"{self.mean:{fmt}} (1 seed)"
+        return f"{self.mean:{fmt}} [{self.lo:{fmt}}, {self.hi:{fmt}}] (n={self.n}, std {self.std:.4f})"
+
+
+def t_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Interval:
+    """Student-t interval of the mean: mean ± t_{(1+c)/2, n−1} · s / √n."""
+    if not values:
+        raise ValueError("t_interval of no values")
+    mean = statistics.fmean(values)
+    n = len(values)
+    if n < 2:
+        return Interval(mean=mean, std=0.0, n=n, lo=mean, hi=mean, confidence=confidence)
+    std = statistics.stdev(values)
+    half = t_quantile(0.5 + confidence / 2.0, n - 1) * std / math.sqrt(n)
+    return Interval(mean=mean, std=std, n=n, lo=mean - half, hi=mean + half, confidence=confidence)
+
+
+def decide(iv: Interval, expect: Direction, *, margin: float = 0.0) -> tuple[Verdict, str]:
+    """The verdict on a claim from the interval of its per-seed values, and the reason in words.
+
+    ``negative``/``positive``: yes when the interval excludes zero on the predicted side, contradicted when
+    it excludes zero on the other side. ``equal`` ("matches"): yes when the interval lies inside
+    [−margin, margin], contradicted when it lies wholly outside it (two one-sided tests)."""
+    pct = f"{iv.confidence:.0%}"
+    if iv.n < MIN_SEEDS:
+        return "no", f"{iv.n} seed(s): an interval needs ≥ {MIN_SEEDS} (--seeds)"
+    if expect == "equal":
+        if -margin <= iv.lo and iv.hi <= margin:
+            return "yes", f"the {pct} interval lies within ±{margin:g}"
+        if iv.lo > margin or iv.hi < -margin:
+            return "contradicted", f"the {pct} interval lies outside ±{margin:g}"
+        return "not resolved at this scale", f"the {pct} interval overlaps ±{margin:g} without lying inside it"
+    if iv.lo <= 0.0 <= iv.hi:
+        return "not resolved at this scale", f"the {pct} interval includes 0"
+    sign: Direction = "negative" if iv.hi < 0.0 else "positive"
+    if sign == expect:
+        return "yes", f"the {pct} interval excludes 0 ({sign}, as the paper)"
+    return "contradicted", f"the {pct} interval excludes 0 ({sign}, the paper: {expect})"
+
+
+# ---------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A paper's claim as an experiment tests it: a quantity measured per seed and its predicted sign."""
+
+    paper: str  # the claim, quoted from ../shared/seeds/ (file named in ``source``)
+    source: str  # e.g. "seeds/003 (ELR)"
+    magnitude: str  # the paper's number, in the paper's units
+    measure: str  # what this report computes per seed, in words (with units)
+    value: Callable[[Metrics], float]  # that quantity from one seed's metrics (KeyError: an arm is missing)
+    expect: Direction
+    margin: float = 0.0  # for expect="equal": the band that counts as "matches"
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimResult:
+    claim: Claim
+    values: tuple[float, ...]  # one per seed, in seed order
+    interval: Interval | None
+    verdict: Verdict
+    reason: str
+
+
+def paired(a: str, b: str, metric: str) -> Callable[[Metrics], float]:
+    """Arm ``a`` minus arm ``b`` on ``metric``, within one seed (same initialisation and data)."""
+    return lambda m: m[a][metric] - m[b][metric]
+
+
+def evaluate(claim: Claim, by_seed: dict[int, Metrics]) -> ClaimResult:
+    """The claim's values over the seeds, their interval and the verdict."""
+    try:
+        values = tuple(claim.value(m) for m in by_seed.values())
+    except KeyError as e:
+        return ClaimResult(claim, (), None, "no", f"not measured: this job set has no {e.args[0]!r}")
+    if not values:
+        return ClaimResult(claim, (), None, "no", "no seeds ran")
+    iv = t_interval(values)
+    verdict, reason = decide(iv, claim.expect, margin=claim.margin)
+    return ClaimResult(claim, values, iv, verdict, reason)

@@ -20,22 +20,17 @@ from typing import Any
 import torch
 
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.eval.quality import (
-    CurvePoint,
-    QualityCurve,
-    compare,
-    evaluate_loops,
-    flops_per_token,
-    plot,
-    quality_curve,
-)
+from elastic_pretrain.eval.curves import CurvePoint, QualityCurve, compare
+from elastic_pretrain.eval.loss import loss_by_loops, quality_curve
+from elastic_pretrain.eval.report import plot
 from elastic_pretrain.experiments.report import parameters
 from elastic_pretrain.experiments.runner import Context, Experiment, Findings, Run
+from elastic_pretrain.model.flops import flops_per_token
 
 
 def losses(ctx: Context, run: Run, loops: list[int] | None = None) -> dict[int, float]:
     """Held-out loss at each ℓ (default 1..L_max) of the run's final checkpoint."""
-    return {ell: e.loss for ell, e in evaluate_loops(ctx.model(run.name), ctx.val_tokens(), loops).items()}
+    return loss_by_loops(ctx.model(run.name), ctx.val_tokens(), loops)
 
 
 def _flops(run: Run, loops: float) -> float:
@@ -548,7 +543,7 @@ RANDOM_STOP = (0.1, 0.25, 0.5, 0.75)  # the control: each pass, stop with this p
 def random_stop(model: Any, tokens: torch.Tensor, q: float, *, seed: int = 0) -> dict[str, float]:
     """Teacher-forced (per-loop KV) loss, accuracy and mean passes when every token stops after each pass
     with probability ``q`` — adaptive depth without any information, at a compute set by ``q``."""
-    from elastic_pretrain.eval.quality import relative_compute
+    from elastic_pretrain.model.flops import relative_compute
     from elastic_pretrain.model.inference import teacher_forced_loss
 
     gen = torch.Generator().manual_seed(seed)
@@ -561,7 +556,7 @@ def random_stop(model: Any, tokens: torch.Tensor, q: float, *, seed: int = 0) ->
 
 def decider(ctx: Context) -> Findings:
     from elastic_pretrain.eval.adaptive import DEFAULT_THRESHOLDS, adaptive_sweep
-    from elastic_pretrain.eval.quality import _interp, compare
+    from elastic_pretrain.eval.curves import interp
     from elastic_pretrain.experiments.runner import base_job
 
     run = next(r for r in ctx.runs if r.job.decider is not None)
@@ -639,7 +634,7 @@ def decider(ctx: Context) -> Findings:
     ends_pts = [(r.relative_compute, r.loss) for r in (sweep.adaptive[0], sweep.adaptive[-1])]
     rand = sorted([*ends_pts, *((c["relative_compute"], c["loss"]) for c in control)])
     vs_random = {
-        r.threshold: r.loss - _interp([x for x, _ in rand], [y for _, y in rand], r.relative_compute) for r in inner
+        r.threshold: r.loss - interp([x for x, _ in rand], [y for _, y in rand], r.relative_compute) for r in inner
     }
     if inner:
         reading.append(

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from elastic_pretrain.eval.quality import flops_breakdown, flops_per_token
 from elastic_pretrain.experiments.runner import (
     Context,
     Experiment,
@@ -17,6 +16,7 @@ from elastic_pretrain.experiments.runner import (
     load_jobs,
     load_post_training,
 )
+from elastic_pretrain.model.flops import flops_breakdown, flops_per_token
 from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 
 

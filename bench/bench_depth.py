@@ -45,7 +45,8 @@ def main() -> None:
     from megatron.core.models.gpt import GPTModel
 
     from elastic_pretrain.model.config import ModelConfig
-    from elastic_pretrain.parallel.megatron import build_model, layer_specs, padded_vocab_size, transformer_config
+    from elastic_pretrain.model.vocab import padded_vocab_size
+    from elastic_pretrain.parallel.megatron import build_model, layer_specs, transformer_config
     from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 
     par = ParallelConfig()

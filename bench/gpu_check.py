@@ -44,6 +44,7 @@ sys.path.insert(0, str(REPO))
 warnings.filterwarnings("ignore")
 
 from elastic_pretrain.model.config import ModelConfig  # noqa: E402
+from elastic_pretrain.model.vocab import padded_vocab_size  # noqa: E402
 from elastic_pretrain.parallel import megatron as pm  # noqa: E402
 from elastic_pretrain.parallel.mesh import ParallelConfig  # noqa: E402
 
@@ -187,7 +188,7 @@ def flops_per_token(cfg: ModelConfig, seq: int, loops: int) -> float:
     moe = cfg.moe_top_k * 6 * d * cfg.moe_ffn_hidden_size + 2 * d * cfg.experts_built
     edge_mlp = moe if cfg.edge_mlp == "moe" else 6 * d * cfg.ffn_hidden_size
     layers = loops * cfg.core_layers_built * (attn + moe) + (cfg.prelude_layers + cfg.coda_layers) * (attn + edge_mlp)
-    return 3 * (layers + 2 * d * pm.padded_vocab_size(cfg.vocab_size, 1))
+    return 3 * (layers + 2 * d * padded_vocab_size(cfg.vocab_size, 1))
 
 
 def peak_flops(env: Env) -> float | None:
@@ -339,7 +340,7 @@ def section_looped_gpt(env: Env) -> None:
     gcfg = ModelConfig(**{**shape, "core_layers": cfg.core_layers_built * cfg.max_loops, "loops": 1})
     assert gcfg.num_unique_layers == unrolled
     gpt = GPTModel(config=pm.transformer_config(gcfg, PAR), transformer_layer_spec=pm.layer_specs(gcfg).moe,
-                   vocab_size=pm.padded_vocab_size(gcfg.vocab_size, 1), max_sequence_length=seq,
+                   vocab_size=padded_vocab_size(gcfg.vocab_size, 1), max_sequence_length=seq,
                    position_embedding_type="rope", share_embeddings_and_output_weights=False).to(env.device)
     reps = 2 if env.dry else 10
     get_moe_layer_wise_logging_tracker().clear()  # the MoE loss tracker is sized by the first model that logs

@@ -2,7 +2,7 @@
 
 A decider threshold sweep gives (mean passes per token, loss, next-token accuracy) points; fixed
 depth gives one point per loop count ℓ. Both are placed at their relative compute (FLOPs at the mean
-passes / FLOPs at L_max, ``eval/quality.py``), and every adaptive point is compared with the fixed-depth
+passes / FLOPs at L_max, ``model/flops.py``), and every adaptive point is compared with the fixed-depth
 curve linearly interpolated at the same compute. Teacher-forced with the ``per-loop`` cache: at
 threshold 0 the adaptive model is exactly the fixed L_max model, above 1 exactly ℓ = 1.
 """
@@ -15,13 +15,74 @@ from pathlib import Path
 
 import torch
 
-from elastic_pretrain.eval.quality import CurvePoint, QualityCurve, _interp, compare, relative_compute, save_figure
-from elastic_pretrain.model.decider import AdaptiveResult, IterationDecider, adaptive_eval
-from elastic_pretrain.model.inference import teacher_forced_loss
+from elastic_pretrain.eval.curves import CurvePoint, QualityCurve, compare, interp
+from elastic_pretrain.eval.report import save_figure
+from elastic_pretrain.model.decider import IterationDecider
+from elastic_pretrain.model.flops import relative_compute
+from elastic_pretrain.model.inference import KVPolicy, teacher_forced_loss
 from elastic_pretrain.model.looped import LoopedMoEModel
 
 # threshold 0: every token runs L_max (the fixed model); above 1: every token stops after one pass
 DEFAULT_THRESHOLDS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.01)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveResult:
+    threshold: float
+    loss: float
+    mean_passes: float
+    relative_compute: float
+    policy: KVPolicy
+    accuracy: float = float("nan")  # next-token argmax accuracy
+
+
+def adaptive_eval(
+    model: LoopedMoEModel,
+    decider: IterationDecider,
+    tokens_NT1: torch.Tensor,
+    threshold: float,
+    *,
+    kv_cache: KVPolicy = "per-loop",
+    batch_size: int = 8,
+) -> AdaptiveResult:
+    """Teacher-forced loss and mean passes per token with per-token early exit at ``threshold``.
+
+    ``per-loop``: the whole sequence in one step (tokens see each other's pass-j K/V while both run,
+    a stopped token's frozen K/V after) — at threshold 0 exactly the fixed L_max model.
+    ``last-loop``: token by token against the last-pass cache (what ``generate(loops="auto")`` does).
+    """
+    was_training = decider.training
+    decider.eval()
+    try:
+        tf = teacher_forced_loss(
+            model, tokens_NT1, kv_cache=kv_cache, stop=decider.stopper(threshold), batch_size=batch_size
+        )
+    finally:
+        decider.train(was_training)
+    rel = relative_compute(model.cfg, tf.mean_passes, seq_len=tokens_NT1.shape[1] - 1)
+    return AdaptiveResult(
+        threshold=threshold,
+        loss=tf.loss,
+        mean_passes=tf.mean_passes,
+        relative_compute=rel,
+        policy=kv_cache,
+        accuracy=tf.accuracy,
+    )
+
+
+def threshold_sweep(
+    model: LoopedMoEModel,
+    decider: IterationDecider,
+    tokens_NT1: torch.Tensor,
+    thresholds: Sequence[float],
+    *,
+    kv_cache: KVPolicy = "per-loop",
+    name: str = "adaptive (decider)",
+) -> tuple[QualityCurve, list[AdaptiveResult]]:
+    """Loss against relative compute over decider thresholds (a curve comparable with fixed depth)."""
+    results = [adaptive_eval(model, decider, tokens_NT1, t, kv_cache=kv_cache) for t in thresholds]
+    points = tuple(CurvePoint(loops=r.mean_passes, relative_compute=r.relative_compute, loss=r.loss) for r in results)
+    return QualityCurve(name=name, points=points), results
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +103,11 @@ class AdaptiveSweep:
     def fixed_at(self, compute: float) -> tuple[float, float]:
         """(loss, accuracy) of fixed depth interpolated at ``compute`` (relative)."""
         xs = [p.relative_compute for p in self.fixed]
-        loss = _interp(xs, [p.loss for p in self.fixed], compute)
-        return loss, _interp(xs, [p.accuracy for p in self.fixed], compute)
+        loss = interp(xs, [p.loss for p in self.fixed], compute)
+        return loss, interp(xs, [p.accuracy for p in self.fixed], compute)
 
     def curves(self) -> tuple[QualityCurve, QualityCurve]:
-        """(fixed depth, adaptive) loss-vs-compute curves, for :func:`~elastic_pretrain.eval.quality.compare`."""
+        """(fixed depth, adaptive) loss-vs-compute curves, for :func:`~elastic_pretrain.eval.curves.compare`."""
         fixed = QualityCurve(
             name="fixed depth", points=tuple(CurvePoint(p.loops, p.relative_compute, p.loss) for p in self.fixed)
         )

@@ -57,7 +57,9 @@ def resolve_checkpoint(path: Path) -> Path:
 def _eval(args: argparse.Namespace) -> int:
     from elastic_pretrain.data.loader import load_validation
     from elastic_pretrain.eval.adaptive import DEFAULT_THRESHOLDS, adaptive_sweep, plot_sweep
-    from elastic_pretrain.eval.quality import compare, markdown_table, plot, quality_curve
+    from elastic_pretrain.eval.curves import compare
+    from elastic_pretrain.eval.loss import quality_curve
+    from elastic_pretrain.eval.report import comparison_table, markdown_table, plot
     from elastic_pretrain.model.inference import KV_POLICIES, teacher_forced_loss
     from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 
@@ -67,13 +69,9 @@ def _eval(args: argparse.Namespace) -> int:
         job, model = load_model(ckpt)
         decider = pick_decider(model, ckpt, args.decider) if args.adaptive else None
         tokens = load_validation(job.data, num_sequences=args.sequences)
-        if job.schedule.exit_axis == "layer":  # a non-looped stack with layer exits: the 'loops' column is k
-            from elastic_pretrain.eval.layer_exits import layer_quality_curve
-
-            curve = layer_quality_curve(model, tokens, name=f"{job.name} (exit after core layer k)",
-                                        batch_size=args.batch_size)
-        else:
-            curve = quality_curve(model, tokens, name=job.name, batch_size=args.batch_size)
+        layer = job.schedule.exit_axis == "layer"  # a non-looped stack with layer exits: the 'loops' column is k
+        curve = quality_curve(model, tokens, name=f"{job.name} (exit after core layer k)" if layer else job.name,
+                              batch_size=args.batch_size, exit_axis=job.schedule.exit_axis)
         lines = [markdown_table(curve)]
         if args.kv_gap:
             lines.append(f"| KV cache at ℓ={model.cfg.max_loops} | KV bytes/token | teacher-forced loss |")
@@ -88,7 +86,7 @@ def _eval(args: argparse.Namespace) -> int:
             thresholds = args.threshold or DEFAULT_THRESHOLDS
             sweep = adaptive_sweep(model, decider, tokens, thresholds, batch_size=args.batch_size)
             lines.append(sweep.markdown())
-            lines.append(compare(list(sweep.curves())).markdown())
+            lines.append(comparison_table(compare(list(sweep.curves()))))
             written.append(plot_sweep(sweep, out / "adaptive.png"))
         report = "\n".join(lines) + "\n"
         (out / "eval.md").write_text(report)

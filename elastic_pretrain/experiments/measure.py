@@ -7,15 +7,16 @@ import statistics
 
 import torch
 
-from elastic_pretrain.eval.quality import evaluate_loops, flops_breakdown, flops_per_token
+from elastic_pretrain.eval.loss import loss_by_loops
 from elastic_pretrain.experiments.runner import Context, Run
+from elastic_pretrain.model.flops import flops_breakdown, flops_per_token
 
 ROUTING_STATS = ("confidence", "load_cv", "maxvio", "entropy")
 
 
 def losses(ctx: Context, run: Run, loops: list[int] | None = None) -> dict[int, float]:
     """Held-out loss at each ℓ (default 1..L_max) of the run's final checkpoint."""
-    return {ell: e.loss for ell, e in evaluate_loops(ctx.model(run.name), ctx.val_tokens(), loops).items()}
+    return loss_by_loops(ctx.model(run.name), ctx.val_tokens(), loops)
 
 
 def run_flops(run: Run, loops: float) -> float:

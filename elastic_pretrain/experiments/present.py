@@ -1,6 +1,7 @@
 """Tables and plots shared by the experiment reports: the claim table, the seed-noise table, markdown
 tables, ranked lists and matplotlib figures. The quality-curve plot and table live with the curves
-(``eval/quality.py``); they are re-exported here so that analyses import presentation from one place."""
+(``eval/curves.py``, ``eval/report.py``);
+they are re-exported here so that analyses import presentation from one place."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from elastic_pretrain.eval.quality import QualityCurve, save_figure
-from elastic_pretrain.eval.quality import markdown_table as curve_table
-from elastic_pretrain.eval.quality import plot as plot_curves
+from elastic_pretrain.eval.curves import QualityCurve
+from elastic_pretrain.eval.report import markdown_table as curve_table
+from elastic_pretrain.eval.report import plot as plot_curves
+from elastic_pretrain.eval.report import save_figure
 from elastic_pretrain.experiments.stats import CONFIDENCE, ClaimResult, Metrics, t_interval
 
 __all__ = [

@@ -5,7 +5,7 @@ and wrapped in lm-eval's own Hugging Face model class (``HFLM``); for each ℓ t
 count (``config.loops``) is set and the tasks run. Tasks are lm-eval's registry plus the project's
 local ones in ``export/tasks/`` (``elastic_tiny_mc``: files only, no network). The table has one row
 per (task, metric) and one column per ℓ, with the forward matmul FLOPs per token at each ℓ
-(``eval/quality.py``'s formula, at the training sequence length).
+(``model/flops.py``'s formula, at the training sequence length).
 """
 
 from __future__ import annotations
@@ -79,8 +79,8 @@ def run_lm_eval(
     include_path: list[str] | None = None,
     num_fewshot: int | None = None,
 ) -> LmEvalResult:
-    from elastic_pretrain.eval.quality import flops_per_token
     from elastic_pretrain.export.compat import hide_broken_torchvision
+    from elastic_pretrain.model.flops import flops_per_token
 
     hide_broken_torchvision()
     try:

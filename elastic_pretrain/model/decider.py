@@ -21,7 +21,6 @@ L_max (the fixed-depth model); a threshold above 1 stops every token after one p
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,10 +29,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from elastic_pretrain.model.config import DeciderConfig  # re-exported: the config lives with ModelConfig
-from elastic_pretrain.model.inference import KVPolicy, StopFn, teacher_forced_loss
+from elastic_pretrain.model.inference import StopFn
+from elastic_pretrain.model.losses import token_ce
 
 if TYPE_CHECKING:
-    from elastic_pretrain.eval.quality import QualityCurve
     from elastic_pretrain.model.looped import LoopedMoEModel
 
 
@@ -99,36 +98,6 @@ def lookahead_labels(ce_L_N: Tensor, coverage: float) -> Tensor:
 
 # ---------------------------------------------------------------------------------------------------
 # Training signal
-def pass_states(model: LoopedMoEModel, ids_BT: Tensor, loops: int) -> tuple[Tensor, list[Tensor], Tensor]:
-    """(token embedding, hidden state after each pass j < loops, rope) — the model's own modules, as in
-    ``run_loops`` with target ``loops`` for the conditioning head."""
-    model.cfg.check_loops(loops)
-    rope = model.rotary_pos_emb(ids_BT.shape[1])
-    emb_TBD = model.embedding(input_ids=ids_BT, position_ids=None)
-    h_TBD = emb_TBD
-    for layer in model.prelude:
-        h_TBD, _ = layer(h_TBD, attention_mask=None, rotary_pos_emb=rope)
-    conditioning = model.loop_conditioning if model.conditioning_active else None
-    states = []
-    for j in range(loops):
-        if conditioning is not None:
-            h_TBD = h_TBD + conditioning(loops, j).to(h_TBD.dtype)
-        for core in model.core:
-            h_TBD = core(h_TBD, pass_idx=j, rotary_pos_emb=rope, replay=model.cfg.route_replay)
-        states.append(h_TBD)
-    return emb_TBD, states, rope
-
-
-def exit_loss(model: LoopedMoEModel, h_TBD: Tensor, labels_BT: Tensor, rope: Tensor) -> Tensor:
-    """Per-token CE ``[B, T]`` over the real vocabulary of an exit: coda, final norm, output layer."""
-    from elastic_pretrain.eval.quality import token_ce
-
-    for layer in model.coda:
-        h_TBD, _ = layer(h_TBD, attention_mask=None, rotary_pos_emb=rope)
-    logits_TBV = model.logits(model.final_layernorm(h_TBD))[..., : model.cfg.vocab_size]
-    return token_ce(logits_TBV.transpose(0, 1), labels_BT)
-
-
 @dataclasses.dataclass
 class DeciderLoss:
     """One batch of decider training. ``total`` = ``lm`` + loss_weight · ``bce``."""
@@ -144,13 +113,20 @@ class DeciderLoss:
 def decider_loss(model: LoopedMoEModel, decider: IterationDecider, ids_BT: Tensor, labels_BT: Tensor) -> DeciderLoss:
     """LM loss at L_max + weighted BCE of the decider against lookahead labels from this batch.
 
-    One L_max forward with an exit at every pass gives CE_j for all j (with active conditioning its
-    target is L_max, the same target adaptive inference uses).
+    One L_max run of the model with an exit at every pass (``run_loops``) gives CE_j for all j (with
+    active conditioning its target is L_max, the same target adaptive inference uses). ``decider`` need
+    not be the model's own (``model.decider``): a head can be trained on a model built without one.
+    One process (TP = 1): the job's distributed loss is ``train/decider.py``'s, tested against this.
     """
     cfg = decider.cfg
     loops = model.cfg.max_loops
-    emb_TBD, states, rope = pass_states(model, ids_BT, loops)
-    ce_L_BT = torch.stack([exit_loss(model, h, labels_BT, rope) for h in states])
+    keep: list[Tensor] = []  # token embedding, then the hidden state after each pass
+    heads, _ = model.run_loops(ids_BT, loops=loops, exits=range(1, loops + 1), keep=keep)
+    vocab = model.cfg.vocab_size
+    ce_L_BT = torch.stack(
+        [token_ce(model.logits(heads[ell])[..., :vocab].transpose(0, 1), labels_BT) for ell in range(1, loops + 1)]
+    )
+    emb_TBD, states = keep[0], keep[1:]
     targets_L_BT = lookahead_labels(ce_L_BT.detach(), cfg.coverage).float()  # [L-1, B, T]
     logits = []
     for j, h_TBD in enumerate(states[:-1]):
@@ -178,71 +154,6 @@ def passes_at(logit_L_N: Tensor, threshold: float) -> Tensor:
     read off continue logits ``[L-1, ...]`` of one full-depth run (1 + the run of leading "continue")."""
     cont = (torch.sigmoid(logit_L_N.detach().float()) >= threshold).int()
     return 1 + torch.cumprod(cont, dim=0).sum(0)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Adaptive-depth evaluation
-@dataclasses.dataclass(frozen=True)
-class AdaptiveResult:
-    threshold: float
-    loss: float
-    mean_passes: float
-    relative_compute: float
-    policy: KVPolicy
-    accuracy: float = float("nan")  # next-token argmax accuracy
-
-
-def adaptive_eval(
-    model: LoopedMoEModel,
-    decider: IterationDecider,
-    tokens_NT1: Tensor,
-    threshold: float,
-    *,
-    kv_cache: KVPolicy = "per-loop",
-    batch_size: int = 8,
-) -> AdaptiveResult:
-    """Teacher-forced loss and mean passes per token with per-token early exit at ``threshold``.
-
-    ``per-loop``: the whole sequence in one step (tokens see each other's pass-j K/V while both run,
-    a stopped token's frozen K/V after) — at threshold 0 exactly the fixed L_max model.
-    ``last-loop``: token by token against the last-pass cache (what ``generate(loops="auto")`` does).
-    """
-    from elastic_pretrain.eval.quality import relative_compute
-
-    was_training = decider.training
-    decider.eval()
-    try:
-        tf = teacher_forced_loss(
-            model, tokens_NT1, kv_cache=kv_cache, stop=decider.stopper(threshold), batch_size=batch_size
-        )
-    finally:
-        decider.train(was_training)
-    rel = relative_compute(model.cfg, tf.mean_passes, seq_len=tokens_NT1.shape[1] - 1)
-    return AdaptiveResult(
-        threshold=threshold,
-        loss=tf.loss,
-        mean_passes=tf.mean_passes,
-        relative_compute=rel,
-        policy=kv_cache,
-        accuracy=tf.accuracy,
-    )
-
-
-def threshold_sweep(
-    model: LoopedMoEModel,
-    decider: IterationDecider,
-    tokens_NT1: Tensor,
-    thresholds: Sequence[float],
-    *,
-    kv_cache: KVPolicy = "per-loop",
-    name: str = "adaptive (decider)",
-) -> tuple[QualityCurve, list[AdaptiveResult]]:
-    """Loss against relative compute over decider thresholds (a curve comparable with fixed depth)."""
-    from elastic_pretrain.eval.quality import CurvePoint, QualityCurve
-
-    results = [adaptive_eval(model, decider, tokens_NT1, t, kv_cache=kv_cache) for t in thresholds]
-    points = tuple(CurvePoint(loops=r.mean_passes, relative_compute=r.relative_compute, loss=r.loss) for r in results)
-    return QualityCurve(name=name, points=points), results
 
 
 # ---------------------------------------------------------------------------------------------------

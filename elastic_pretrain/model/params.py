@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 from elastic_pretrain.model.config import ModelConfig
-from elastic_pretrain.parallel.config import padded_vocab_size
+from elastic_pretrain.model.vocab import padded_vocab_size
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,17 +7,6 @@ from typing import Literal
 
 from elastic_pretrain.config import ConfigError, field
 
-# The padded vocabulary must not depend on the layout, or checkpoints could not move between TP
-# sizes: pad to a fixed multiple that every supported TP size (1..128) divides.
-VOCAB_DIVISIBLE_BY = 128
-
-
-def padded_vocab_size(vocab: int, tp: int) -> int:
-    """The embedding/output rows the model builds for ``vocab`` ids (the same at every TP size)."""
-    if VOCAB_DIVISIBLE_BY % tp:
-        raise ValueError(f"tensor parallel size {tp} must divide {VOCAB_DIVISIBLE_BY}")
-    return -(-vocab // VOCAB_DIVISIBLE_BY) * VOCAB_DIVISIBLE_BY
-
 
 @dataclasses.dataclass(kw_only=True)
 class ParallelConfig:

@@ -17,8 +17,8 @@ from elastic_pretrain.config import ConfigError
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.model.decider import DeciderConfig
 from elastic_pretrain.model.looped import LayerSpecs, LoopedMoEModel
+from elastic_pretrain.model.vocab import padded_vocab_size
 from elastic_pretrain.parallel import fusions
-from elastic_pretrain.parallel.config import VOCAB_DIVISIBLE_BY, padded_vocab_size  # noqa: F401  (re-exported)
 from elastic_pretrain.parallel.device import device
 from elastic_pretrain.parallel.mesh import ParallelConfig
 

@@ -27,7 +27,7 @@ import re
 from typing import TYPE_CHECKING, Literal
 
 from elastic_pretrain.config import ConfigError
-from elastic_pretrain.parallel.config import VOCAB_DIVISIBLE_BY  # the model pads its vocabulary to this multiple
+from elastic_pretrain.model.vocab import padded_vocab_size
 
 if TYPE_CHECKING:
     from elastic_pretrain.job import JobConfig
@@ -151,10 +151,6 @@ def largest_micro_batch(job: JobConfig, world_size: int, gpu_memory: int, *, rec
 
 
 # ---------------------------------------------------------------------------------------------------
-def padded_vocab(vocab: int) -> int:
-    return math.ceil(vocab / VOCAB_DIVISIBLE_BY) * VOCAB_DIVISIBLE_BY
-
-
 def _param_counts(job: JobConfig, stage: int, spec: Spec) -> tuple[int, int, int]:
     """(dense, expert, of them kept in fp32 whatever model.dtype) parameters on one rank of ``stage``:
     the torch heads (loop conditioning, decider) are fp32, and so are the norms of the local spec."""
@@ -181,7 +177,7 @@ def _param_counts(job: JobConfig, stage: int, spec: Spec) -> tuple[int, int, int
     dense += core * (passes * attn + norm + router)
     expert += core * experts
     norms = 2 * edge_layers + core * (passes + 1) + (1 if last else 0)
-    vocab = padded_vocab(m.vocab_size) // tp * d
+    vocab = padded_vocab_size(m.vocab_size) // tp * d
     if first:
         dense += vocab
         if m.loop_conditioning:
@@ -225,7 +221,7 @@ def _activation_bytes(job: JobConfig, stage: int, loops: int, recompute: str, mb
         cb = _LOCAL_BASE[m.dtype]
         base = (cb[0] * el * n * d * (first + last) / 2
                 + edge * (cb[1] * el * n * d + cb[2] * el * b * h * s * s + cb[3] * el * n * m.ffn_hidden_size)
-                + (cb[4] * n * padded_vocab(m.vocab_size) if last else 0))
+                + (cb[4] * n * padded_vocab_size(m.vocab_size) if last else 0))
     else:
         # TE + flash attention (bf16 GEMM inputs; no dropout): attention keeps the norm input, the
         # norm output (QKV input), Q, K, V, the attention output (projection input): 6·N·D; the MoE
@@ -239,7 +235,7 @@ def _activation_bytes(job: JobConfig, stage: int, loops: int, recompute: str, mb
         dense_layer = el * (8 * n * d + 3 * n * m.ffn_hidden_size) + lse
         base = (el * n * d * (first + last)  # embedding output / final norm input
                 + edge * dense_layer
-                + (4 * n * padded_vocab(m.vocab_size) + el * n * d if last else 0))  # CE softmax (fp32), head input
+                + (4 * n * padded_vocab_size(m.vocab_size) + el * n * d if last else 0))  # CE softmax (fp32), head in
     layer_pass, base = layer_pass / tp, base / tp  # sequence parallelism (on with TP) splits every term
     core = m.core_layers_built // par.pipeline
     hidden = el * n * d / tp  # one pass's input: all that recompute=pass keeps of it

@@ -28,7 +28,8 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from elastic_pretrain.config import ConfigError
-from elastic_pretrain.parallel.config import VOCAB_DIVISIBLE_BY, check_micro_batches, padded_vocab_size
+from elastic_pretrain.model.vocab import VOCAB_DIVISIBLE_BY, padded_vocab_size
+from elastic_pretrain.parallel.config import check_micro_batches
 
 if TYPE_CHECKING:
     from elastic_pretrain.job import JobConfig

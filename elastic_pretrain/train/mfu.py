@@ -23,8 +23,9 @@ from typing import Literal
 
 import torch
 
-from elastic_pretrain.eval.quality import attention_flops, dense_mlp_flops, moe_mlp_flops
 from elastic_pretrain.model.config import ModelConfig
+from elastic_pretrain.model.flops import attention_flops, dense_mlp_flops, moe_mlp_flops
+from elastic_pretrain.model.vocab import padded_vocab_size
 
 Precision = Literal["bf16", "fp8"]
 Recompute = Literal["none", "selective", "pass"]
@@ -106,11 +107,9 @@ class StepFlops:
 
 def step_flops(cfg: ModelConfig, depth: DepthCounts, *, seq_len: int, micro_batch_tokens: int,
                recompute: Recompute = "none", padded_vocab: int | None = None) -> StepFlops:
-    """Matmul FLOPs per trained token (the formula of ``eval/quality.py``, per part of the model)."""
-    from elastic_pretrain.parallel.megatron import padded_vocab_size
-
+    """Matmul FLOPs per trained token (the formula of ``model/flops.py``, per part of the model)."""
     vocab = padded_vocab_size(cfg.vocab_size, 1) if padded_vocab is None else padded_vocab
-    ctx = (seq_len + 1) / 2  # keys a query sees on average under a causal mask (as eval/quality.py counts)
+    ctx = (seq_len + 1) / 2  # keys a query sees on average under a causal mask (as model/flops.py counts)
     attn = attention_flops(cfg, ctx)
     edge = attn + (moe_mlp_flops(cfg) if cfg.edge_mlp == "moe" else dense_mlp_flops(cfg))
     core_pass = cfg.core_layers_built * (attn + moe_mlp_flops(cfg))

@@ -1,4 +1,4 @@
-"""The numerics of one optimizer step (and of evaluation): megatron-core schedule, optimizer, LR.
+"""The numerics of one optimizer step: megatron-core schedule, optimizer, LR (validation: ``eval/loss.py``).
 
 Losses are per-token means over the micro-batches of one step; every supervised exit of a
 micro-batch (the full-depth anchor, and the truncated depth under telescopic training) adds its own
@@ -30,7 +30,7 @@ from elastic_pretrain.parallel.pipeline import AttachLoss, PassChunk, Pipeline
 from elastic_pretrain.tracking import names
 from elastic_pretrain.train.faults import guarded_step
 from elastic_pretrain.train.mfu import DepthCounts, ghost_time_share
-from elastic_pretrain.train.schedule import DepthPlan, ExitAxis
+from elastic_pretrain.train.schedule import DepthPlan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,59 +234,3 @@ def run_pipeline(pipeline: Pipeline, micro_batches: list[MicroBatch], *, seq_len
     forward = _ChunkForward(sync, loss_scale=loss_scale / len(micro_batches), training=training)
     return pipeline.run(forward, micro_batches, seq_length=seq_len,
                         micro_batch_size=micro_batches[0].tokens_BT1.shape[0], forward_only=not training)
-
-
-def _evaluate_pipeline(pipeline: Pipeline, tokens_NT1: torch.Tensor, runs: list[tuple[int, tuple[int, ...]]],
-                       loops: list[int], batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-exit CE sums and token count of this replica's rows, through the pipeline (sums on the last stage)."""
-    sums = torch.zeros(len(loops), dtype=torch.float64, device=device())
-    count = torch.zeros(1, dtype=torch.float64, device=device())
-    batches = [to_device(b) for b in tokens_NT1.split(batch_size)]
-    for ell, exits in runs:
-        plan = DepthPlan(ell, exits, group_loops=ell)  # every rank evaluates the same plan
-        reports = run_pipeline(pipeline, [MicroBatch(b, plan) for b in batches], seq_len=tokens_NT1.shape[1] - 1,
-                               training=False)
-        for rep in reports:
-            for e, (s, _) in rep["by_exit"].items():
-                sums[loops.index(e)] += float(s)
-    if pipeline.is_last_stage:
-        count += tokens_NT1.shape[0] * (tokens_NT1.shape[1] - 1)
-    return sums, count
-
-
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, tokens_NT1: torch.Tensor, *, loops: list[int], batch_size: int,
-             separate_runs: bool = False, pipeline: Pipeline | None = None,
-             exit_axis: ExitAxis = "loop") -> dict[int, float]:
-    """Per-token validation CE at every loop count, over this rank's rows, summed over DP ranks.
-
-    One ℓ_max run with an exit at every ℓ — or, when the loop-count conditioning is on (each ℓ is
-    conditioned on its own target), one run per ℓ. Every rank has the same number of rows (the
-    caller splits them evenly), so the MoE all-to-alls of an expert-parallel group pair up.
-    ``exit_axis="layer"``: ``loops`` are core layers k of a non-looped stack, read out of one pass as in
-    training (LoopedMoEModel.run_layers).
-    """
-    model.eval()
-    runs: list[tuple[int, tuple[int, ...]]] = (
-        [(1, tuple(loops))] if exit_axis == "layer"
-        else [(ell, (ell,)) for ell in loops] if separate_runs else [(max(loops), tuple(loops))]
-    )
-    if pipeline is not None:
-        sums, count = _evaluate_pipeline(pipeline, tokens_NT1, runs, loops, batch_size)
-    else:
-        sums = torch.zeros(len(loops), dtype=torch.float64, device=device())
-        count = torch.zeros(1, dtype=torch.float64, device=device())
-        for start in range(0, tokens_NT1.shape[0], batch_size):
-            batch = to_device(tokens_NT1[start : start + batch_size])
-            inputs, labels = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
-            for ell, exits in runs:
-                losses = model(inputs, labels=labels, loops=ell, exits=exits, exit_axis=exit_axis)
-                for e in exits:
-                    sums[loops.index(e)] += losses[e].double().sum()
-            count += labels.numel()
-    clear_aux_losses_tracker()
-    all_reduce_sum(sums)
-    all_reduce_sum(count)
-    all_reduce_sum(sums, pipeline_group())  # only the last pipeline stage computed losses
-    all_reduce_sum(count, pipeline_group())
-    return {ell: float(sums[i] / count) for i, ell in enumerate(loops)}

@@ -20,6 +20,7 @@ from elastic_pretrain.checkpoint.latest import repair_latest
 from elastic_pretrain.checkpoint.manager import Checkpointer, check_resumable, resume_source
 from elastic_pretrain.checkpoint.preempt import StopRequest, stop_reason
 from elastic_pretrain.checkpoint.store import CheckpointStore
+from elastic_pretrain.eval.loss import loss_by_loops
 from elastic_pretrain.job import JobConfig, write_resolved
 from elastic_pretrain.launch.layout import RunFiles
 from elastic_pretrain.parallel.mesh import Mesh, describe, every_rank, expert_layout, init_mesh, teardown
@@ -30,7 +31,7 @@ from elastic_pretrain.train.mfu import baseline_flops_per_token, device_peak, st
 from elastic_pretrain.train.profiling import ProfileWindow
 from elastic_pretrain.train.schedule import ScheduleController
 from elastic_pretrain.train.session import Session, build_session
-from elastic_pretrain.train.step import MicroBatch, StepResult, evaluate
+from elastic_pretrain.train.step import MicroBatch, StepResult
 from elastic_pretrain.train.stragglers import DATA_WAIT_KEY, StragglerReport
 from elastic_pretrain.train.watchdog import HangWatchdog
 
@@ -150,15 +151,8 @@ class Trainer:
 
     def validate(self) -> dict[int, float]:
         loops = list(range(1, self.job.exit_depths + 1))  # loop counts, or core layers on exit_axis layer
-        return evaluate(
-            self.s.model,
-            self.s.val_tokens,
-            loops=loops,
-            batch_size=self.job.train.micro_batch_size,
-            separate_runs=self.s.net.one_exit_per_run,
-            pipeline=self.s.pipeline,
-            exit_axis=self.job.schedule.exit_axis,
-        )
+        return loss_by_loops(self.s.model, self.s.val_tokens, loops, pipeline=self.s.pipeline,
+                             batch_size=self.job.train.micro_batch_size, exit_axis=self.job.schedule.exit_axis)
 
 
 class ProgressPrinter:

@@ -6,17 +6,11 @@ import pytest
 import torch
 
 from elastic_pretrain.config import ConfigError
-from elastic_pretrain.eval.quality import compare, evaluate_loops, quality_curve, relative_compute, token_ce
-from elastic_pretrain.model.decider import (
-    DeciderConfig,
-    IterationDecider,
-    adaptive_eval,
-    decider_loss,
-    exit_loss,
-    lookahead_labels,
-    pass_states,
-    threshold_sweep,
-)
+from elastic_pretrain.eval.adaptive import adaptive_eval, threshold_sweep
+from elastic_pretrain.eval.loss import loss_by_loops, quality_curve
+from elastic_pretrain.eval.report import plot_comparison
+from elastic_pretrain.model.decider import DeciderConfig, IterationDecider, decider_loss, lookahead_labels
+from elastic_pretrain.model.flops import relative_compute
 from elastic_pretrain.model.inference import LoopedDecoder, generate, teacher_forced_loss
 from tests.eval.conftest import TOL
 
@@ -82,14 +76,15 @@ def test_decider_config_validation():
             DeciderConfig(**bad)
 
 
-def test_pass_states_give_the_model_exit_losses(model):
+def test_decider_loss_reads_the_model_exits(model):
+    """The LM losses the labels come from are the model's own exits (one L_max run), and the decider
+    reads the hidden states of that run: a decider that never says "continue" has labels to learn."""
     x = ids(2, 9, 3)
     with torch.no_grad():
-        logits = model(x[:, :-1], loops=4, exits=[1, 2, 3])
-        _, states, rope = pass_states(model, x[:, :-1], 4)
-        for j, h in enumerate(states):
-            expected = token_ce(logits[j + 1], x[:, 1:])
-            torch.testing.assert_close(exit_loss(model, h, x[:, 1:], rope), expected, **TOL)
+        own = model(x[:, :-1], labels=x[:, 1:], loops=4, exits=[1, 2, 3])
+        out = decider_loss(model, make_decider(model), x[:, :-1], x[:, 1:])
+    assert out.ce_per_pass == pytest.approx([float(own[ell].mean()) for ell in (1, 2, 3, 4)], abs=1e-5)
+    assert float(out.lm) == pytest.approx(float(own[4].mean()), abs=1e-5)
 
 
 @pytest.mark.parametrize("backbone", ["frozen", "joint"])
@@ -120,14 +115,14 @@ def test_decider_loss_gradients_and_learning(model, backbone):
 
 def test_threshold_zero_runs_every_pass_and_above_one_runs_one(model):
     tokens = ids(2, 11, 5)
-    fixed = evaluate_loops(model, tokens, loops=[1, 4])
+    fixed = loss_by_loops(model, tokens, [1, 4])
     decider = make_decider(model, spread=1.0)
     full = adaptive_eval(model, decider, tokens, 0.0)
     assert full.mean_passes == 4 and full.relative_compute == 1.0
-    assert full.loss == pytest.approx(fixed[4].loss, abs=1e-5)
+    assert full.loss == pytest.approx(fixed[4], abs=1e-5)
     one = adaptive_eval(model, decider, tokens, 1.01)
     assert one.mean_passes == 1
-    assert one.loss == pytest.approx(fixed[1].loss, abs=1e-5)
+    assert one.loss == pytest.approx(fixed[1], abs=1e-5)
     assert one.relative_compute == pytest.approx(relative_compute(model.cfg, 1, seq_len=10), abs=1e-12)
     # last-loop cache at threshold 0 is the fixed-depth last-loop decoder
     last = adaptive_eval(model, decider, tokens, 0.0, kv_cache="last-loop")
@@ -155,7 +150,7 @@ def test_threshold_sweep_curve_and_auto_generate(model, tmp_path):
     curve, results = threshold_sweep(model, decider, tokens, [0.0, 0.3, 0.5, 0.7, 1.01])
     assert [r.mean_passes for r in results] == sorted((r.mean_passes for r in results), reverse=True)
     assert curve.points[-1].relative_compute == 1.0 and len(curve.points) == 5
-    cmp = compare([quality_curve(model, tokens), curve], tmp_path / "adaptive.png")
+    cmp = plot_comparison([quality_curve(model, tokens), curve], tmp_path / "adaptive.png")
     assert (tmp_path / "adaptive.png").exists() and len(cmp.aucs) == 2
     auto = generate(model, [1, 2, 3], loops="auto", stop=decider.stopper(0.5), max_new_tokens=6)
     assert auto.passes_BN.shape == (1, 5) and auto.passes_BN.min() >= 1 and auto.passes_BN.max() <= 4

@@ -8,7 +8,7 @@ import pytest
 import torch
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 
-from elastic_pretrain.eval.quality import evaluate_loops
+from elastic_pretrain.eval.loss import loss_by_loops
 from elastic_pretrain.model.inference import LoopedDecoder, generate, kv_bytes_per_token, teacher_forced_loss
 from elastic_pretrain.parallel.megatron import build_model
 from tests.eval.conftest import PAR, TOL, tiny
@@ -119,15 +119,15 @@ def test_kv_bytes_per_token(model):
 
 def test_teacher_forced_loss_per_policy(model):
     tokens = ids(3, 9, 5)
-    fixed = evaluate_loops(model, tokens)
+    fixed = loss_by_loops(model, tokens)
     per_loop = teacher_forced_loss(model, tokens, loops=4, kv_cache="per-loop", batch_size=2)
     last_loop = teacher_forced_loss(model, tokens, loops=4, kv_cache="last-loop", batch_size=2)
-    assert per_loop.loss == pytest.approx(fixed[4].loss, abs=1e-5)
+    assert per_loop.loss == pytest.approx(fixed[4], abs=1e-5)
     assert per_loop.tokens == last_loop.tokens == 24 and per_loop.mean_passes == last_loop.mean_passes == 4
     assert math.isfinite(last_loop.loss) and abs(last_loop.loss - per_loop.loss) > 1e-6
     assert last_loop.kv_bytes_per_token < per_loop.kv_bytes_per_token
     one = [teacher_forced_loss(model, tokens, loops=1, kv_cache=p).loss for p in ("per-loop", "last-loop")]
-    assert one[0] == pytest.approx(fixed[1].loss, abs=1e-5) and one[1] == pytest.approx(one[0], abs=1e-5)
+    assert one[0] == pytest.approx(fixed[1], abs=1e-5) and one[1] == pytest.approx(one[0], abs=1e-5)
 
 
 def test_greedy_generate_equals_argmax_of_full_forwards(model):

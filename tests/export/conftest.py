@@ -34,7 +34,8 @@ def build(
     """A one-process model in eval mode; ``tconfig``: megatron TransformerConfig overrides (router
     settings the job config does not expose). Conditioning heads on and non-zero, like a mixed-phase run."""
     from elastic_pretrain.model.looped import LoopedMoEModel
-    from elastic_pretrain.parallel.megatron import layer_specs, padded_vocab_size, transformer_config
+    from elastic_pretrain.model.vocab import padded_vocab_size
+    from elastic_pretrain.parallel.megatron import layer_specs, transformer_config
 
     torch.manual_seed(seed)
     tc = dataclasses.replace(transformer_config(cfg, PAR), **tconfig)

@@ -143,15 +143,15 @@ def test_a_job_the_mode_cannot_run_is_refused_before_it_starts(override):
 
 def test_evaluation_at_several_loops_runs_one_forward_per_loop(mesh1):
     """One L_max run with an exit per ℓ would attend to L_max's final K/V: evaluation runs each ℓ on its own."""
-    from elastic_pretrain.eval.quality import evaluate_loops
+    from elastic_pretrain.eval.loss import loss_by_loops
 
     net = model(tiny())
     ids = tokens(tiny())
     assert net.one_exit_per_run
-    got = evaluate_loops(net, ids, loops=[1, 2, 3])
+    got = loss_by_loops(net, ids, [1, 2, 3])
     net.eval()
     with torch.no_grad():
         for ell in (1, 2, 3):
             logits = net(ids[:, :-1], loops=ell)[ell]
             want = F.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten())
-            assert got[ell].loss == pytest.approx(float(want), rel=1e-5)
+            assert got[ell] == pytest.approx(float(want), rel=1e-5)

@@ -7,7 +7,8 @@ import torch
 
 from elastic_pretrain.config import ConfigError
 from elastic_pretrain.model.config import ModelConfig
-from elastic_pretrain.parallel.megatron import build_model, layer_specs, padded_vocab_size, transformer_config
+from elastic_pretrain.model.vocab import padded_vocab_size
+from elastic_pretrain.parallel.megatron import build_model, layer_specs, transformer_config
 from elastic_pretrain.parallel.mesh import ParallelConfig
 
 PAR = ParallelConfig()

@@ -25,8 +25,9 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from elastic_pretrain.model.config import DeciderConfig, ModelConfig
 from elastic_pretrain.model.looped import LoopedMoEModel
+from elastic_pretrain.model.vocab import padded_vocab_size
 from elastic_pretrain.parallel.cpu_compat import SequenceParallelTorchNorm
-from elastic_pretrain.parallel.megatron import layer_specs, padded_vocab_size, transformer_config
+from elastic_pretrain.parallel.megatron import layer_specs, transformer_config
 from elastic_pretrain.parallel.mesh import ParallelConfig
 
 PAR = ParallelConfig()

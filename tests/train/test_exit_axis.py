@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from elastic_pretrain.config import ConfigError
+from elastic_pretrain.eval.loss import loss_by_loops, quality_curve
 from elastic_pretrain.job import load_job
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import ParallelConfig
 from elastic_pretrain.train.schedule import DepthPlan, ScheduleConfig, ScheduleController
-from elastic_pretrain.train.step import _loss_func, evaluate
+from elastic_pretrain.train.step import _loss_func
 from tests.conftest import REPO
 
 PAR = ParallelConfig()
@@ -114,32 +115,29 @@ def test_layer_exit_gradient_reaches_only_layers_up_to_k(mesh1):
 
 @pytest.mark.parametrize("conditioned", [False, True], ids=["plain", "loop-conditioning-on"])
 def test_evaluate_on_the_layer_axis_reads_every_layer_exit(mesh1, conditioned):
-    """The trainer's validation (train/step.py evaluate) on the layer axis: loss after each layer k, the same
-    numbers as the training forward's per-token losses at those exits — with the loop-conditioning head on
-    too (both condition every exit on ℓ = 1)."""
+    """The one evaluator (eval/loss.py loss_by_loops, the trainer's validation) on the layer axis: loss after
+    each layer k, the same numbers as the training forward's per-token losses at those exits — with the
+    loop-conditioning head on too (both condition every exit on ℓ = 1)."""
     cfg = stack(loop_conditioning=conditioned)
     torch.manual_seed(0)
     model = build_model(cfg, PAR)
     t = tokens(cfg, rows=4, seed=5)
     if conditioned:
         with torch.no_grad():
-            plain = evaluate(model, t, loops=[1, 2], batch_size=2, exit_axis="layer")
+            plain = loss_by_loops(model, t, loops=[1, 2], batch_size=2, exit_axis="layer")
             model.conditioning_active = True
             model.loop_conditioning.out.weight.normal_(0, 0.5)
-        assert evaluate(model, t, loops=[1, 2], batch_size=2, exit_axis="layer")[1] != pytest.approx(plain[1])
-    val = evaluate(model, t, loops=[1, 2, 3, 4], batch_size=2, exit_axis="layer")
+        assert loss_by_loops(model, t, loops=[1, 2], batch_size=2, exit_axis="layer")[1] != pytest.approx(plain[1])
+    val = loss_by_loops(model, t, loops=[1, 2, 3, 4], batch_size=2, exit_axis="layer")
     with torch.no_grad():
         per = model(t[:, :-1], labels=t[:, 1:], loops=1, exits=[1, 2, 3, 4], exit_axis="layer")
     assert sorted(val) == [1, 2, 3, 4]
     for k in val:
         assert val[k] == pytest.approx(float(per[k].double().mean()), rel=1e-6)
     assert len({round(v, 6) for v in val.values()}) == 4
-    from elastic_pretrain.eval.layer_exits import evaluate_layers, layer_quality_curve
-
-    evals = evaluate_layers(model, t, batch_size=2)  # CE over the real vocabulary: padded ids have -inf logits
-    assert sorted(evals) == [1, 2, 3, 4]
-    assert all(evals[k].loss == pytest.approx(val[k], abs=1e-5) for k in val)
-    curve = layer_quality_curve(model, t, batch_size=2)
+    assert loss_by_loops(model, t, batch_size=2, exit_axis="layer") == val  # default: every layer 1..N
+    curve = quality_curve(model, t, batch_size=2, exit_axis="layer")
+    assert [p.loss for p in curve.points] == [val[k] for k in (1, 2, 3, 4)]
     xs = [p.relative_compute for p in curve.points]
     assert xs == sorted(xs) and xs[-1] == 1.0 and 0 < xs[0] < 0.5
 

@@ -9,9 +9,9 @@ import json
 import pytest
 
 from elastic_pretrain.config import ConfigError
-from elastic_pretrain.eval.quality import flops_per_token, moe_mlp_flops
 from elastic_pretrain.job import load_job
 from elastic_pretrain.model.config import ModelConfig
+from elastic_pretrain.model.flops import flops_per_token, moe_mlp_flops
 from elastic_pretrain.train.config import TrainConfig
 from elastic_pretrain.train.mfu import DepthCounts, device_peak, step_flops, utilisation
 from tests.conftest import REPO, torchrun

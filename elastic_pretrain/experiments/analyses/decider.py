@@ -22,7 +22,7 @@ RANDOM_STOP = (0.1, 0.25, 0.5, 0.75)  # the control: each pass, stop with this p
 def random_stop(model: Any, tokens: torch.Tensor, q: float, *, seed: int = 0) -> dict[str, float]:
     """Teacher-forced (per-loop KV) loss, accuracy and mean passes when every token stops after each pass
     with probability ``q`` — adaptive depth without any information, at a compute set by ``q``."""
-    from elastic_pretrain.eval.quality import relative_compute
+    from elastic_pretrain.model.flops import relative_compute
     from elastic_pretrain.model.inference import teacher_forced_loss
 
     gen = torch.Generator().manual_seed(seed)
@@ -34,16 +34,16 @@ def random_stop(model: Any, tokens: torch.Tensor, q: float, *, seed: int = 0) ->
 
 
 def _interp_curve(points: list[tuple[float, float]], x: float) -> float:
-    from elastic_pretrain.eval.quality import _interp
+    from elastic_pretrain.eval.curves import interp
 
     pts = sorted(points)
-    return _interp([p for p, _ in pts], [v for _, v in pts], x)
+    return interp([p for p, _ in pts], [v for _, v in pts], x)
 
 
 def _measure(ctx: Context) -> dict[str, Any]:
     """The sweep, the control and every paired difference, on one checkpoint and the same tokens."""
     from elastic_pretrain.eval.adaptive import DEFAULT_THRESHOLDS, adaptive_sweep
-    from elastic_pretrain.eval.quality import compare
+    from elastic_pretrain.eval.curves import compare
 
     run = next(r for r in ctx.runs if r.job.decider is not None)
     base = ctx.run(base_job(run.job_path) or ctx.runs[0].name)

@@ -5,7 +5,7 @@ Jobs (``jobs/experiments/exit-schedules/``), one stack of N core layers, the sam
 (the full-stack anchor + ``telescopic_draws`` random prefix exits, matched to the baseline's training
 FLOPs), ``telescopic-one-draw`` (TLM as published: one prefix exit, fewer FLOPs) and ``fixed-depth`` (only
 the full stack; what unsupervised exits look like). Each exit k is evaluated after layer k
-(eval/layer_exits.py) and placed at its relative compute; AUC on loss and on perplexity.
+(eval/loss.py, exit_axis layer) and placed at its relative compute; AUC on loss and on perplexity.
 
 **Equal training FLOPs** (docs/exit-axis.md): every exit of a micro-batch is read out of one forward
 through the stack, so a micro-batch costs the stack once plus one output layer per supervised exit
@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import math
 
-from elastic_pretrain.eval.layer_exits import layer_quality_curve
-from elastic_pretrain.eval.quality import QualityCurve, auc, compare, plot
+from elastic_pretrain.eval.curves import QualityCurve, auc, compare
+from elastic_pretrain.eval.loss import quality_curve
+from elastic_pretrain.eval.report import plot
 from elastic_pretrain.experiments.runner import Context, Experiment, Findings, Run
 from elastic_pretrain.experiments.stats import Claim, paired
 from elastic_pretrain.job import JobConfig
@@ -97,7 +98,7 @@ def exit_schedules(ctx: Context) -> Findings:
     tokens = ctx.val_tokens()
     order = [BASELINE] + [r.name for r in ctx.runs if r.name != BASELINE]
     runs = [ctx.run(n) for n in order]
-    curves = [layer_quality_curve(ctx.model(r.name), tokens, name=r.name) for r in runs]
+    curves = [quality_curve(ctx.model(r.name), tokens, name=r.name, exit_axis="layer") for r in runs]
     cmp = compare(curves)
     n = runs[0].job.model.core_layers_built
     by = {c.name: {int(p.loops): p.loss for p in c.points} for c in curves}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from elastic_pretrain.eval.quality import CurvePoint
+from elastic_pretrain.eval.curves import CurvePoint
 from elastic_pretrain.experiments.measure import losses, parameters, run_flops
 from elastic_pretrain.experiments.present import QualityCurve, pct, plot_curves, ranked, table
 from elastic_pretrain.experiments.runner import Context, Experiment, Findings

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from elastic_pretrain.eval.quality import quality_curve
+from elastic_pretrain.eval.loss import quality_curve
 from elastic_pretrain.experiments.present import plot_curves, table
 from elastic_pretrain.experiments.runner import Context, Experiment, Findings
 

@@ -1,11 +1,14 @@
 """Measure the evaluation tools on a tiny model trained for a minute on CPU (numbers in docs/evaluation.md).
 
-    python -m elastic_pretrain.eval.demo [--steps 250] [--out runs/eval-demo]
+    .venv/bin/python bench/eval_demo.py [--steps 250] [--out runs/eval-demo]
 
-Trains a tiny looped model at mixed depth (ℓ uniform in 1..L_max per step, plain Adam, one process)
+A stand-alone loop, not the trainer: trains a tiny looped model at mixed depth (ℓ uniform in 1..L_max
+per step, plain Adam, one process)
 on the byte-level CPython standard library, trains the TaH2 decider on top (frozen backbone), then
 prints: loss per loop count and AUC, KV bytes per token and the teacher-forced loss of both KV-cache
-policies, and a decider threshold sweep against fixed depth (plots into ``--out``).
+policies, and a decider threshold sweep against fixed depth (plots into ``--out``). The same tools on
+a run of the real trainer: ``elastic-pretrain train jobs/tiny-cpu.yaml``, then ``jobs/tiny-decider.yaml``,
+then ``elastic-pretrain eval <run> --adaptive --kv-gap`` (docs/evaluation.md).
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from elastic_pretrain.eval.quality import compare, markdown_table, quality_curve
+from elastic_pretrain.eval.adaptive import threshold_sweep
+from elastic_pretrain.eval.loss import quality_curve
+from elastic_pretrain.eval.report import comparison_table, markdown_table, plot_comparison
 from elastic_pretrain.model.config import ModelConfig
-from elastic_pretrain.model.decider import DeciderConfig, IterationDecider, decider_loss, threshold_sweep
+from elastic_pretrain.model.decider import DeciderConfig, IterationDecider, decider_loss
 from elastic_pretrain.model.inference import KV_POLICIES, teacher_forced_loss
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
@@ -105,7 +110,7 @@ def run(args: argparse.Namespace) -> None:
             print(f"| {r.threshold:g} | {r.mean_passes:.2f} | {r.relative_compute:.3f} | {r.loss:.4f} |")
         curves.append(curve)
     args.out.mkdir(parents=True, exist_ok=True)
-    print("\n" + compare(curves, args.out / "quality.png").markdown())
+    print("\n" + comparison_table(plot_comparison(curves, args.out / "quality.png")))
     print(f"plot: {args.out / 'quality.png'}")
 
 

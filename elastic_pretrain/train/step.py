@@ -22,7 +22,6 @@ from elastic_pretrain.model.routing import RoutingProbe
 from elastic_pretrain.parallel.device import device, to_device
 from elastic_pretrain.parallel.mesh import (
     all_reduce_sum,
-    data_parallel_group,
     expert_group_max_each,
     pipeline_group,
 )
@@ -111,14 +110,15 @@ def _reduce_by_loops(reports: list[dict], max_loops: int) -> tuple[float, dict[i
             counts[e] += float(n)
             objective += float(s) / n
     keys = list(range(1, max_loops + 1))  # the same key space on every DP rank: one all-reduce
-    packed = torch.tensor([objective / max(len(reports), 1)] + [sums[k] for k in keys] + [counts[k] for k in keys],
+    # the objective's mean over every micro-batch of the step (all replicas): replicas may run different
+    # numbers of them (schedule.balance: compute), so sum and count, not a mean of per-replica means
+    packed = torch.tensor([objective, len(reports)] + [sums[k] for k in keys] + [counts[k] for k in keys],
                           dtype=torch.float64, device=device())
     all_reduce_sum(packed)
     all_reduce_sum(packed, pipeline_group())  # only the last stage has reports; the others add zeros
-    packed[0] /= torch.distributed.get_world_size(data_parallel_group()) if torch.distributed.is_initialized() else 1
     n = len(keys)
-    by_loops = {k: float(packed[1 + i] / packed[1 + n + i]) for i, k in enumerate(keys) if packed[1 + n + i] > 0}
-    return float(packed[0]), by_loops
+    by_loops = {k: float(packed[2 + i] / packed[2 + n + i]) for i, k in enumerate(keys) if packed[2 + n + i] > 0}
+    return float(packed[0] / max(float(packed[1]), 1.0)), by_loops
 
 
 def _moe_aux(num_micro: int) -> dict[str, float]:

@@ -28,7 +28,7 @@ from elastic_pretrain.train.decider import load_base
 from elastic_pretrain.train.faults import FaultMonitor
 from elastic_pretrain.train.mfu import baseline_flops_per_token, device_peak, step_flops, utilisation
 from elastic_pretrain.train.profiling import ProfileWindow
-from elastic_pretrain.train.schedule import ScheduleController
+from elastic_pretrain.train.schedule import ExpertLayout, ScheduleController
 from elastic_pretrain.train.session import Session, build_session
 from elastic_pretrain.train.step import MicroBatch, StepResult, evaluate
 from elastic_pretrain.train.stragglers import DATA_WAIT_KEY, StragglerReport
@@ -97,12 +97,10 @@ class Trainer:
                 s.on_switch_to_mixed(state.step)
             self.faults.before_step(state.step + 1)
             t0 = time.perf_counter()
-            tokens = s.batches.next_step()
+            micro_batches = self.micro_batches(layout)
             data_s = time.perf_counter() - t0
-            plans = s.controller.step_plans(step=state.step, micro_batches=len(tokens), replica=self.mesh.replica,
-                                            layout=layout)
             probe = bool(job.train.routing_interval) and (state.step + 1) % job.train.routing_interval == 0
-            result = s.step([MicroBatch(tokens[i], p) for i, p in plans], probe_routing=probe)
+            result = s.step(micro_batches, probe_routing=probe)
             result.aux[DATA_WAIT_KEY] = data_s
             step_s = time.perf_counter() - t0
             state.step += 1
@@ -135,6 +133,18 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_end(state, val)
         return val
+
+    def micro_batches(self, layout: ExpertLayout) -> list[MicroBatch]:
+        """This replica's micro-batches of the next step with their depth plans (advances the data)."""
+        s, step = self.s, self.state.step
+        if s.controller.balanced:  # compute-balanced mixed depth: a share of the global batch's slots
+            dealt = s.controller.balanced_plans(step=step, micro_batches=s.batches.num_micro_batches,
+                                                replica=self.mesh.replica, replicas=self.mesh.dp_size, layout=layout)
+            tokens = s.batches.next_step_slots([slot for slot, _ in dealt])
+            return [MicroBatch(t, p) for t, (_, p) in zip(tokens, dealt)]
+        tokens = s.batches.next_step()
+        plans = s.controller.step_plans(step=step, micro_batches=len(tokens), replica=self.mesh.replica, layout=layout)
+        return [MicroBatch(tokens[i], p) for i, p in plans]
 
     def step_boundary(self) -> str | None:
         """Commit a finished async save, agree on a stop (a signal on any rank, or checkpoint.stop_at), save

@@ -236,7 +236,8 @@ def depth_note(aux: dict[str, float]) -> str:
     idled in ghost passes (docs/elastic-depth.md, "Depth efficiency")."""
     if "depth_efficiency" not in aux:
         return ""
-    return f" depth eff {aux['depth_efficiency']:.3f} ghost {aux.get('ghost_time_s', 0.0):.2f}s"
+    balance = f" bal {aux['depth_balance']:.3f}" if "depth_balance" in aux else ""
+    return f" depth eff {aux['depth_efficiency']:.3f}{balance} ghost {aux.get('ghost_time_s', 0.0):.2f}s"
 
 
 def print_routing(routing: dict[tuple[int, int], dict[str, float]]) -> str:
@@ -275,7 +276,7 @@ class SummaryWriter:
             "step": state.step,
             "loss": result.loss,
             "loss_by_loops": {str(k): v for k, v in result.loss_by_loops.items()},
-            **{k: result.aux[k] for k in ("depth_efficiency", "ghost_time_s") if k in result.aux},
+            **{k: result.aux[k] for k in ("depth_efficiency", "depth_balance", "ghost_time_s") if k in result.aux},
         }
         self.history.append(entry)
         if self.enabled:
@@ -318,7 +319,9 @@ def depth_summary(history: list[dict[str, Any]]) -> dict[str, float]:
     eff = [h["depth_efficiency"] for h in history if "depth_efficiency" in h]
     if not eff:
         return {}
-    return {"depth_efficiency": sum(eff) / len(eff), "ghost_time_s": sum(h.get("ghost_time_s", 0.0) for h in history)}
+    bal = [h["depth_balance"] for h in history if "depth_balance" in h]
+    return {"depth_efficiency": sum(eff) / len(eff), "ghost_time_s": sum(h.get("ghost_time_s", 0.0) for h in history),
+            **({"depth_balance": sum(bal) / len(bal)} if bal else {})}
 
 
 class TrackingCallback:

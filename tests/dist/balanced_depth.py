@@ -26,7 +26,7 @@ from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 from elastic_pretrain.train.schedule import DepthPlan
-from elastic_pretrain.train.step import MicroBatch, _forward_step, _reduce_by_loops
+from elastic_pretrain.train.step import MicroBatch, _forward_step, _reduce_by_loops, depth_counts
 from tests.dist.equivalence import global_name, local_view, wrap_ddp_for_test
 
 LOOPS = [1, 1, 2, 2]  # ℓ of micro-batch 0..3
@@ -70,7 +70,8 @@ def run(mode: str, out: Path) -> None:
         seq_length=16, micro_batch_size=2, forward_only=False)
     loss, by_loops = _reduce_by_loops(reports, cfg.max_loops)
     grads = {n: p.main_grad.detach().clone() for n, p in net.named_parameters()}
-    torch.save({"loss": loss, "by_loops": by_loops, "grads": grads, "ep": mesh.ep_rank},
+    torch.save({"loss": loss, "by_loops": by_loops, "grads": grads, "ep": mesh.ep_rank,
+                "balance": depth_counts(micro).balance},
                out / f"{mode}_rank{mesh.rank}.pt")
     teardown()
 

@@ -43,6 +43,8 @@ def test_balanced_deal_gradient_is_the_global_token_mean(out, case):
     assert math.isfinite(ref["loss"]) and sorted(ref["by_loops"]) == [1, 2]
     for rank in range(2):
         res = load(out, f"{case}_rank{rank}")
+        # depth_balance, from the real reduction: dp2 executes 1+1+2 vs 2 passes (mean 3 / max 4); ep2 3 and 3
+        assert res["balance"] == (0.75 if case == "dp2" else 1.0)
         assert res["loss"] == pytest.approx(ref["loss"], rel=1e-5)
         for k, v in ref["by_loops"].items():
             assert res["by_loops"][k] == pytest.approx(v, rel=1e-5)

@@ -132,6 +132,9 @@ def per_token_loss(net: LoopedMoEModel) -> None:
 def wrap_ddp(job: JobConfig, net: LoopedMoEModel) -> DistributedDataParallel:
     if job.schedule.balance == "compute":  # replicas run different micro-batch counts
         per_token_loss(net)
+    # overlap_grad_reduce stays off: megatron fires a bucket's reduction when the last micro-batch's
+    # hook counts equal the first step's, and mixed depth changes which parameters get a gradient
+    # (tests/train/test_overlap_grad_reduce.py; docs/elastic-depth.md, "Gradient-reduction overlap")
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=job.train.distributed_optimizer,
     )

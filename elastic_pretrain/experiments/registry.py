@@ -785,3 +785,4 @@ EXPERIMENTS: dict[str, Experiment] = {
         ),
     )
 }
+EXPERIMENTS["samplers"] = __import__("elastic_pretrain.experiments.sampler", fromlist=["EXPERIMENT"]).EXPERIMENT

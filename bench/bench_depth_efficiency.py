@@ -5,7 +5,8 @@
 No processes, no model: train/depth_sim.py replays ``ScheduleController.step_plans`` for every replica
 (EP groups of consecutive replicas; ``--ep all``: one EP group spanning every rank, the worst case).
 ``balance`` is the mean/max of the passes replicas execute per step: what the step-end gradient
-reduction waits for, which depth efficiency does not see.
+reduction waits for, which depth efficiency does not see; ``balance: compute`` (compute-balanced mixed
+depth) deals the global batch so that it is close to 1 too.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ SAMPLERS = {
     "independent_rank (ELR)": {},
     "  + order: deep_first": {"order": "deep_first"},
     "  + depth_group: expert_group": {"depth_group": "expert_group"},
+    "  + balance: compute": {"balance": "compute"},
 }
 
 

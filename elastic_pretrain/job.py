@@ -75,6 +75,11 @@ class JobConfig:
                 "parallel.pipeline=1, no decider, a sampler other than telescopic/fixed_exits, "
                 "or model.kv_training=same_pass"
             )
+        if self.schedule.balance != "off" and self.parallel.pipeline > 1:
+            raise ConfigError(  # the pipeline schedule needs the same micro-batch count (a multiple of PP) everywhere
+                f"schedule.balance: {self.schedule.balance} deals replicas different numbers of micro-batches, which "
+                "the pipeline schedule cannot run: use parallel.pipeline: 1 or schedule.balance: off"
+            )
         if self.decider is not None and self.model.max_loops < 2:
             raise ConfigError(
                 f"decider: the base model runs L_max = {self.model.max_loops} pass; a decider needs L_max >= 2"

@@ -86,6 +86,21 @@ class TokenBatches:
         self.position += self.global_batch_size
         return list(rows.split(self.micro_batch_size))
 
+    def next_step_slots(self, slots: list[int]) -> list[torch.Tensor]:
+        """Micro-batches ``slots`` (indices into the next step's global batch, in micro-batch units, as
+        ``next_step`` cuts it: rank r's are ``r·m .. r·m+m-1``) of the next optimizer step; advances the
+        position by the global batch as ``next_step`` does. Compute-balanced mixed depth
+        (``schedule.balance: compute``) deals replicas different numbers of the step's micro-batches;
+        the global batch, the position and so resume are unchanged."""
+        b, n_slots = self.micro_batch_size, self.num_micro_batches * self.dp_size
+        bad = [s for s in slots if not 0 <= s < n_slots]
+        if bad or len(set(slots)) != len(slots):
+            raise ValueError(f"slots {slots}: each must be distinct and in [0, {n_slots})")
+        positions = (self.position + np.asarray(slots, dtype=np.int64)[:, None] * b + np.arange(b)).reshape(-1)
+        rows = torch.from_numpy(self.samples(positions))
+        self.position += self.global_batch_size
+        return list(rows.split(b))
+
     def _fingerprint(self) -> dict[str, Any]:
         """What the position means: changing any of it makes the saved position point elsewhere."""
         return {

@@ -53,8 +53,12 @@ def training_compute(run: Run) -> tuple[float, float]:
     passes, flops, n = 0.0, 0.0, 0
     for step in range(run.steps):
         ctl.update(step=step, tokens_seen=step * job.tokens_per_step)
-        for i in range(micro):
-            plan = ctl.plan(step=step, micro=i, replica=0)
+        plans = (
+            [p for _, p in ctl.balanced_plans(step=step, micro_batches=micro, replica=0, replicas=1)]
+            if ctl.balanced
+            else [ctl.plan(step=step, micro=i, replica=0) for i in range(micro)]
+        )
+        for plan in plans:
             b = flops_breakdown(cfg, plan.loops, seq_len=seq)
             per_exit = b.edges * cfg.coda_layers / max(1, cfg.prelude_layers + cfg.coda_layers) + b.output
             passes += plan.loops

@@ -126,6 +126,14 @@ def all_reduce_sum(t: torch.Tensor, group: Any = None) -> torch.Tensor:
     return t
 
 
+def all_reduce_max(t: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """In-place max over ``group`` (default: data parallel) when it has more than one rank."""
+    group = data_parallel_group() if group is None else group
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t
+
+
 def sequence_shard(full: torch.Tensor, local_len: int, dim: int) -> torch.Tensor:
     """This tensor-parallel rank's slice of ``full`` along the sequence ``dim`` when sequence parallelism
     split it (``local_len`` < full length: the shards are contiguous, in TP-rank order); else ``full``."""

@@ -58,7 +58,11 @@ def simulate(cfg: ScheduleConfig, *, max_loops: int, replicas: int, ep_size: int
         per_replica = []
         u = 0
         for r, layout in enumerate(layouts(replicas, ep_size)):
-            plans = ctl.step_plans(step=step, micro_batches=micro_batches, replica=r, layout=layout)
+            if ctl.balanced:  # compute-balanced: replicas take different numbers of the global batch's slots
+                plans = ctl.balanced_plans(step=step, micro_batches=micro_batches, replica=r, replicas=replicas,
+                                           layout=layout)
+            else:
+                plans = ctl.step_plans(step=step, micro_batches=micro_batches, replica=r, layout=layout)
             u += sum(p.loops for _, p in plans)
             per_replica.append(sum(p.group_loops or p.loops for _, p in plans))
         e = sum(per_replica)

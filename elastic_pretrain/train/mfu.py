@@ -88,6 +88,10 @@ class DepthCounts:
     loops: float  # passes ℓ
     exits: float  # supervised exits (coda + output layer runs)
     ghost_passes: float  # passes joined as a ghost (expert-parallel group deeper than this micro-batch)
+    # mean / max over replicas of the passes each executed in the step (ghosts included): the share of
+    # the step the slowest replica keeps the others waiting for at the gradient reduction (depth
+    # efficiency does not see it; schedule.balance: compute targets it)
+    balance: float = 1.0
 
     @property
     def efficiency(self) -> float:

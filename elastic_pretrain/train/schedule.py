@@ -12,6 +12,7 @@ loop count the group's MoE all-to-alls run for, without a collective (:meth:`Sch
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from typing import Any, Literal
 
 import numpy as np
@@ -21,6 +22,7 @@ from elastic_pretrain.config import ConfigError, field
 Sampler = Literal["fixed", "independent_rank", "per_step", "telescopic", "fixed_exits"]
 DepthGroup = Literal["replica", "expert_group"]
 Order = Literal["draw", "deep_first"]
+Balance = Literal["off", "compute"]
 UnusedPassInit = Literal["copy_pass0", "as_initialised"]
 ExitAxis = Literal["loop", "layer"]
 
@@ -78,6 +80,15 @@ class ScheduleConfig:
         "an expert-parallel group run together; same draws, same gradient sum up to rounding).",
     )
 
+    balance: Balance = field(
+        "off",
+        doc="independent_rank: compute = compute-balanced mixed depth: ℓ is drawn per bundle of micro-batches (one "
+        "per replica of a depth group) and bundles are dealt to depth groups so that every replica executes about "
+        "the same passes per step (replicas at fewer loops take more micro-batches of the same global batch); the "
+        "loss is the plain per-token mean over the global batch (docs/elastic-depth.md). off: each replica runs "
+        "its own micro-batches.",
+    )
+
     def __post_init__(self) -> None:
         if not 0.0 <= self.switch_at <= 1.0:
             raise ConfigError(f"switch_at: {self.switch_at} must be in [0, 1] (0 = mixed from scratch, 1 = never)")
@@ -93,6 +104,9 @@ class ScheduleConfig:
         if self.depth_group != "replica" and self.sampler != "independent_rank":
             raise ConfigError(f"schedule.depth_group: {self.depth_group} applies to sampler independent_rank only "
                               f"(got {self.sampler}); remove depth_group or set sampler: independent_rank")
+        if self.balance != "off" and self.sampler != "independent_rank":
+            raise ConfigError(f"schedule.balance: {self.balance} applies to sampler independent_rank only "
+                              f"(got {self.sampler}); remove balance or set sampler: independent_rank")
         if self.sampler == "fixed_exits" and not self.exits:
             raise ConfigError("exits: fixed_exits needs the list of supervised exits, e.g. exits: [1, 2, 4]")
         if self.sampler != "fixed" and self.switch_at == 1.0:
@@ -299,6 +313,52 @@ class ScheduleController:
             top = max([mine[i].loops] + [p[pos].loops for p in peers])
             out.append((i, dataclasses.replace(mine[i], group_loops=top)))
         return out
+
+    @property
+    def balanced(self) -> bool:
+        """Compute-balanced mixed depth: replicas run :meth:`balanced_plans` (slots of the global batch)."""
+        return self.cfg.balance == "compute"
+
+    def balanced_plans(self, *, step: int, micro_batches: int, replica: int, replicas: int,
+                       layout: ExpertLayout | None = None) -> list[tuple[int, DepthPlan]]:
+        """Compute-balanced mixed depth: this replica's (global micro-batch slot, plan) pairs of ``step``.
+
+        The step's global batch is ``micro_batches × replicas`` micro-batches ("slots", the data loader's
+        order). A *depth group* (the replicas linked through expert-parallel groups, ``layout.key``; each
+        replica alone without EP) of E replicas takes slots in *bundles* of E consecutive slots, one per
+        member, all at one ℓ: the group's MoE all-to-alls pair up with no ghost pass. Each bundle draws
+        its ℓ i.i.d. from ``weights`` (and the one-loop override), so every token of the global batch
+        is at ℓ with probability w_ℓ — the per-token distribution ``independent_rank`` draws, and the
+        plain token mean over the global batch is its unbiased estimator (no importance weights; the
+        step weights every token 1 / global tokens, session.wrap_ddp). Bundles are then dealt, deepest
+        first, each to the depth group with the fewest passes so far (ties: the smaller key; LPT
+        scheduling): the groups' pass totals differ by at most L_max (the group that ends highest was the
+        lowest when it took its last bundle), so a group whose bundles are shallow takes more of them.
+        Pure in (seed, step): every rank deals the same hands."""
+        layout = layout or ExpertLayout.single(replica)
+        key = {r: layout.key.get(r, r) for r in range(replicas)}
+        members: dict[int, list[int]] = {}
+        for r in range(replicas):
+            members.setdefault(key[r], []).append(r)
+        size = len(members[key[replica]])
+        if any(len(m) != size for m in members.values()):  # megatron's EP groups are equal in size
+            raise ValueError(f"depth groups of unequal size: {sorted(map(len, members.values()))}")
+        n_bundles = micro_batches * replicas // size
+        if self.mixed:
+            rng = self._rng(step, 5)
+            ell = 1 + rng.choice(self.max_loops, size=n_bundles, p=self._weights())
+            ell[rng.random(n_bundles) < self.cfg.one_loop_fraction] = 1
+        else:
+            ell = np.full(n_bundles, self.fixed_loops)
+        loads = [(0, g) for g in sorted(members)]  # (passes dealt, group key): a heap
+        mine: list[int] = []
+        for b in sorted(range(n_bundles), key=lambda b: (-int(ell[b]), b)):
+            load, g = heapq.heappop(loads)
+            heapq.heappush(loads, (load + int(ell[b]), g))
+            if g == key[replica]:
+                mine.append(b)
+        j = members[key[replica]].index(replica)
+        return [(b * size + j, DepthPlan(int(ell[b]), (int(ell[b]),), group_loops=int(ell[b]))) for b in mine]
 
     def _ordered(self, plans: list[DepthPlan]) -> list[int]:
         idx = list(range(len(plans)))

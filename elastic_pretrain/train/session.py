@@ -112,7 +112,29 @@ def build_optimizer(job: JobConfig, model: DistributedDataParallel) -> tuple[Any
     return optimizer, scheduler
 
 
+def per_token_loss(net: LoopedMoEModel) -> None:
+    """Weight every token of the global batch 1 / (its token count), whichever replica ran it.
+
+    Compute-balanced mixed depth gives replicas different numbers of micro-batches. megatron's default
+    divides each micro-batch's loss by its tokens and by *this rank's* micro-batch count, then averages
+    over data-parallel ranks: a token on a replica with n_r of the step's M micro-batches would weigh
+    1 / (n_r · DP) micro-batches instead of 1 / M — the deep replicas (few micro-batches) would count
+    more, biasing the gradient towards deep ℓ. megatron's ``calculate_per_token_loss`` sums instead and
+    divides by the global token count in ``finalize_model_grads``; its routers scale the aux/z losses by
+    their tokens to match (each micro-batch's aux loss weighs 1 / M). Must run before DDP is built (it
+    reads the flag for its reduction scaling); routers cache the flag when built, so they are set here."""
+    net.config.calculate_per_token_loss = True
+    for module in net.modules():
+        if hasattr(module, "calculate_per_token_loss"):  # megatron's TopKRouter
+            module.calculate_per_token_loss = True
+
+
 def wrap_ddp(job: JobConfig, net: LoopedMoEModel) -> DistributedDataParallel:
+    if job.schedule.balance == "compute":  # replicas run different micro-batch counts
+        per_token_loss(net)
+    # overlap_grad_reduce stays off: megatron fires a bucket's reduction when the last micro-batch's
+    # hook counts equal the first step's, and mixed depth changes which parameters get a gradient
+    # (tests/train/test_overlap_grad_reduce.py; docs/elastic-depth.md, "Gradient-reduction overlap")
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=job.train.distributed_optimizer,
     )

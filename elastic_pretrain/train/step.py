@@ -15,12 +15,14 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
 from elastic_pretrain.model.routing import RoutingProbe
 from elastic_pretrain.parallel.device import device, to_device
 from elastic_pretrain.parallel.mesh import (
+    all_reduce_max,
     all_reduce_sum,
     data_parallel_group,
     expert_group_max_each,
@@ -112,14 +114,15 @@ def _reduce_by_loops(reports: list[dict], max_loops: int) -> tuple[float, dict[i
             counts[e] += float(n)
             objective += float(s) / n
     keys = list(range(1, max_loops + 1))  # the same key space on every DP rank: one all-reduce
-    packed = torch.tensor([objective / max(len(reports), 1)] + [sums[k] for k in keys] + [counts[k] for k in keys],
+    # the objective's mean over every micro-batch of the step (all replicas): replicas may run different
+    # numbers of them (schedule.balance: compute), so sum and count, not a mean of per-replica means
+    packed = torch.tensor([objective, len(reports)] + [sums[k] for k in keys] + [counts[k] for k in keys],
                           dtype=torch.float64, device=device())
     all_reduce_sum(packed)
     all_reduce_sum(packed, pipeline_group())  # only the last stage has reports; the others add zeros
-    packed[0] /= torch.distributed.get_world_size(data_parallel_group()) if torch.distributed.is_initialized() else 1
     n = len(keys)
-    by_loops = {k: float(packed[1 + i] / packed[1 + n + i]) for i, k in enumerate(keys) if packed[1 + n + i] > 0}
-    return float(packed[0]), by_loops
+    by_loops = {k: float(packed[2 + i] / packed[2 + n + i]) for i, k in enumerate(keys) if packed[2 + n + i] > 0}
+    return float(packed[0] / max(float(packed[1]), 1.0)), by_loops
 
 
 def _moe_aux(num_micro: int) -> dict[str, float]:
@@ -174,7 +177,7 @@ class TrainStep:
         result.depth = depth_counts(micro_batches)
         # depth efficiency and the estimated time idled in ghost passes (docs/elastic-depth.md, "Depth efficiency")
         share = ghost_time_share(net.cfg, result.depth, seq_len=self.seq_len)
-        result.aux.update({names.DEPTH_EFFICIENCY: result.depth.efficiency,
+        result.aux.update({names.DEPTH_EFFICIENCY: result.depth.efficiency, names.DEPTH_BALANCE: result.depth.balance,
                            names.GHOST_TIME_S: share * (time.perf_counter() - t0)})
         return result
 
@@ -214,7 +217,11 @@ def depth_counts(micro_batches: list[MicroBatch]) -> DepthCounts:
     local = [sum(loops), sum(len(mb.plan.exits) for mb in micro_batches), sum(s - n for s, n in zip(sync, loops)),
              len(micro_batches)]
     packed = all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=device())).tolist()
-    return DepthCounts(loops=packed[0] / packed[3], exits=packed[1] / packed[3], ghost_passes=packed[2] / packed[3])
+    slowest = all_reduce_max(torch.tensor([float(sum(sync))], dtype=torch.float64, device=device()))
+    replicas = dist.get_world_size(data_parallel_group()) if dist.is_initialized() else 1
+    balance = (packed[0] + packed[2]) / replicas / float(slowest[0]) if float(slowest[0]) else 1.0
+    return DepthCounts(loops=packed[0] / packed[3], exits=packed[1] / packed[3], ghost_passes=packed[2] / packed[3],
+                       balance=balance)
 
 
 def group_loops(micro_batches: list[MicroBatch]) -> list[int]:

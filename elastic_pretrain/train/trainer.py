@@ -29,7 +29,7 @@ from elastic_pretrain.train.decider import load_base
 from elastic_pretrain.train.faults import FaultMonitor
 from elastic_pretrain.train.mfu import baseline_flops_per_token, device_peak, step_flops, utilisation
 from elastic_pretrain.train.profiling import ProfileWindow
-from elastic_pretrain.train.schedule import ScheduleController
+from elastic_pretrain.train.schedule import ExpertLayout, ScheduleController
 from elastic_pretrain.train.session import Session, build_session
 from elastic_pretrain.train.step import MicroBatch, StepResult
 from elastic_pretrain.train.stragglers import DATA_WAIT_KEY, StragglerReport
@@ -98,12 +98,10 @@ class Trainer:
                 s.on_switch_to_mixed(state.step)
             self.faults.before_step(state.step + 1)
             t0 = time.perf_counter()
-            tokens = s.batches.next_step()
+            micro_batches = self.micro_batches(layout)
             data_s = time.perf_counter() - t0
-            plans = s.controller.step_plans(step=state.step, micro_batches=len(tokens), replica=self.mesh.replica,
-                                            layout=layout)
             probe = bool(job.train.routing_interval) and (state.step + 1) % job.train.routing_interval == 0
-            result = s.step([MicroBatch(tokens[i], p) for i, p in plans], probe_routing=probe)
+            result = s.step(micro_batches, probe_routing=probe)
             result.aux[DATA_WAIT_KEY] = data_s
             step_s = time.perf_counter() - t0
             state.step += 1
@@ -136,6 +134,18 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_end(state, val)
         return val
+
+    def micro_batches(self, layout: ExpertLayout) -> list[MicroBatch]:
+        """This replica's micro-batches of the next step with their depth plans (advances the data)."""
+        s, step = self.s, self.state.step
+        if s.controller.balanced:  # compute-balanced mixed depth: a share of the global batch's slots
+            dealt = s.controller.balanced_plans(step=step, micro_batches=s.batches.num_micro_batches,
+                                                replica=self.mesh.replica, replicas=self.mesh.dp_size, layout=layout)
+            tokens = s.batches.next_step_slots([slot for slot, _ in dealt])
+            return [MicroBatch(t, p) for t, (_, p) in zip(tokens, dealt)]
+        tokens = s.batches.next_step()
+        plans = s.controller.step_plans(step=step, micro_batches=len(tokens), replica=self.mesh.replica, layout=layout)
+        return [MicroBatch(tokens[i], p) for i, p in plans]
 
     def step_boundary(self) -> str | None:
         """Commit a finished async save, agree on a stop (a signal on any rank, or checkpoint.stop_at), save
@@ -222,7 +232,8 @@ def depth_note(aux: dict[str, float]) -> str:
     idled in ghost passes (docs/elastic-depth.md, "Depth efficiency")."""
     if "depth_efficiency" not in aux:
         return ""
-    return f" depth eff {aux['depth_efficiency']:.3f} ghost {aux.get('ghost_time_s', 0.0):.2f}s"
+    balance = f" bal {aux['depth_balance']:.3f}" if "depth_balance" in aux else ""
+    return f" depth eff {aux['depth_efficiency']:.3f}{balance} ghost {aux.get('ghost_time_s', 0.0):.2f}s"
 
 
 def print_routing(routing: dict[tuple[int, int], dict[str, float]]) -> str:
@@ -261,7 +272,7 @@ class SummaryWriter:
             "step": state.step,
             "loss": result.loss,
             "loss_by_loops": {str(k): v for k, v in result.loss_by_loops.items()},
-            **{k: result.aux[k] for k in ("depth_efficiency", "ghost_time_s") if k in result.aux},
+            **{k: result.aux[k] for k in ("depth_efficiency", "depth_balance", "ghost_time_s") if k in result.aux},
         }
         self.history.append(entry)
         if self.enabled:
@@ -304,7 +315,9 @@ def depth_summary(history: list[dict[str, Any]]) -> dict[str, float]:
     eff = [h["depth_efficiency"] for h in history if "depth_efficiency" in h]
     if not eff:
         return {}
-    return {"depth_efficiency": sum(eff) / len(eff), "ghost_time_s": sum(h.get("ghost_time_s", 0.0) for h in history)}
+    bal = [h["depth_balance"] for h in history if "depth_balance" in h]
+    return {"depth_efficiency": sum(eff) / len(eff), "ghost_time_s": sum(h.get("ghost_time_s", 0.0) for h in history),
+            **({"depth_balance": sum(bal) / len(bal)} if bal else {})}
 
 
 class TrackingCallback:

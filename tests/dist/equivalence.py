@@ -90,10 +90,15 @@ def main(mode: str, out: Path) -> None:
     teardown()
 
 
-def wrap_ddp_for_test(net):
+def wrap_ddp_for_test(net, balance: str = "off"):
     class _Job:  # wrap_ddp reads only these
         class train:
             distributed_optimizer = False
+
+        class schedule:
+            pass
+
+    _Job.schedule.balance = balance  # type: ignore[attr-defined]
 
     return wrap_ddp(_Job, net)
 

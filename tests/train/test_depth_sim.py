@@ -52,6 +52,8 @@ def test_progress_note_and_run_summary():
 
     assert depth_note({}) == ""
     assert depth_note({"depth_efficiency": 0.7444, "ghost_time_s": 0.123}) == " depth eff 0.744 ghost 0.12s"
+    assert depth_note({"depth_efficiency": 1.0, "depth_balance": 0.9751, "ghost_time_s": 0.0}) == (
+        " depth eff 1.000 bal 0.975 ghost 0.00s")
     history = [{"step": 1}, {"step": 2, "depth_efficiency": 1.0, "ghost_time_s": 0.0},
                {"step": 3, "depth_efficiency": 0.5, "ghost_time_s": 0.25}]
     assert depth_summary(history) == {"depth_efficiency": 0.75, "ghost_time_s": 0.25}

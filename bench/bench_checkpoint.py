@@ -35,7 +35,7 @@ def leaf_tensors(sd: Any, out: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         for v in sd.values():
             leaf_tensors(v, out)
     elif isinstance(sd, (ShardedTensor, ShardedTensorFactory)):
-        out[sd.key] = sd.data
+        out[f"{sd.key}@{getattr(sd, 'global_offset', ())}"] = sd.data  # the Adam state: several boxes a key
     return out
 
 

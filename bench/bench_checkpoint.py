@@ -35,7 +35,8 @@ def leaf_tensors(sd: Any, out: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
         for v in sd.values():
             leaf_tensors(v, out)
     elif isinstance(sd, (ShardedTensor, ShardedTensorFactory)):
-        out[sd.key] = sd.data
+        # every leaf once: a key holds several (a stacked expert tensor, the Adam state's boxes of a slice)
+        out[f"{len(out)}:{sd.key}"] = sd.data
     return out
 
 

@@ -1,25 +1,37 @@
-"""Optimizer state in *model space*: one tensor per (model parameter, Adam state), sharded like the
-parameter itself — so a checkpoint reshards over TP, EP and DP exactly as the model does.
+"""Optimizer state in *model space*, each data-parallel rank saving and loading only its own slice.
+
+Every (model parameter, Adam state) is one global tensor, ``optimizer.<state>.<model key>``, with the
+parameter's global shape and sharded like it over TP/EP/PP — so a checkpoint reshards exactly as the
+model does. Megatron's distributed optimizer gives each DP rank a contiguous *flat* slice
+``[start, end)`` of each local parameter; here each rank describes its slice as at most
+``2·ndim − 1`` rectangular boxes of that global tensor (a partial first row, whole rows, a partial
+last row, recursively) and saves those boxes straight from its optimizer state (views, no copy, no
+communication). The saved global tensors are the same as if one rank had written them whole; only
+their chunking follows the writers, and DCP reads any other layout's boxes out of any chunking. On
+load each rank asks for the boxes of the slice it owns at the new layout: it materialises and (at
+the same layout) reads 12/DP bytes per parameter, not 12.
 
 Why not megatron's own formats: on megatron-core 0.16.1 ``dp_reshardable`` reshards only over DP,
-``fully_sharded_model_space`` needs ``ShardedTensor.flattened_range`` (rejected by 0.16.1), and
-``fully_reshardable`` keys depend on how many chained optimizers a layout has (EP=1: one; EP>1:
-dense + expert), so EP 2→1 cannot load. Here every DP rank contributes the flat slice of each
-parameter it owns (DistributedOptimizer) and one all-reduce per (optimizer, state) assembles the
-parameter's full local tensor — summed as int32 bit patterns over disjoint slices, so the result is
-bit-exact (also for -0.0). Keys are ``optimizer.<state>.<model key>``, independent of the layout.
+``fully_sharded_model_space`` (the same idea, by ``ShardedTensor.flattened_range``) is rejected by
+0.16.1's ``ShardedTensor``, and ``fully_reshardable`` gathers the whole state on every DP rank and
+its keys depend on how many chained optimizers a layout has (EP=1: one; EP>1: dense + expert), so
+EP 2→1 cannot load. The boxes here use megatron's uneven-sharding path (``axis_fragmentations=None``,
+saved as DCP chunks through ``LocalShardsContainer``); a parameter that a ``ShardedTensorFactory``
+saves in parts (SwiGLU's ``linear_fc1``: two halves) is split into those parts first, found by running
+the factory on a meta tensor.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor, ShardedTensorFactory
-from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
 
 from elastic_pretrain.parallel.device import device
 
@@ -36,6 +48,17 @@ class _Entry:
     start: int  # this rank's flat slice [start, end) of the parameter; empty when start == end
     end: int
     tensors: dict[str, torch.Tensor]  # "param" (main copy), "exp_avg", "exp_avg_sq" (flat slices), "step"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """A box of one saved global tensor that holds the flat range [start, end) of a local parameter."""
+
+    start: int
+    end: int
+    base: ShardedTensor  # the part of the parameter the box lies in (the parameter, or a factory's part)
+    offset: tuple[int, ...]  # the box inside ``base``'s local tensor
+    shape: tuple[int, ...]
 
 
 def optimizers(optimizer: Any) -> list[Any]:
@@ -124,49 +147,118 @@ def _states(opt: Any, entries: list[_Entry]) -> list[str]:
     return [*ADAM_STATES, "param"] if separate_main else list(ADAM_STATES)
 
 
-def _dp_group(opt: Any) -> Any:
-    return getattr(opt, "data_parallel_group", None) if _is_distributed(opt) else None
+def boxes(shape: tuple[int, ...], start: int, end: int) -> Iterator[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(offset, size) of the boxes that tile the flat range [start, end) of a row-major tensor of
+    ``shape``, in flat order: a partial first row, the whole rows, a partial last row, recursively
+    (at most ``2·ndim − 1`` boxes)."""
+    if start >= end:
+        return
+    if len(shape) <= 1:
+        yield ((start,), (end - start,)) if shape else ((), ())
+        return
+    row = math.prod(shape[1:])
+    (r0, c0), (r1, c1) = divmod(start, row), divmod(end, row)
+    if r0 == r1:
+        yield from (((r0, *o), (1, *s)) for o, s in boxes(shape[1:], c0, c1))
+        return
+    if c0:
+        yield from (((r0, *o), (1, *s)) for o, s in boxes(shape[1:], c0, row))
+        r0 += 1
+    if r1 > r0:
+        yield (r0, *(0 for _ in shape[1:])), (r1 - r0, *shape[1:])
+    if c1:
+        yield from (((r1, *o), (1, *s)) for o, s in boxes(shape[1:], 0, c1))
 
 
-def _assemble(entries: list[_Entry], state: str, group: Any) -> torch.Tensor:
-    """The full flat fp32 tensors of every entry, concatenated; each DP rank fills its own slices.
+def _parts(sharded: ShardedTensor | ShardedTensorFactory, key: str, replica: Any) -> list[tuple[int, ShardedTensor]]:
+    """(flat offset in the local parameter, ShardedTensor without data) of each part the model saves the
+    parameter as under ``key``: the parameter itself, or each tensor its factory builds (found on a
+    meta tensor: a part must be a contiguous view of the parameter)."""
+    if isinstance(sharded, ShardedTensor):
+        return [(0, dataclasses.replace(sharded, key=key, data=None, replica_id=replica))]
+    probe = torch.empty(sharded.data.shape, device="meta")
+    parts = []
+    for sub in nested_values(sharded.build_fn(key, probe, replica, None)):
+        view = sub.data
+        if not (isinstance(sub, ShardedTensor) and view.is_contiguous() and (view is probe or view._base is probe)):
+            raise NotImplementedError(f"{sharded.key}: its ShardedTensorFactory does not save contiguous parts")
+        parts.append((view.storage_offset(), dataclasses.replace(sub, data=None)))
+    return sorted(parts, key=lambda p: p[0])
 
-    Assembled on the device (the DP group is NCCL on GPU machines), returned on the host: the
-    checkpoint writer reads host memory, and the full copy must not stay in GPU memory."""
-    total = sum(e.param.numel() for e in entries)
-    flat = torch.zeros(total, dtype=torch.float32, device=device())
-    offset = 0
-    for e in entries:
-        if e.end > e.start:
-            flat[offset + e.start : offset + e.end] = e.tensors[state].detach().view(-1).float()
-        offset += e.param.numel()
-    if group is not None and dist.get_world_size(group) > 1:
-        bits = flat.view(torch.int32)  # disjoint slices: integer sum of bit patterns is exact
-        dist.all_reduce(bits, group=group)
-    return flat.cpu()
+
+def _pieces(e: _Entry, state: str, replica: Any) -> list[_Piece]:
+    """The boxes of this rank's slice [e.start, e.end) of ``e``'s parameter, for one state."""
+    out = []
+    for base_start, base in _parts(e.sharded, f"optimizer.{state}.{e.sharded.key}", replica):
+        lo, hi = max(e.start, base_start), min(e.end, base_start + math.prod(base.local_shape))
+        at = lo
+        for offset, shape in boxes(tuple(base.local_shape), lo - base_start, hi - base_start):
+            n = math.prod(shape)
+            out.append(_Piece(at, at + n, base, offset, shape))
+            at += n
+    return out
+
+
+def _replica(opt: Any, e: _Entry) -> Any:
+    """The replica id of this rank's boxes: a distributed optimizer's DP ranks hold disjoint slices, so
+    every DP rank's boxes are main replicas (DP coordinate 0); other ranks of a replicated optimizer
+    hold copies (the model's own replica id)."""
+    rid = e.sharded.replica_id
+    if not _is_distributed(opt):
+        return rid
+    return (*rid[:-1], 0) if isinstance(rid, tuple) else 0
+
+
+def _sharded(piece: _Piece, data: torch.Tensor) -> ShardedTensor:
+    """``data`` (the piece's elements) as the box of its global tensor; prepended axes become explicit
+    size-1 axes (megatron's uneven-sharding path takes no ``prepend_axis_num``)."""
+    b, n = piece.base, piece.base.prepend_axis_num
+    shape = (*(1 for _ in range(n)), *piece.shape)
+    offset = (*b.global_offset[:n], *(g + o for g, o in zip(b.global_offset[n:], piece.offset)))
+    return ShardedTensor(
+        key=b.key,
+        data=data.view(shape),
+        dtype=data.dtype,
+        local_shape=shape,
+        global_shape=b.global_shape,
+        global_offset=offset,
+        axis_fragmentations=None,
+        replica_id=b.replica_id,
+        allow_shape_mismatch=b.allow_shape_mismatch,
+    )
+
+
+def _walk(optimizer: Any, model_sharded: ShardedStateDict) -> Iterator[tuple[str, str, _Entry, _Piece]]:
+    """(state, local key, entry, piece) for every box of every state this rank owns."""
+    by_param = _param_index(model_sharded)
+    for o, opt in enumerate(optimizers(optimizer)):
+        entries = list(_entries(opt, by_param))
+        for state in _states(opt, entries):
+            for i, e in enumerate(entries):
+                if e.end > e.start:
+                    for j, piece in enumerate(_pieces(e, state, _replica(opt, e))):
+                        yield state, f"{o}.{i}.{j}", e, piece
+
+
+def _local(e: _Entry, state: str, piece: _Piece) -> torch.Tensor:
+    """The piece's elements in the optimizer's flat slice (a view)."""
+    return e.tensors[state].detach().view(-1)[piece.start - e.start : piece.end - e.start]
 
 
 def sharded_optimizer_state(optimizer: Any, model_sharded: ShardedStateDict) -> tuple[ShardedStateDict, float]:
-    """(``{state: {"<optimizer>.<entry>": ShardedTensor}}`` to save, Adam's step count).
+    """(``{state: {"<optimizer>.<entry>.<box>": ShardedTensor}}`` to save, Adam's step count).
 
-    Collective over each optimizer's DP group."""
-    by_param = _param_index(model_sharded)
+    The tensors are views of this rank's optimizer state (fp32 copies only if the state is not fp32).
+    Collective (a MAX of the step count over all ranks)."""
     out: ShardedStateDict = {}
+    for state, name, e, piece in _walk(optimizer, model_sharded):
+        out.setdefault(state, {})[name] = _sharded(piece, _local(e, state, piece).float())
     step = 0.0
-    for o, opt in enumerate(optimizers(optimizer)):
-        entries = list(_entries(opt, by_param))
-        for e in entries:
+    by_param = _param_index(model_sharded)
+    for opt in optimizers(optimizer):
+        for e in _entries(opt, by_param):
             if "step" in e.tensors:
                 step = max(step, float(e.tensors["step"]))
-        for state in _states(opt, entries):
-            flat = _assemble(entries, state, _dp_group(opt))
-            offset = 0
-            for i, e in enumerate(entries):
-                full = flat[offset : offset + e.param.numel()].view(e.param.shape)
-                offset += e.param.numel()
-                out.setdefault(state, {})[f"{o}.{i}"] = make_sharded_optimizer_tensor(
-                    e.sharded, full, f"optimizer.{state}"
-                )
     t = torch.tensor([step], dtype=torch.float64, device=device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a rank may own no slice of some optimizer
@@ -174,31 +266,23 @@ def sharded_optimizer_state(optimizer: Any, model_sharded: ShardedStateDict) -> 
 
 
 def loading_template(optimizer: Any, model_sharded: ShardedStateDict) -> ShardedStateDict:
-    """The same structure as :func:`sharded_optimizer_state`, with empty tensors to load into."""
-    by_param = _param_index(model_sharded)
+    """The same structure as :func:`sharded_optimizer_state` at this rank's layout, with empty tensors to
+    load into: only the boxes of the slices this rank owns."""
     out: ShardedStateDict = {}
-    for o, opt in enumerate(optimizers(optimizer)):
-        entries = list(_entries(opt, by_param))
-        for state in _states(opt, entries):
-            for i, e in enumerate(entries):
-                empty = torch.empty(e.param.shape, dtype=torch.float32)
-                out.setdefault(state, {})[f"{o}.{i}"] = make_sharded_optimizer_tensor(
-                    e.sharded, empty, f"optimizer.{state}"
-                )
+    for state, name, _, piece in _walk(optimizer, model_sharded):
+        empty = torch.empty(piece.end - piece.start, dtype=torch.float32)
+        out.setdefault(state, {})[name] = _sharded(piece, empty)
     return out
 
 
 @torch.no_grad()
 def load_optimizer_state(optimizer: Any, model_sharded: ShardedStateDict, loaded: dict[str, Any], step: float) -> None:
-    """Copy this rank's slices of the loaded full tensors into the optimizer (after :func:`ensure_state`)."""
+    """Copy the loaded boxes into this rank's optimizer slices (after :func:`ensure_state`)."""
+    for state, name, e, piece in _walk(optimizer, model_sharded):
+        dst = _local(e, state, piece)
+        dst.copy_(loaded[state][name].reshape(-1).to(dst.dtype))
     by_param = _param_index(model_sharded)
-    for o, opt in enumerate(optimizers(optimizer)):
-        entries = list(_entries(opt, by_param))
-        for state in _states(opt, entries):
-            for i, e in enumerate(entries):
-                if e.end > e.start:
-                    src = loaded[state][f"{o}.{i}"].reshape(-1)[e.start : e.end]
-                    e.tensors[state].view(-1).copy_(src.to(e.tensors[state].dtype))
-        for e in entries:
+    for opt in optimizers(optimizer):
+        for e in _entries(opt, by_param):
             if "step" in e.tensors:
                 e.tensors["step"].fill_(step)

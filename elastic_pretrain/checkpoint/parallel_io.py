@@ -1,12 +1,14 @@
 """Parallel checkpoint I/O: every rank writes, reads and checksums only its share.
 
-* **Writes.** A tensor replicated over data-parallel ranks (every model parameter; every Adam moment,
-  which ``optim_state`` assembles in model space) is written by exactly one rank of its DP group,
-  chosen so that each rank writes about 1/DP of the bytes (megatron-core's
-  ``FullyParallelSaveStrategyWrapper``; without it, DP rank 0 writes everything).
+* **Optimizer state.** Not replicated: each data-parallel rank saves the boxes of the Adam-state
+  slices its distributed optimizer owns, and loads the boxes of the slices it owns at the new layout
+  (``checkpoint/optim_state.py``): 1/DP of the optimizer bytes per rank, with no exchange.
+* **Writes.** A tensor replicated over data-parallel ranks (every model parameter) is written by
+  exactly one rank of its DP group, chosen so that each rank writes about 1/DP of the bytes
+  (megatron-core's ``FullyParallelSaveStrategyWrapper``; without it, DP rank 0 writes everything).
 * **Reads.** On resume each replicated tensor is read from disk by one rank of the DP group and
   broadcast to the others that need it (``FullyParallelLoadStrategyWrapper``): a rank reads about
-  1/DP of the checkpoint instead of all of it. The loaded tensors are the same as with a plain load,
+  1/DP of the model instead of all of it. The loaded tensors are the same as with a plain load,
   so resharding over TP/EP/DP is unchanged.
 * **Checksums.** Verifying a checkpoint before resume splits its files over all ranks (largest
   first, to the least-loaded rank); the errors are gathered, and every rank raises the first one.

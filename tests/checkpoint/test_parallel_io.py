@@ -1,5 +1,6 @@
-"""Parallel checkpoint I/O (checkpoint/parallel_io.py): 4 ranks, EP 2 — each rank writes and reads about
-1/world of the checkpoint's bytes, and the spread load gives bitwise the tensors of a plain load."""
+"""Parallel checkpoint I/O (checkpoint/parallel_io.py, checkpoint/optim_state.py): 4 ranks, EP 2 — each
+rank builds, writes, reads and loads into only its 1/DP share of the optimizer state, writes and reads
+about 1/world of the model's bytes, and the spread load gives bitwise the tensors of a plain load."""
 
 from __future__ import annotations
 
@@ -25,13 +26,27 @@ def test_verify_share_splits_files_by_size_over_ranks():
 def test_each_rank_reads_and_writes_its_share(tmp_path: Path) -> None:
     torchrun(SCRIPT, str(tmp_path), nproc=4, timeout=900, env={"PYTHONPATH": str(REPO)})
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
-    total = results[0]["distcp_total"]
-    # dense tensors are needed by 4 ranks and each expert half by 2: a fair read share is total / 4
+    total, optim_total = results[0]["distcp_total"], results[0]["optim_total"]
+    model_total = total - sum(r["written_optim"] for r in results)  # the model's bytes as stored
+    # dense tensors are needed by 4 ranks and each expert half by 2: a fair share is total / 4
     # + one tensor (the greedy split's granularity) + .metadata, which the spread load reads twice
     slack = results[0]["largest_tensor"] + 2 * results[0]["metadata"]
+    # the optimizer slices of the 4 ranks partition the state: each rank's 1/DP share is `owned`
+    assert sum(r["owned"] for r in results) == optim_total
     for r in results:
         assert r["same"], r  # the spread load is bitwise the plain load
+        assert r["owned"] <= optim_total / 4 + r["largest_tensor"], r
+        # the optimizer state a rank builds to save (views of its own state, no copy) and to load into
+        assert r["save_built"] == r["owned"] and r["save_copied"] == 0, r
+        assert r["load_built"] == r["owned"], r
+        # ... writes (raw tensor bytes; stored, each box carries torch.save's framing, < 2 KB) ...
+        assert r["written_optim_raw"] == r["owned"], r
+        assert r["written_optim"] - r["written_optim_raw"] <= 2048 * r["optim_items_written"], r
+        # ... and reads back: exactly the items it wrote (same layout), with either load strategy
+        assert r["spread_read_optim"] == r["plain_read_optim"] == r["written_optim"], r
+        # the model: replicated over DP, read once per DP group by the spread load, by every replica without
+        assert r["plain_read_model"] >= model_total / 2, r
+        assert r["spread_read_model"] <= model_total / 4 + r["largest_model_tensor"], r
         assert r["spread_read"] <= total / 4 + slack, r
-        assert r["plain_read"] >= total / 2, r  # without spreading, every replica reads all it needs
         assert r["written"] <= total / 4 + r["largest_tensor"], r
     assert sum(r["written"] for r in results) == total

@@ -23,6 +23,7 @@ from elastic_pretrain.config import (
     to_dict,
 )
 from elastic_pretrain.data.config import DataConfig
+from elastic_pretrain.engine.config import DeepSpeedConfig, Engine, check_engine
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.model.config import DeciderConfig, ModelConfig
@@ -52,6 +53,8 @@ class JobConfig:
     decider: DeciderConfig | None = field(
         None, doc="A decider job: post-train a TaH2 iteration decider on decider.init_from (docs/evaluation.md)."
     )
+    engine: Engine = field("megatron", doc="Who runs the numerics: megatron (any mesh) or deepspeed (ZeRO, DP only).")
+    deepspeed: DeepSpeedConfig = field(factory=DeepSpeedConfig, doc="ZeRO settings of engine=deepspeed (docs/engines.md)")
 
     def __post_init__(self) -> None:
         if self.name in ("", ".", "..") or any(c in "/\\" or not c.isprintable() for c in self.name):
@@ -65,6 +68,7 @@ class JobConfig:
         tp = self.parallel.tensor
         self.model.check_fp8_layout(tensor=tp, tokens=self.data.seq_len * self.train.micro_batch_size // tp)
         self.model.check_fp8_recompute(self.train.recompute)
+        check_engine(self)
         several_exits = self.decider is not None or self.schedule.sampler in ("telescopic", "fixed_exits")
         if self.model.kv_training == "last_loop" and (self.parallel.pipeline > 1 or several_exits):
             raise ConfigError(

@@ -54,7 +54,9 @@ class JobConfig:
         None, doc="A decider job: post-train a TaH2 iteration decider on decider.init_from (docs/evaluation.md)."
     )
     engine: Engine = field("megatron", doc="Who runs the numerics: megatron (any mesh) or deepspeed (ZeRO, DP only).")
-    deepspeed: DeepSpeedConfig = field(factory=DeepSpeedConfig, doc="ZeRO settings of engine=deepspeed (docs/engines.md)")
+    deepspeed: DeepSpeedConfig = field(
+        factory=DeepSpeedConfig, doc="ZeRO settings of engine=deepspeed (docs/engines.md)."
+    )
 
     def __post_init__(self) -> None:
         if self.name in ("", ".", "..") or any(c in "/\\" or not c.isprintable() for c in self.name):

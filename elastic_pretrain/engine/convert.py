@@ -42,7 +42,8 @@ def deepspeed_weights(step: Path) -> dict[str, torch.Tensor]:
             f"{step / MODEL_DIR}: cannot read the DeepSpeed model weights ({type(err).__name__}: "
             f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}); use another checkpoint"
         ) from err
-    return dict(state)
+    # engine/deepspeed.py wraps the model (LoopedForDeepSpeed): its names start with "module."
+    return {k.removeprefix("module."): v for k, v in state.items()}
 
 
 def load_deepspeed_weights(net: torch.nn.Module, step: Path) -> None:
@@ -102,6 +103,9 @@ def _save_deepspeed(job: Any, net: torch.nn.Module, tmp: Path) -> None:
 
     deepspeed = import_deepspeed()
     os.environ.setdefault("LOCAL_RANK", "0")
+    from elastic_pretrain.engine.deepspeed import LoopedForDeepSpeed
+
     net.train()
-    engine, *_ = deepspeed.initialize(model=net, model_parameters=param_groups(net), config=ds_config(job, 1))
+    engine, *_ = deepspeed.initialize(model=LoopedForDeepSpeed(net), model_parameters=param_groups(net),
+                                      config=ds_config(job, 1))
     engine.save_checkpoint(str(tmp), tag=MODEL_DIR, save_latest=False)

@@ -73,7 +73,8 @@ def import_deepspeed() -> Any:
 def param_groups(net: torch.nn.Module) -> list[dict[str, Any]]:
     """megatron-core's default groups: no weight decay on biases and 1-D parameters (``wd_mult`` is read by
     ``OptimizerParamScheduler``, which sets each group's weight decay every step)."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for name, p in net.named_parameters():
         if p.requires_grad:
             (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
@@ -109,19 +110,55 @@ class _ReplayGrads(torch.autograd.Function):
         return (None, *(g * grad_out for g in ctx.grads))
 
 
+class ExitOutputs:
+    """The model's ``{exit ℓ: tensor}`` as attributes ``l<ℓ>``, read like the dict. ZeRO-3's post-forward hook
+    reads a module's non-tensor output through ``dict.items()`` or ``vars()`` and needs string names; the looped
+    model's exits are ints."""
+
+    def __init__(self, out: dict[int, torch.Tensor]) -> None:
+        for k, v in out.items():
+            setattr(self, f"l{k}", v)
+
+    def __getitem__(self, exit_: int) -> torch.Tensor:
+        return getattr(self, f"l{exit_}")
+
+    def items(self) -> list[tuple[int, torch.Tensor]]:
+        return [(int(n[1:]), v) for n, v in vars(self).items()]
+
+    def keys(self) -> list[int]:
+        return [k for k, _ in self.items()]
+
+    def values(self) -> list[torch.Tensor]:
+        return list(vars(self).values())
+
+
+class LoopedForDeepSpeed(torch.nn.Module):
+    """What ``deepspeed.initialize`` wraps: the looped model under ``module``, its exits as :class:`ExitOutputs`.
+
+    ``forward`` calls the model's ``forward`` directly, past its own module hooks (it holds no parameters of its
+    own; its submodules' hooks gather theirs), so no hook sees the int-keyed dict."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = net
+
+    def forward(self, *args: Any, **kwargs: Any) -> ExitOutputs:
+        return ExitOutputs(self.module.forward(*args, **kwargs))
+
+
 class DeepSpeedStep:
     """The numerics of one optimizer step on the DeepSpeed engine: the objective, reductions and result of
     ``train/step.py``'s ``TrainStep`` (same loss function, same per-ℓ reduction), DeepSpeed's backward/step."""
 
-    def __init__(self, engine: Any, scheduler: Any, *, seq_len: int, max_loops: int, ordered: bool) -> None:
-        self.model, self.optimizer, self.scheduler = engine, engine.optimizer, scheduler
+    def __init__(self, engine: Any, net: Any, scheduler: Any, *, seq_len: int, max_loops: int, ordered: bool) -> None:
+        self.model, self.net, self.optimizer, self.scheduler = engine, net, engine.optimizer, scheduler
         self.seq_len, self.max_loops, self.ordered = seq_len, max_loops, ordered
         self.params = [p for p in engine.module.parameters() if p.requires_grad]
         self.veto: Any = None  # FaultMonitor.veto(found_inf, grad_norm, loss=...): sees the loss (see _step)
 
     def __call__(self, micro_batches: list[MicroBatch], *, probe_routing: bool = False) -> StepResult:
         t0 = time.perf_counter()
-        net: Any = self.model.module
+        net = self.net
         micro_batches = [dataclasses.replace(mb, tokens_BT1=to_device(mb.tokens_BT1)) for mb in micro_batches]
         if probe_routing:
             net.start_routing_probe()
@@ -225,7 +262,8 @@ def build_session(job: JobConfig, mesh: Mesh) -> Any:
         job.run_path.mkdir(parents=True, exist_ok=True)
         (job.run_path / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
     os.environ.setdefault("LOCAL_RANK", "0")  # torchrun sets it; DeepSpeed asserts it even for one process
-    engine, optimizer, _, _ = deepspeed.initialize(model=net, model_parameters=param_groups(net), config=config)
+    engine, optimizer, _, _ = deepspeed.initialize(model=LoopedForDeepSpeed(net), model_parameters=param_groups(net),
+                                                   config=config)
     scheduler = lr_scheduler(job, optimizer)
     n_micro = job.train.micro_batches(mesh.dp_size)
     batches = TokenBatches(job.data, micro_batch_size=job.train.micro_batch_size, num_micro_batches=n_micro,
@@ -236,8 +274,10 @@ def build_session(job: JobConfig, mesh: Mesh) -> Any:
     controller = ScheduleController(job.schedule, max_loops=job.model.max_loops,
                                     total_tokens=job.train.steps * job.tokens_per_step, seed=job.train.seed)
     ordered = job.deepspeed.zero_stage < 3  # ZeRO-3 runs only where every rank runs the same passes
-    step = DeepSpeedStep(engine, scheduler, seq_len=job.data.seq_len, max_loops=job.model.max_loops, ordered=ordered)
-    session = DeepSpeedSession(job, net, engine, optimizer, scheduler, batches, val_tokens, controller, step)
+    step = DeepSpeedStep(engine, net, scheduler, seq_len=job.data.seq_len, max_loops=job.model.max_loops,
+                         ordered=ordered)
+    session = DeepSpeedSession(job, net, engine, optimizer, scheduler, batches, val_tokens, controller,
+                               step)  # type: ignore[arg-type]  # the same interface as TrainStep
     session.tensors = DeepSpeedTensors(engine)
     session.sync_phase()
     if mesh.is_logging_rank:
@@ -250,6 +290,13 @@ class DeepSpeedSession(Session):
     """A Session whose switch to mixed depth writes the copied attention through ZeRO's master copies."""
 
     tensors: DeepSpeedTensors | None = None
+
+    def describe(self) -> str:
+        """As the megatron session's, counting ZeRO-3's partitioned parameters at their full size."""
+        n = sum(getattr(p, "ds_numel", p.numel()) for p in self.net.parameters())
+        where = "partitioned over the ranks" if self.job.deepspeed.zero_stage == 3 else "on this rank"
+        rest = super().describe().split(" on this rank", 1)[1]
+        return f"model: {n / 1e6:.2f}M parameters {where}{rest} | engine deepspeed ZeRO-{self.job.deepspeed.zero_stage}"
 
     def on_switch_to_mixed(self, step: int) -> None:
         unused = self.controller.unused_passes()

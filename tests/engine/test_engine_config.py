@@ -64,3 +64,15 @@ def test_the_generated_config_takes_everything_from_the_job() -> None:
     assert cfg["elastic_pretrain_lr_schedule"]["warmup_steps"] == t.warmup_steps
     assert cfg["bf16"]["enabled"] is False
     json.dumps(cfg)  # written to the run directory as JSON
+
+
+def test_the_deepspeed_pin_is_the_locked_and_installed_version() -> None:
+    """pyproject's extra, requirements/lock-cpu.txt and the venv agree (scripts/setup.sh installs the lock)."""
+    import importlib.metadata
+    import tomllib
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["deepspeed"]
+    lock = [line for line in (REPO / "requirements" / "lock-cpu.txt").read_text().splitlines()
+            if line.startswith("deepspeed==")]
+    assert extra == lock == [f"deepspeed=={importlib.metadata.version('deepspeed')}"]
+    assert 'DS_BUILD_OPS=0 "${PIP[@]}" -r requirements/lock-cpu.txt' in (REPO / "scripts" / "setup.sh").read_text()

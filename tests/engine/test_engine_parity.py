@@ -1,12 +1,12 @@
 """The same job on both engines (torchrun, 2 gloo ranks, data parallel 2): the same per-step losses for 20 steps
 at fixed depth and at mixed depth (ranks draw their own ℓ per micro-batch from the first step).
 
-Tolerance: |Δloss| <= 2e-3 per step (fp32). What differs between the engines is only summation order — megatron
-DDP scales gradients by 1/DP before its all-reduce and clips with its own norm kernel, DeepSpeed averages after
-a reduce-scatter and clips inside ZeRO; optimizer (torch AdamW), parameter groups and LR schedule are the
-same. Those ~1e-7 relative differences compound through 20 Adam steps at lr 3e-3 and through the routers'
-top-k, measured at up to ~1e-4 here; 2e-3 is ~1% of a step's loss change, so a wrong LR, a missing weight
-decay group, a missing 1/micro-batch scale or a gradient reduced over the wrong parameters fails it.
+Tolerance: |Δloss| <= 1e-5 per step (fp32; losses ~5). What differs between the engines is only summation
+order — megatron DDP scales gradients by 1/DP before its all-reduce and clips with its own norm kernel,
+DeepSpeed averages after a reduce-scatter and clips inside ZeRO; optimizer (torch AdamW), parameter groups and
+LR schedule are the same. Measured worst over the 20 steps: 3.6e-7 (fixed), 2.4e-7 (mixed); 1e-5 leaves room
+for reassociation on other machines while a wrong LR, weight decay group, 1/micro-batch scale or a gradient
+reduced over the wrong parameters moves a step's loss by far more.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ DEPTH = {
     # mixed from the first step, no one-loop override bias: ranks run different passes in one update
     "mixed": ["schedule.sampler=independent_rank", "schedule.switch_at=0.0", "schedule.one_loop_fraction=0.3"],
 }
-TOLERANCE = 2e-3
+TOLERANCE = 1e-5
 
 
 @pytest.mark.parametrize("depth", ["fixed", "mixed"])

@@ -150,6 +150,12 @@ def check_resumable(ckpt: Path, job: JobConfig) -> dict[str, Any]:
     except UserError as err:
         raise UserError(f"{err}{_previous_hint(ckpt)}") from None
     meta = read_trainer_state(ckpt, require=tuple(TRAINER_KEYS))
+    saved_engine = meta.get("config", {}).get("engine", "megatron")  # engine/: each reads only its own files
+    if saved_engine != job.engine:
+        raise UserError(
+            f"cannot resume from {ckpt}: it was written by engine={saved_engine}, this job runs engine={job.engine}: "
+            f"set engine={saved_engine}, or convert it: elastic-pretrain convert-checkpoint {ckpt} --out <run dir>"
+        )
     changes = shape_changes(meta.get("config", {}), job) + decider_changes(meta.get("config", {}), job)
     if changes:
         raise UserError(

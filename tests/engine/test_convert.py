@@ -1,5 +1,6 @@
-"""Checkpoint conversion between the engines: a DeepSpeed-engine checkpoint -> megatron -> DeepSpeed (ZeRO-3)
-evaluates to the same validation loss at every ℓ (bitwise: the same fp32 weights through the same model code)."""
+"""Checkpoint conversion between the engines: a DeepSpeed-engine checkpoint (ZeRO-2) -> megatron -> DeepSpeed
+(ZeRO-1) evaluates to the same validation loss at every ℓ (bitwise: the same fp32 weights through the same
+model code)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,16 @@ def test_a_converted_checkpoint_evaluates_to_the_same_loss_per_loop(tmp_path: Pa
     assert not is_deepspeed(mega) and (mega / "COMMITTED").is_file()
     assert losses_per_loop(mega) == want
 
-    back = convert(mega, tmp_path / "back", zero_stage=3)
+    # a checkpoint resumes only on the engine that wrote it: one line naming both fixes
+    from elastic_pretrain.checkpoint.manager import check_resumable
+    from elastic_pretrain.errors import UserError
+    from elastic_pretrain.job import load_job
+    from tests.conftest import REPO
+
+    ds_job = load_job(REPO / "jobs" / "tiny-cpu.yaml", ["parallel=single", "engine=deepspeed"])
+    with pytest.raises(UserError, match=r"written by engine=megatron.*set engine=megatron, or convert it"):
+        check_resumable(mega, ds_job)
+
+    back = convert(mega, tmp_path / "back", zero_stage=1)
     assert is_deepspeed(back) and (back.parent / "latest").is_file()
     assert losses_per_loop(back) == want

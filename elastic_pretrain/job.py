@@ -65,12 +65,12 @@ class JobConfig:
                 f"name: {show(self.name)} must be a plain name (not '.' or '..'; no '/', '\\' or control "
                 "characters), e.g. name=tiny-cpu-2"
             )
+        check_engine(self)  # first: under engine=deepspeed a model-parallel mesh is the mistake to name
         self.schedule.validate_for(self.model.max_loops, loop_conditioning=self.model.loop_conditioning)
         self.model.check_pipeline(self.parallel.pipeline)  # before any process starts (the CLI validates jobs)
         tp = self.parallel.tensor
         self.model.check_fp8_layout(tensor=tp, tokens=self.data.seq_len * self.train.micro_batch_size // tp)
         self.model.check_fp8_recompute(self.train.recompute)
-        check_engine(self)
         several_exits = self.decider is not None or self.schedule.sampler in ("telescopic", "fixed_exits")
         if self.model.kv_training == "last_loop" and (self.parallel.pipeline > 1 or several_exits):
             raise ConfigError(

@@ -26,11 +26,14 @@ DEPTH = {
     "fixed": ["schedule.sampler=fixed", "schedule.switch_at=1.0"],
     # mixed from the first step, no one-loop override bias: ranks run different passes in one update
     "mixed": ["schedule.sampler=independent_rank", "schedule.switch_at=0.0", "schedule.one_loop_fraction=0.3"],
+    # ELR's route replay: passes >= 1 reuse pass 0's expert choices (the router still learns from live gates)
+    "mixed-replay": ["schedule.sampler=independent_rank", "schedule.switch_at=0.0", "schedule.one_loop_fraction=0.3",
+                     "model.route_replay=true"],
 }
 TOLERANCE = 1e-5
 
 
-@pytest.mark.parametrize("depth", ["fixed", "mixed"])
+@pytest.mark.parametrize("depth", ["fixed", "mixed", "mixed-replay"])
 def test_both_engines_give_the_same_losses(tmp_path: Path, depth: str) -> None:
     runs = {}
     for engine in ("megatron", "deepspeed"):
@@ -43,6 +46,6 @@ def test_both_engines_give_the_same_losses(tmp_path: Path, depth: str) -> None:
     for a, b in zip(mega, ds):
         assert b["loss"] == pytest.approx(a["loss"], abs=TOLERANCE), (a["step"], a["loss"], b["loss"])
         assert a["loss_by_loops"].keys() == b["loss_by_loops"].keys()  # the same ℓ drawn on both engines
-    if depth == "mixed":  # the ranks really ran different depths inside updates
+    if depth.startswith("mixed"):  # the ranks really ran different depths inside updates
         assert any(h.get("depth_efficiency", 1.0) < 1.0 or len(h["loss_by_loops"]) > 1 for h in ds)
     assert (tmp_path / "deepspeed" / "deepspeed_config.json").is_file()

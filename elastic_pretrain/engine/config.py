@@ -31,8 +31,8 @@ class DeepSpeedConfig:
     nvme_path: str | None = field(None, doc="Folder for nvme offload (a fast local disk on every node).")
     reduce_bucket_size: int = field(
         500_000_000,
-        doc="Elements per gradient-reduction bucket. Mixed depth keeps one bucket per backward regardless "
-        "(engine/deepspeed.py: every rank must reduce the same parameters in the same order).",
+        doc="Elements per gradient-reduction (and ZeRO-3 gather) bucket, capped at the model's parameter count: "
+        "ZeRO-3 allocates a whole bucket up front (5e8 fp32 elements = 1.9 GiB per rank for a 0.7 M model).",
     )
 
     def __post_init__(self) -> None:
@@ -76,8 +76,9 @@ def can_mix(job: Any) -> bool:
     return s.switch_at < 1.0 and s.sampler not in ("fixed", "fixed_exits")
 
 
-def ds_config(job: Any, dp_size: int) -> dict[str, Any]:
-    """The DeepSpeed config of ``job`` on ``dp_size`` ranks (JSON-ready; written to the run directory).
+def ds_config(job: Any, dp_size: int, n_params: int | None = None) -> dict[str, Any]:
+    """The DeepSpeed config of ``job`` on ``dp_size`` ranks (JSON-ready; written to the run directory); buckets
+    no larger than ``n_params`` elements.
 
     Optimizer: DeepSpeed builds ``torch.optim.AdamW`` (``torch_adam``: no compiled op, as megatron-core's
     fallback on a machine without Apex/TE) with the job's betas, eps and weight decay; the parameter groups
@@ -87,13 +88,14 @@ def ds_config(job: Any, dp_size: int) -> dict[str, Any]:
     ``elastic_pretrain_lr_schedule`` (DeepSpeed ignores unknown keys; its ``scheduler`` block is absent)."""
     t, d = job.train, job.deepspeed
     micro = t.micro_batches(dp_size)
+    bucket = min(d.reduce_bucket_size, n_params) if n_params else d.reduce_bucket_size
     zero: dict[str, Any] = {
         "stage": d.zero_stage,
         "contiguous_gradients": True,
         "overlap_comm": False,  # CPU/gloo has no side streams; on GPU the order guarantee matters more (docs)
         "reduce_scatter": True,
-        "reduce_bucket_size": d.reduce_bucket_size,
-        "allgather_bucket_size": d.reduce_bucket_size,
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
         "ignore_unused_parameters": True,
     }
     if d.offload_optimizer != "none":

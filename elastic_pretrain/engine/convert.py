@@ -107,5 +107,5 @@ def _save_deepspeed(job: Any, net: torch.nn.Module, tmp: Path) -> None:
 
     net.train()
     engine, *_ = deepspeed.initialize(model=LoopedForDeepSpeed(net), model_parameters=param_groups(net),
-                                      config=ds_config(job, 1))
+                                      config=ds_config(job, 1, n_params=sum(p.numel() for p in net.parameters())))
     engine.save_checkpoint(str(tmp), tag=MODEL_DIR, save_latest=False)

@@ -257,7 +257,7 @@ def build_session(job: JobConfig, mesh: Mesh) -> Any:
     tokenizer = load_tokenizer(job.data.tokenizer)
     job.check_vocab(tokenizer.vocab_size)
     net = build_model(job.model, job.parallel, recompute=job.train.recompute)
-    config = ds_config(job, mesh.dp_size)
+    config = ds_config(job, mesh.dp_size, n_params=sum(p.numel() for p in net.parameters()))
     if mesh.is_logging_rank:
         job.run_path.mkdir(parents=True, exist_ok=True)
         (job.run_path / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")

@@ -63,6 +63,8 @@ def test_the_generated_config_takes_everything_from_the_job() -> None:
     assert params["lr"] == t.lr and params["torch_adam"] is True
     assert cfg["elastic_pretrain_lr_schedule"]["warmup_steps"] == t.warmup_steps
     assert cfg["bf16"]["enabled"] is False
+    # buckets never exceed the model (ZeRO-3 allocates a whole one up front)
+    assert ds_config(job, dp_size=2, n_params=1000)["zero_optimization"]["reduce_bucket_size"] == 1000
     json.dumps(cfg)  # written to the run directory as JSON
 
 

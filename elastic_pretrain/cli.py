@@ -25,6 +25,7 @@ COMMAND_MODULES = (
     "elastic_pretrain.experiments.commands",
     "elastic_pretrain.parallel.commands",
     "elastic_pretrain.export.commands",
+    "elastic_pretrain.engine.commands",
 )
 
 

@@ -23,6 +23,7 @@ from elastic_pretrain.config import (
     to_dict,
 )
 from elastic_pretrain.data.config import DataConfig
+from elastic_pretrain.engine.config import DeepSpeedConfig, Engine, check_engine
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.model.config import DeciderConfig, ModelConfig
@@ -52,6 +53,10 @@ class JobConfig:
     decider: DeciderConfig | None = field(
         None, doc="A decider job: post-train a TaH2 iteration decider on decider.init_from (docs/evaluation.md)."
     )
+    engine: Engine = field("megatron", doc="Who runs the numerics: megatron (any mesh) or deepspeed (ZeRO, DP only).")
+    deepspeed: DeepSpeedConfig = field(
+        factory=DeepSpeedConfig, doc="ZeRO settings of engine=deepspeed (docs/engines.md)."
+    )
 
     def __post_init__(self) -> None:
         if self.name in ("", ".", "..") or any(c in "/\\" or not c.isprintable() for c in self.name):
@@ -60,6 +65,7 @@ class JobConfig:
                 f"name: {show(self.name)} must be a plain name (not '.' or '..'; no '/', '\\' or control "
                 "characters), e.g. name=tiny-cpu-2"
             )
+        check_engine(self)  # first: under engine=deepspeed a model-parallel mesh is the mistake to name
         self.schedule.validate_for(self.model.max_loops, loop_conditioning=self.model.loop_conditioning,
                                    layers=self.model.core_layers_built)
         if self.schedule.exit_axis == "layer":

@@ -150,6 +150,12 @@ def check_resumable(ckpt: Path, job: JobConfig) -> dict[str, Any]:
     except UserError as err:
         raise UserError(f"{err}{_previous_hint(ckpt)}") from None
     meta = read_trainer_state(ckpt, require=tuple(TRAINER_KEYS))
+    saved_engine = meta.get("config", {}).get("engine", "megatron")  # engine/: each reads only its own files
+    if saved_engine != job.engine:
+        raise UserError(
+            f"cannot resume from {ckpt}: it was written by engine={saved_engine}, this job runs engine={job.engine}: "
+            f"set engine={saved_engine}, or convert it: elastic-pretrain convert-checkpoint {ckpt} --out <run dir>"
+        )
     changes = shape_changes(meta.get("config", {}), job) + decider_changes(meta.get("config", {}), job)
     if changes:
         raise UserError(
@@ -218,7 +224,10 @@ class Checkpointer:
         """Load ``ckpt`` (already checked by :func:`check_resumable`, which returned ``meta``) into the
         session and ``state``. Collective."""
         s = self.s
-        load_tensors(s.net, s.optimizer, ckpt / MODEL_DIR, adam_step=float(meta["adam_step"]))
+        if getattr(s, "tensors", None) is not None:  # engine=deepspeed: its own files (engine/deepspeed.py)
+            s.tensors.load(ckpt / MODEL_DIR)
+        else:
+            load_tensors(s.net, s.optimizer, ckpt / MODEL_DIR, adam_step=float(meta["adam_step"]))
         s.scheduler.load_state_dict(meta["scheduler"])
         s.controller.load_state_dict(meta["controller"])
         s.batches.load_state_dict(meta["data"])
@@ -267,7 +276,10 @@ class Checkpointer:
         fault_point("before_tensors", rank, step)
         rng.save(tmp / RNG_DIR / f"rank_{rank:05d}.pt")
         use_async = self.queue is not None and not blocking
-        request, adam_step = save_tensors(self.s.net, self.s.optimizer, tmp / MODEL_DIR, self.strategy, use_async)
+        if getattr(self.s, "tensors", None) is not None:  # engine=deepspeed: its own save, synchronous
+            request, adam_step, use_async = None, self.s.tensors.save(tmp / MODEL_DIR), False
+        else:
+            request, adam_step = save_tensors(self.s.net, self.s.optimizer, tmp / MODEL_DIR, self.strategy, use_async)
         if rank == 0:
             write_atomic(tmp / TRAINER_FILE, json.dumps(self._trainer_state(state, adam_step), indent=1))
         if use_async:

@@ -243,7 +243,9 @@ def _rank_written(path: Path) -> bool:
 
 def rank_records(tmp: Path, rank: int) -> dict[str, list[int]]:
     """Size + CRC32 of the files this rank wrote (its tensor files and its RNG file)."""
-    mine = [*list((tmp / MODEL_DIR).glob(f"__{rank}_*.distcp")), tmp / RNG_DIR / f"rank_{rank:05d}.pt"]
+    mine = [*list((tmp / MODEL_DIR).glob(f"__{rank}_*.distcp")), tmp / RNG_DIR / f"rank_{rank:05d}.pt",
+            *(tmp / MODEL_DIR).glob(f"zero_pp_rank_{rank}_*.pt"),  # engine=deepspeed (engine/deepspeed.py)
+            *((tmp / MODEL_DIR).glob("mp_rank_*.pt") if rank == 0 else [])]
     return file_records(tmp, [p for p in mine if p.is_file()])
 
 

@@ -33,8 +33,13 @@ def load_model(ckpt: Path) -> tuple[Any, Any]:
     meta = read_trainer_state(ckpt)
     job = build(JobConfig, meta["config"])
     net = build_model(job.model, ParallelConfig(), decider=job.decider)  # a decider job's decider rides along
-    loaded = load_sharded({"model": net.sharded_state_dict()}, ckpt / MODEL_DIR, what="model tensors")
-    net.load_state_dict(loaded["model"], strict=True)
+    from elastic_pretrain.engine.weights import is_deepspeed, load_deepspeed_weights
+
+    if is_deepspeed(ckpt):  # engine=deepspeed wrote it (weights-only read; engine/weights.py)
+        load_deepspeed_weights(net, ckpt)
+    else:
+        loaded = load_sharded({"model": net.sharded_state_dict()}, ckpt / MODEL_DIR, what="model tensors")
+        net.load_state_dict(loaded["model"], strict=True)
     # the ELR conditioning heads are on exactly in the mixed phase (as in the trainer's session)
     net.conditioning_active = meta.get("controller", {}).get("phase") == "mixed" and net.loop_conditioning is not None
     return job, net.eval()

@@ -20,6 +20,7 @@ from elastic_pretrain.checkpoint.latest import repair_latest
 from elastic_pretrain.checkpoint.manager import Checkpointer, check_resumable, resume_source
 from elastic_pretrain.checkpoint.preempt import StopRequest, stop_reason
 from elastic_pretrain.checkpoint.store import CheckpointStore
+from elastic_pretrain.engine import build_session  # job.engine: megatron or deepspeed
 from elastic_pretrain.eval.loss import loss_by_loops
 from elastic_pretrain.job import JobConfig, write_resolved
 from elastic_pretrain.launch.layout import RunFiles
@@ -30,7 +31,7 @@ from elastic_pretrain.train.faults import FaultMonitor
 from elastic_pretrain.train.mfu import baseline_flops_per_token, device_peak, step_flops, utilisation
 from elastic_pretrain.train.profiling import ProfileWindow
 from elastic_pretrain.train.schedule import ExpertLayout, ScheduleController
-from elastic_pretrain.train.session import Session, build_session
+from elastic_pretrain.train.session import Session
 from elastic_pretrain.train.step import MicroBatch, StepResult
 from elastic_pretrain.train.stragglers import DATA_WAIT_KEY, StragglerReport
 from elastic_pretrain.train.watchdog import HangWatchdog

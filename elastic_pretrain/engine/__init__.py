@@ -1,0 +1,19 @@
+"""Training engines: ``megatron`` (train/session.py, the default) and ``deepspeed`` (engine/deepspeed.py).
+
+:func:`build_session` is the one seam the trainer calls; DeepSpeed is imported only by a deepspeed job.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def build_session(job: Any, mesh: Any) -> Any:
+    """The run's :class:`~elastic_pretrain.train.session.Session` on the job's engine."""
+    if job.engine == "deepspeed":
+        from elastic_pretrain.engine.deepspeed import build_session as build_deepspeed
+
+        return build_deepspeed(job, mesh)
+    from elastic_pretrain.train.session import build_session as build_megatron
+
+    return build_megatron(job, mesh)

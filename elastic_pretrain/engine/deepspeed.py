@@ -1,0 +1,318 @@
+"""``engine: deepspeed``: the same looped model, wrapped by ``deepspeed.initialize`` (ZeRO stage 1/2/3).
+
+The model is megatron-core modules built by ``parallel/megatron.py`` on a TP = PP = EP = 1 mesh (every rank a
+data-parallel replica); DeepSpeed owns the optimizer (torch AdamW), gradient reduction, clipping and ZeRO
+partitioning; the LR schedule is the job's, through megatron-core's ``OptimizerParamScheduler`` (the same
+LR as ``engine: megatron`` at every step). The trainer, samplers, controller, data, evaluation, tracking
+and checkpoint bookkeeping are the project's own (docs/engines.md).
+
+Mixed depth. Ranks draw their own loop count per micro-batch, so the autograd graphs differ: passes
+beyond a rank's ℓ never run there, and their attention parameters get no gradient. ZeRO-2 reduces
+gradients from hooks that fire as each parameter's gradient is ready and packs them into buckets in
+that order; ZeRO-1 reduces only parameters that have a gradient. Either way two ranks with different
+graphs would sum different parameters' gradients into each other. :class:`DeepSpeedStep` therefore
+computes a micro-batch's gradients with ``torch.autograd.grad`` (no hooks fire) and hands them to
+DeepSpeed through a one-node graph over *every* trainable parameter in a fixed order (zeros for the
+unused ones): every rank then reduces the same parameters in the same order, and a parameter's
+gradient is exactly what the loss gave it. ZeRO-3 also gathers each module's parameters with a
+collective in forward, so it needs every rank to run the same passes (``engine/config.py`` refuses
+ZeRO-3 with a per-rank sampler).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from elastic_pretrain.engine.config import can_mix, ds_config
+from elastic_pretrain.engine.safe_load import load_checkpoint_safely
+from elastic_pretrain.errors import UserError
+from elastic_pretrain.job import JobConfig
+from elastic_pretrain.parallel.device import to_device
+from elastic_pretrain.parallel.mesh import Mesh
+from elastic_pretrain.tracking import names
+from elastic_pretrain.train.mfu import ghost_time_share
+from elastic_pretrain.train.session import Session
+from elastic_pretrain.train.step import (
+    MicroBatch,
+    StepResult,
+    _loss_func,
+    _moe_aux,
+    _reduce_by_loops,
+    depth_counts,
+    reduce_routing,
+)
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "deepspeed_config.json"  # in the run directory: the generated DeepSpeed config
+TAG = "model_optim"  # DeepSpeed's files go to step_<N>/model_optim/ (checkpoint/store.py MODEL_DIR)
+
+
+def import_deepspeed() -> Any:
+    """``deepspeed``, on its CPU accelerator (gloo) when there is no CUDA; one line naming the install if absent."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read once, at DeepSpeed's first import
+    try:
+        import deepspeed
+    except ImportError as err:
+        raise UserError(
+            f"engine=deepspeed needs DeepSpeed ({err}): pip install -c requirements/constraints-cpu.txt "
+            "'elastic-pretrain[deepspeed]' (scripts/setup.sh installs it), or set engine=megatron"
+        ) from None
+    return deepspeed
+
+
+def param_groups(net: torch.nn.Module) -> list[dict[str, Any]]:
+    """megatron-core's default groups: no weight decay on biases and 1-D parameters (``wd_mult`` is read by
+    ``OptimizerParamScheduler``, which sets each group's weight decay every step)."""
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
+    for name, p in net.named_parameters():
+        if p.requires_grad:
+            (no_decay if name.endswith(".bias") or p.dim() == 1 else decay).append(p)
+    return [g for g in ({"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}) if g["params"]]
+
+
+def lr_scheduler(job: JobConfig, optimizer: Any) -> Any:
+    """The job's LR schedule with the arguments ``train/session.py:build_optimizer`` gives megatron's."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    t = job.train
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.warmup_steps,
+        lr_decay_steps=t.steps, lr_decay_style=t.decay, start_wd=t.weight_decay, end_wd=t.weight_decay,
+        wd_incr_steps=t.steps, wd_incr_style="constant",
+        wsd_decay_steps=max(1, t.steps // 5) if t.decay == "WSD" else None,
+        lr_wsd_decay_style="linear" if t.decay == "WSD" else None,
+    )  # fmt: skip
+
+
+class _ReplayGrads(torch.autograd.Function):
+    """A scalar whose backward hands ``grads`` to ``params``: DeepSpeed's gradient hooks then fire for every
+    parameter, in the order of ``params``, on every rank (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, grads: tuple[torch.Tensor, ...], *params: torch.Tensor) -> torch.Tensor:
+        ctx.grads = grads
+        return params[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        # grad_out is exactly 1 (fp32/bf16: DeepSpeed scales no loss); the multiply keeps it honest
+        return (None, *(g * grad_out for g in ctx.grads))
+
+
+class ExitOutputs:
+    """The model's ``{exit ℓ: tensor}`` as attributes ``l<ℓ>``, read like the dict. ZeRO-3's post-forward hook
+    reads a module's non-tensor output through ``dict.items()`` or ``vars()`` and needs string names; the looped
+    model's exits are ints."""
+
+    def __init__(self, out: dict[int, torch.Tensor]) -> None:
+        for k, v in out.items():
+            setattr(self, f"l{k}", v)
+
+    def __getitem__(self, exit_: int) -> torch.Tensor:
+        return getattr(self, f"l{exit_}")
+
+    def items(self) -> list[tuple[int, torch.Tensor]]:
+        return [(int(n[1:]), v) for n, v in vars(self).items()]
+
+    def keys(self) -> list[int]:
+        return [k for k, _ in self.items()]
+
+    def values(self) -> list[torch.Tensor]:
+        return list(vars(self).values())
+
+
+class LoopedForDeepSpeed(torch.nn.Module):
+    """What ``deepspeed.initialize`` wraps: the looped model under ``module``, its exits as :class:`ExitOutputs`.
+
+    ``forward`` calls the model's ``forward`` directly, past its own module hooks (it holds no parameters of its
+    own; its submodules' hooks gather theirs), so no hook sees the int-keyed dict."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = net
+
+    def forward(self, *args: Any, **kwargs: Any) -> ExitOutputs:
+        return ExitOutputs(self.module.forward(*args, **kwargs))
+
+
+class DeepSpeedStep:
+    """The numerics of one optimizer step on the DeepSpeed engine: the objective, reductions and result of
+    ``train/step.py``'s ``TrainStep`` (same loss function, same per-ℓ reduction), DeepSpeed's backward/step."""
+
+    def __init__(self, engine: Any, net: Any, scheduler: Any, *, seq_len: int, max_loops: int, ordered: bool) -> None:
+        self.model, self.net, self.optimizer, self.scheduler = engine, net, engine.optimizer, scheduler
+        self.seq_len, self.max_loops, self.ordered = seq_len, max_loops, ordered
+        self.params = [p for p in engine.module.parameters() if p.requires_grad]
+        self.veto: Any = None  # FaultMonitor.veto(found_inf, grad_norm, loss=...): sees the loss (see _step)
+
+    def __call__(self, micro_batches: list[MicroBatch], *, probe_routing: bool = False) -> StepResult:
+        t0 = time.perf_counter()
+        net = self.net
+        micro_batches = [dataclasses.replace(mb, tokens_BT1=to_device(mb.tokens_BT1)) for mb in micro_batches]
+        if probe_routing:
+            net.start_routing_probe()
+        try:
+            result = self._step(micro_batches)
+        finally:
+            probe = net.stop_routing_probe()
+        result.routing = reduce_routing(probe) if probe_routing else {}
+        result.depth = depth_counts(micro_batches)
+        share = ghost_time_share(net.cfg, result.depth, seq_len=self.seq_len)
+        result.aux.update({names.DEPTH_EFFICIENCY: result.depth.efficiency,
+                           names.GHOST_TIME_S: share * (time.perf_counter() - t0)})
+        return result
+
+    def _step(self, micro_batches: list[MicroBatch]) -> StepResult:
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        engine, n = self.model, len(micro_batches)
+        engine.train()
+        # megatron's schedule scales the MoE aux-loss gradients by 1/micro-batches (its main loss too)
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=micro_batches[0].tokens_BT1.device) / n)
+        reports = []
+        for mb in micro_batches:
+            inputs, labels = mb.tokens_BT1[:, :-1].contiguous(), mb.tokens_BT1[:, 1:].contiguous()
+            # ordered: the bare module, whose outputs carry no DeepSpeed backward hooks (autograd.grad below
+            # would fire them); the hooks go on the replayed scalar instead, as engine.forward would add them
+            forward = engine.module if self.ordered else engine
+            losses = forward(inputs, labels=labels, loops=mb.plan.loops, exits=mb.plan.exits)
+            objective, num_tokens, report = _loss_func(mb.plan, losses)
+            reports.append(report)
+            loss = objective / num_tokens / n  # megatron: / tokens / micro-batches; DP averaged by the engine
+            if self.ordered:
+                loss = self._replayed(loss)
+            engine.backward(loss, scale_wrt_gas=False)
+            if engine.is_gradient_accumulation_boundary():
+                break
+            engine.step()  # not the boundary: DeepSpeed only counts the micro-batch
+        loss_value, by_loops = _reduce_by_loops(reports, self.max_loops)
+        vetoed = self.veto is not None and self.veto(False, 0.0, loss=loss_value)
+        if vetoed:  # drop the update: DeepSpeed clears the reduced gradients, the LR stays where it was
+            engine.optimizer.zero_grad()
+            engine.micro_steps += 1
+        else:
+            engine.step()
+            self.scheduler.step(increment=1)
+        grad_norm = engine.get_global_grad_norm()
+        return StepResult(loss=loss_value, loss_by_loops=by_loops, grad_norm=float(grad_norm or 0.0),
+                          lr=float(self.optimizer.param_groups[0]["lr"]), skipped=vetoed, aux=_moe_aux(n))
+
+
+    def _replayed(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss``'s gradients, computed without hooks, behind one scalar over every parameter in a fixed order."""
+        from deepspeed.runtime.utils import register_output_backward_hooks
+
+        grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+        full = tuple(torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads))
+        replay = _ReplayGrads.apply(full, *self.params)
+        engine = self.model
+        register_output_backward_hooks(replay, preprocess_once_fn=engine._backward_prologue,
+                                       preprocess_per_tensor_fn=engine._backward_prologue_per_tensor)
+        return replay
+
+
+class DeepSpeedTensors:
+    """Model + optimizer state through DeepSpeed's own save/load into ``step_<N>/model_optim/`` (the
+    Checkpointer keeps the commit marker, ``latest``, retention and trainer state). Loading never unpickles
+    arbitrary objects (``engine/safe_load.py``)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def save(self, path: Path) -> float:
+        """Collective; ``path`` is ``<tmp>/model_optim``. Returns the optimizer step count."""
+        self.engine.save_checkpoint(str(path.parent), tag=path.name, save_latest=False)
+        return float(self.engine.global_steps)
+
+    def load(self, path: Path) -> None:
+        """Collective; ``path`` is ``step_<N>/model_optim``."""
+        if not any(path.glob("*_model_states.pt")):
+            raise UserError(
+                f"{path}: not a DeepSpeed-engine checkpoint (written by engine=megatron?): resume it with "
+                "engine=megatron, or convert it: elastic-pretrain checkpoints convert <step> --to deepspeed"
+            )
+        load_checkpoint_safely(self.engine, path)
+
+
+def build_session(job: JobConfig, mesh: Mesh) -> Any:
+    """The :class:`~elastic_pretrain.train.session.Session` of ``engine: deepspeed`` (same fields, a DeepSpeed
+    engine as ``model``, :class:`DeepSpeedStep` as ``step``, :class:`DeepSpeedTensors` as ``tensors``)."""
+    from elastic_pretrain.data.loader import TokenBatches, load_validation
+    from elastic_pretrain.data.tokenizer import load_tokenizer
+    from elastic_pretrain.parallel.megatron import build_model
+    from elastic_pretrain.train.schedule import ScheduleController
+
+    deepspeed = import_deepspeed()
+    tokenizer = load_tokenizer(job.data.tokenizer)
+    job.check_vocab(tokenizer.vocab_size)
+    net = build_model(job.model, job.parallel, recompute=job.train.recompute)
+    config = ds_config(job, mesh.dp_size, n_params=sum(p.numel() for p in net.parameters()))
+    if mesh.is_logging_rank:
+        job.run_path.mkdir(parents=True, exist_ok=True)
+        (job.run_path / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
+    os.environ.setdefault("LOCAL_RANK", "0")  # torchrun sets it; DeepSpeed asserts it even for one process
+    engine, optimizer, _, _ = deepspeed.initialize(model=LoopedForDeepSpeed(net), model_parameters=param_groups(net),
+                                                   config=config)
+    scheduler = lr_scheduler(job, optimizer)
+    n_micro = job.train.micro_batches(mesh.dp_size)
+    batches = TokenBatches(job.data, micro_batch_size=job.train.micro_batch_size, num_micro_batches=n_micro,
+                           dp_rank=mesh.dp_rank, dp_size=mesh.dp_size, seed=job.train.seed)
+    val_all = load_validation(job.data, num_sequences=job.train.eval_sequences)
+    rows = (val_all.shape[0] // mesh.dp_size) * mesh.dp_size
+    val_tokens = val_all[:rows][mesh.dp_rank :: mesh.dp_size].contiguous()
+    controller = ScheduleController(job.schedule, max_loops=job.model.max_loops,
+                                    total_tokens=job.train.steps * job.tokens_per_step, seed=job.train.seed)
+    ordered = job.deepspeed.zero_stage < 3  # ZeRO-3 runs only where every rank runs the same passes
+    step = DeepSpeedStep(engine, net, scheduler, seq_len=job.data.seq_len, max_loops=job.model.max_loops,
+                         ordered=ordered)
+    session = DeepSpeedSession(job, net, engine, optimizer, scheduler, batches, val_tokens, controller,
+                               step)  # type: ignore[arg-type]  # the same interface as TrainStep
+    session.tensors = DeepSpeedTensors(engine)
+    session.sync_phase()
+    if mesh.is_logging_rank:
+        log.info("engine deepspeed: ZeRO-%d, %s backward (mixed depth possible: %s)", job.deepspeed.zero_stage,
+                 "ordered" if ordered else "direct", can_mix(job))
+    return session
+
+
+class DeepSpeedSession(Session):
+    """A Session whose switch to mixed depth writes the copied attention through ZeRO's master copies."""
+
+    tensors: DeepSpeedTensors | None = None
+
+    def describe(self) -> str:
+        """As the megatron session's, counting ZeRO-3's partitioned parameters at their full size."""
+        n = sum(getattr(p, "ds_numel", p.numel()) for p in self.net.parameters())
+        where = "partitioned over the ranks" if self.job.deepspeed.zero_stage == 3 else "on this rank"
+        rest = super().describe().split(" on this rank", 1)[1]
+        return f"model: {n / 1e6:.2f}M parameters {where}{rest} | engine deepspeed ZeRO-{self.job.deepspeed.zero_stage}"
+
+    def on_switch_to_mixed(self, step: int) -> None:
+        unused = self.controller.unused_passes()
+        if unused and self.job.schedule.init_unused_passes == "copy_pass0":
+            self._copy_pass0(unused)
+            log.info("step %d: pass 0's attention copied into passes %s (never run before the switch)",
+                     step, list(unused))
+        self.sync_phase()
+
+    def _copy_pass0(self, unused: range) -> None:
+        import deepspeed
+
+        # ZeRO keeps fp32 master partitions of its own: write the model, then refresh them from it
+        if self.job.deepspeed.zero_stage == 3:
+            with deepspeed.zero.GatheredParameters(list(self.net.parameters()), modifier_rank=0):
+                self.net.init_unused_passes(unused)
+        else:
+            self.net.init_unused_passes(unused)
+        self.optimizer.refresh_fp32_params()

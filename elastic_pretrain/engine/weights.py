@@ -1,0 +1,50 @@
+"""Reading a DeepSpeed-engine checkpoint's model weights (weights-only, engine/safe_load.py): what ``eval``,
+``generate`` and :mod:`elastic_pretrain.engine.convert` share. Low in the layers: imports no command module."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from elastic_pretrain.checkpoint.store import MODEL_DIR
+from elastic_pretrain.errors import UserError
+
+
+def is_deepspeed(step: Path) -> bool:
+    """A step directory written by ``engine: deepspeed`` (DeepSpeed's model-states files)."""
+    return any((step / MODEL_DIR).glob("*_model_states.pt"))
+
+
+def deepspeed_weights(step: Path) -> dict[str, torch.Tensor]:
+    """The full fp32 model state dict of a DeepSpeed-engine ``step_<N>`` (ZeRO 1/2/3), weights-only."""
+    from elastic_pretrain.engine.deepspeed import import_deepspeed
+    from elastic_pretrain.engine.safe_load import weights_only_loads
+
+    import_deepspeed()
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    try:
+        with weights_only_loads():
+            state = get_fp32_state_dict_from_zero_checkpoint(str(step), tag=MODEL_DIR)
+    except Exception as err:
+        raise UserError(
+            f"{step / MODEL_DIR}: cannot read the DeepSpeed model weights ({type(err).__name__}: "
+            f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}); use another checkpoint"
+        ) from err
+    # engine/deepspeed.py wraps the model (LoopedForDeepSpeed): its names start with "module."
+    return {k.removeprefix("module."): v for k, v in state.items()}
+
+
+def load_deepspeed_weights(net: torch.nn.Module, step: Path) -> None:
+    """``net`` (the bare looped model, one rank) from a DeepSpeed-engine checkpoint's weights."""
+    state = deepspeed_weights(step)
+    missing, unexpected = net.load_state_dict(state, strict=False)
+    # megatron's modules list an ``_extra_state`` entry per layer (None on the local spec); DeepSpeed keeps only
+    # parameters and buffers
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise UserError(
+            f"{step}: the DeepSpeed weights do not fit the model of its trainer.json (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}): use another checkpoint"
+        )

@@ -1,0 +1,90 @@
+"""``engine: megatron|deepspeed`` in the job: the mesh and sampler checks, and the generated DeepSpeed config."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from elastic_pretrain.config import ConfigError
+from elastic_pretrain.engine.config import ds_config
+from elastic_pretrain.job import load_job
+from tests.conftest import REPO, VENV_BIN
+
+JOB = REPO / "jobs" / "tiny-cpu.yaml"
+
+
+def test_megatron_stays_the_default() -> None:
+    assert load_job(JOB).engine == "megatron"
+
+
+@pytest.mark.parametrize("mesh", ["parallel=cpu-ep2", "parallel=cpu-tp2", "parallel=cpu-pp2"])
+def test_deepspeed_refuses_a_model_parallel_mesh_in_one_line(mesh: str) -> None:
+    with pytest.raises(ConfigError, match=r"engine=deepspeed is data parallel only.*use parallel=single") as err:
+        load_job(JOB, [mesh, "engine=deepspeed"])
+    assert "\n" not in str(err.value)
+
+
+def test_the_cli_prints_the_refusal_as_one_line_with_exit_code_2() -> None:
+    proc = subprocess.run([str(VENV_BIN / "elastic-pretrain"), "config", "jobs/tiny-cpu.yaml", "engine=deepspeed"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert "parallel=single" in proc.stderr
+
+
+def test_zero3_refuses_ranks_that_draw_their_own_loop_counts() -> None:
+    with pytest.raises(ConfigError, match=r"zero_stage=3 .* use deepspeed.zero_stage=2"):
+        load_job(JOB, ["parallel=single", "engine=deepspeed", "deepspeed.zero_stage=3"])  # independent_rank at 0.75
+    job = load_job(JOB, ["parallel=single", "engine=deepspeed", "deepspeed.zero_stage=3", "schedule.switch_at=1.0",
+                         "schedule.sampler=fixed"])
+    assert job.deepspeed.zero_stage == 3
+
+
+@pytest.mark.parametrize(
+    ("override", "fix"),
+    [("schedule.balance=compute", "use schedule.balance=off"), ("schedule.exit_axis=layer", "schedule.exit_axis=loop")],
+)
+def test_schedules_the_deepspeed_step_does_not_weigh_are_refused(override: str, fix: str) -> None:
+    with pytest.raises(ConfigError, match=fix) as err:
+        load_job(JOB, ["parallel=single", "engine=deepspeed", override])
+    assert "\n" not in str(err.value)
+
+
+def test_offload_settings_are_checked() -> None:
+    with pytest.raises(ConfigError, match="only ZeRO-3"):
+        load_job(JOB, ["parallel=single", "engine=deepspeed", "deepspeed.offload_param=cpu"])
+    with pytest.raises(ConfigError, match="nvme_path"):
+        load_job(JOB, ["parallel=single", "engine=deepspeed", "deepspeed.offload_optimizer=nvme"])
+
+
+def test_the_generated_config_takes_everything_from_the_job() -> None:
+    job = load_job(JOB, ["parallel=single", "engine=deepspeed", "deepspeed.zero_stage=1",
+                         "deepspeed.offload_optimizer=cpu", "train.clip_grad=0.5", "train.weight_decay=0.01"])
+    cfg = ds_config(job, dp_size=2)
+    t = job.train
+    assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"]) == (t.global_batch_size, t.micro_batch_size)
+    assert cfg["gradient_accumulation_steps"] * t.micro_batch_size * 2 == t.global_batch_size
+    assert cfg["gradient_clipping"] == 0.5
+    assert cfg["zero_optimization"]["stage"] == 1
+    assert cfg["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    params = cfg["optimizer"]["params"]
+    assert params["betas"] == [t.adam_beta1, t.adam_beta2] and params["weight_decay"] == 0.01
+    assert params["lr"] == t.lr and params["torch_adam"] is True
+    assert cfg["elastic_pretrain_lr_schedule"]["warmup_steps"] == t.warmup_steps
+    assert cfg["bf16"]["enabled"] is False
+    # buckets never exceed the model (ZeRO-3 allocates a whole one up front)
+    assert ds_config(job, dp_size=2, n_params=1000)["zero_optimization"]["reduce_bucket_size"] == 1000
+    json.dumps(cfg)  # written to the run directory as JSON
+
+
+def test_the_deepspeed_pin_is_the_locked_and_installed_version() -> None:
+    """pyproject's extra, requirements/lock-cpu.txt and the venv agree (scripts/setup.sh installs the lock)."""
+    import importlib.metadata
+    import tomllib
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["deepspeed"]
+    lock = [line for line in (REPO / "requirements" / "lock-cpu.txt").read_text().splitlines()
+            if line.startswith("deepspeed==")]
+    assert extra == lock == [f"deepspeed=={importlib.metadata.version('deepspeed')}"]
+    assert 'DS_BUILD_OPS=0 "${PIP[@]}" -r requirements/lock-cpu.txt' in (REPO / "scripts" / "setup.sh").read_text()

@@ -163,6 +163,8 @@ def evaluate(claim: Claim, by_seed: dict[int, Metrics]) -> ClaimResult:
         return ClaimResult(claim, (), None, "no", f"not measured: this job set has no {e.args[0]!r}")
     if not values:
         return ClaimResult(claim, (), None, "no", "no seeds ran")
+    if not all(math.isfinite(v) for v in values):  # e.g. a share of an improvement that is 0 at some seed
+        return ClaimResult(claim, values, None, "no", "undefined at some seed (a ratio over 0)")
     iv = t_interval(values)
     verdict, reason = decide(iv, claim.expect, margin=claim.margin)
     return ClaimResult(claim, values, iv, verdict, reason)

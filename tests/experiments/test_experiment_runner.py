@@ -171,7 +171,7 @@ def test_a_post_training_job_loads_after_its_base(tmp_path: Path) -> None:
 
 def test_fingerprint_ignores_the_run_name_only() -> None:
     a = load_job(REPO / "jobs/experiments/kv-cache/late-switch.yaml", ["name=a", "run_dir=/x"])
-    b = load_job(REPO / "jobs/experiments/route-replay/replay-off.yaml", ["name=b", "run_dir=/y"])
+    b = load_job(REPO / "jobs/experiments/late-switch/switch-0.75.yaml", ["name=b", "run_dir=/y"])
     c = load_job(REPO / "jobs/experiments/route-replay/replay-on.yaml")
     from elastic_pretrain.experiments.runner import job_fingerprint
 
@@ -258,7 +258,7 @@ def test_post_training_runs_on_its_base_of_the_same_seed(tmp_path: Path) -> None
 def test_scale_multiplies_widths_and_steps_and_the_job_still_builds(tmp_path: Path) -> None:
     from elastic_pretrain.experiments.runner import parse_seeds, scale_overrides
 
-    path = REPO / "jobs/experiments/late-switch/late-switch.yaml"
+    path = REPO / "jobs/experiments/late-switch/switch-0.75.yaml"
     one = load_job(path)
     assert scale_overrides(one, 1) == []
     [(_, _, big)] = [
@@ -301,7 +301,11 @@ def test_every_claim_reads_arms_of_its_own_job_set() -> None:
     for name, experiment in EXPERIMENTS.items():
         arms = {p.stem for p in JOB_FILES if p.parent.name == name}
         # every arm has every metric (value 0.1 + seed): only an arm name outside the set can be missing
-        by_seed = {s: {a: defaultdict(lambda s=s: 0.1 + s) for a in arms} for s in (0, 1, 2)}
+        # (arms differ by 0.01 x their index, so ratios of differences are defined)
+        by_seed = {
+            s: {a: defaultdict(lambda s=s, i=i: 0.1 + s + 0.01 * i) for i, a in enumerate(sorted(arms))}
+            for s in (0, 1, 2)
+        }
         for claim in experiment.claims:
             result = evaluate(claim, by_seed)  # type: ignore[arg-type]
             assert result.interval is not None, f"{name}: {claim.measure}: {result.reason}"

@@ -1,94 +1,219 @@
-"""late-switch: ELR's late switch vs mixed depth from scratch vs a non-looped model of equal parameters."""
+"""late-switch as ELR designs it: a non-recurrent baseline matched at ℓ = 1, mixed depth from scratch, and
+switches from one loop at 25/50/75% of the tokens with and without the loop-count conditioning heads.
+
+The baseline (``baseline.yaml``) is the looped model trained at ℓ = 1 for the whole run and never switched:
+prelude, pass 0 (attention + the MoE layer), coda. ELR's loops are weight-tied, so its one-loop model is a
+non-recurrent model "matched in parameters, data, and training horizon" (seeds/003); here the flattened
+model's passes 1..3 have their own attention, which the baseline never runs — the parameters that run are
+exactly one core pass's. Its compute per token is one loop's, which is what ELR's compute arithmetic
+(0.75 x 1 + 0.25 x 1.62 ≈ 1.16) takes the baseline to be, and the ``-noheads`` arms' fixed phase is exactly
+this run's first steps (same initialisation, tokens, ℓ = 1), so a paired difference isolates the mixed phase
+(arms with heads draw the heads' embeddings before the output layer, so that layer starts elsewhere).
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 from elastic_pretrain.eval.curves import CurvePoint
-from elastic_pretrain.experiments.measure import losses, parameters, run_flops
-from elastic_pretrain.experiments.present import QualityCurve, pct, plot_curves, ranked, table
+from elastic_pretrain.experiments.measure import losses, parameters, run_flops, training_compute
+from elastic_pretrain.experiments.present import QualityCurve, plot_curves, ranked, table
 from elastic_pretrain.experiments.runner import Context, Experiment, Findings
 from elastic_pretrain.experiments.stats import Claim, Metrics, paired
 
 ELR = "seeds/003 (ELR)"
+BASE, SCRATCH = "baseline", "mixed-scratch"
+SWITCHES = ("0.25", "0.50", "0.75")
+RETAINED = {"0.25": 0.97, "0.50": 0.90, "0.75": 0.84}  # ELR: share of the five-loop improvement kept
+ONE_LOOP_BAND = 0.01  # nats: "matches" at ℓ = 1 (ELR's 0.5B: 1.6774 vs 1.6852, 0.008 apart)
+SHARE_BAND = 0.10  # ±10 percentage points around ELR's retained share
+ADDED_BAND = 0.05  # ±5 points around ELR's added-compute ratio 20% / 79%
+
+
+def share_retained(arm: str) -> Callable[[Metrics], float]:
+    """(baseline@1 − arm@L_max) / (baseline@1 − mixed-scratch@L_max): the share of the L_max improvement kept."""
+
+    def value(m: Metrics) -> float:
+        gain = m[BASE]["loss@1"] - m[SCRATCH]["loss@max"]
+        return (m[BASE]["loss@1"] - m[arm]["loss@max"]) / gain if gain else math.nan
+
+    return value
+
+
+def minus(fn: Callable[[Metrics], float], target: float) -> Callable[[Metrics], float]:
+    return lambda m: fn(m) - target
+
+
+def added_compute_ratio(m: Metrics) -> float:
+    """switch-0.75's added training compute over the baseline, as a share of mixed-scratch's (ELR: ~20/79)."""
+    added = m[SCRATCH]["compute"] - 1.0
+    return (m["switch-0.75"]["compute"] - 1.0) / added if added else math.nan
 
 
 def analyse(ctx: Context) -> Findings:
-    ref = ctx.runs[0]
-    fmax = run_flops(ref, ref.job.model.max_loops)
-    loss = {r.name: losses(ctx, r) for r in ctx.runs}
-    rows, curves = [], []
+    base = ctx.run(BASE)
+    looped = [r for r in ctx.runs if r.name != BASE]
+    top = base.job.model.max_loops
+    fmax = run_flops(base, top)
+    loss = {r.name: losses(ctx, r, [1] if r.name == BASE else None) for r in ctx.runs}
+    compute = {r.name: training_compute(r) for r in ctx.runs}  # (mean passes, training FLOPs)
+    base_flops = compute[BASE][1]
+    metrics: Metrics = {
+        r.name: {
+            "loss@1": loss[r.name][1],
+            "loss@max": loss[r.name][1 if r.name == BASE else r.job.model.max_loops],
+            "compute": compute[r.name][1] / base_flops,
+        }
+        for r in ctx.runs
+    }
+    rows = []
     for r in ctx.runs:
-        top = r.job.model.max_loops
-        one = (f"{loss[r.name][1]:.4f}", f"{run_flops(r, 1):,.0f}") if top > 1 else ("–", "–")
-        rows.append(
-            (r.name, f"{parameters(ctx, r):,}", *one, f"{loss[r.name][top]:.4f}", f"{run_flops(r, top):,.0f}", top)
+        s = r.job.schedule
+        m = metrics[r.name]
+        share = share_retained(r.name)(metrics) if r.name != BASE else math.nan
+        rows.append((
+            r.name,
+            "–" if r.name == BASE else f"{s.switch_at:g}",
+            "on" if r.job.model.loop_conditioning else "off",
+            f"{m['loss@1']:.4f}",
+            f"{m['loss@1'] - metrics[BASE]['loss@1']:+.4f}",
+            "–" if r.name == BASE else f"{m['loss@max']:.4f}",
+            "–" if math.isnan(share) else f"{share:.0%}",
+            f"{compute[r.name][0]:.2f}",
+            f"{compute[r.name][1]:.3e}",
+            f"{m['compute']:.2f}x",
+            f"{parameters(ctx, r):,}",
+        ))
+    header = ("job", "switch at", "heads", "loss ℓ=1", "ℓ=1 minus baseline", f"loss ℓ={top}",
+              "L_max improvement retained", "mean passes", "training FLOPs", "vs baseline", "parameters")
+    curves = [
+        QualityCurve(
+            name=r.name,
+            points=tuple(
+                CurvePoint(loops=e, relative_compute=run_flops(r, e) / fmax, loss=v) for e, v in loss[r.name].items()
+            ),
+            flops_max=fmax,
         )
-        points = tuple(
-            CurvePoint(loops=ell, relative_compute=run_flops(r, ell) / fmax, loss=v) for ell, v in loss[r.name].items()
-        )
-        curves.append(QualityCurve(name=r.name, points=points, flops_max=fmax))
-    header = ("job", "parameters", "loss ℓ=1", "FLOPs/token ℓ=1", "loss ℓ=L_max", "FLOPs/token ℓ=L_max", "L_max")
-    looped = [r for r in ctx.runs if r.job.model.max_loops > 1]
-    flat = [r for r in ctx.runs if r.job.model.max_loops == 1]
-    deep = {r.name: loss[r.name][r.job.model.max_loops] for r in ctx.runs}
-    reading = [f"Loss at full depth, lowest first: {ranked(deep)}."]
-    if looped:
-        reading.append("Loss at ℓ = 1: " + ranked({r.name: loss[r.name][1] for r in looped}) + ".")
-    for f in flat:
-        for r in looped:
-            reading.append(
-                f"{r.name} at ℓ = 1 costs {run_flops(r, 1) / run_flops(f, 1):.0%} of {f.name}'s FLOPs per token at "
-                f"{pct(loss[r.name][1], deep[f.name])} loss relative to {f.name} "
-                f"(ℓ = {r.job.model.max_loops}: {pct(deep[r.name], deep[f.name])})."
-            )
-    metrics: Metrics = {r.name: {"loss@1": loss[r.name][1], "loss@max": deep[r.name]} for r in ctx.runs}
+        for r in ctx.runs
+    ]
+    deep = {r.name: metrics[r.name]["loss@max"] for r in looped}
+    reading = [
+        f"Loss at ℓ = {top}, lowest first: {ranked(deep)}.",
+        "Loss at ℓ = 1, lowest first: " + ranked({r.name: metrics[r.name]["loss@1"] for r in ctx.runs}) + ".",
+        "Training compute relative to the baseline (same tokens): "
+        + ", ".join(f"{r.name} {metrics[r.name]['compute']:.2f}x" for r in looped) + ".",
+    ]
     return Findings(
         tables=[table(header, rows)],
         reading=reading,
         numbers={
             "loss_by_loops": loss,
-            "flops_per_token": {r.name: {ell: run_flops(r, ell) for ell in loss[r.name]} for r in ctx.runs},
+            "training_compute": {k: {"mean_passes": p, "flops": f} for k, (p, f) in compute.items()},
+            "flops_per_token": {r.name: {e: run_flops(r, e) for e in loss[r.name]} for r in ctx.runs},
         },
         metrics=metrics,
-        plot=lambda path: plot_curves(curves, path, title=f"held-out loss vs FLOPs/token (relative to {ref.name})"),
+        plot=lambda path: plot_curves(curves, path, title=f"held-out loss vs FLOPs/token (relative to ℓ = {top})"),
         method=[
-            "Parameters and compute of the non-looped job: the looped jobs have 4 attention blocks (one per pass) "
-            "and one MoE layer of 8 experts run 4 times top-2; the non-looped job has 4 layers of 2 experts run "
-            "once top-2 — the same attention and expert parameters and the same 4 x 2 expert calls per token. What "
-            "differs: the looped jobs' loop-count conditioning head and their one pre-MLP norm (vs 4); router "
-            "FLOPs (a router over 8 experts 4 times vs over 2 experts 4 times). Both are in the table.",
-            "The non-looped model has one depth, so its only loss is at ℓ = L_max = 1 (its `loss@1` and `loss@max` "
-            "are the same number).",
+            "Baseline: the looped model trained at ℓ = 1 for the whole run (`sampler: fixed`, `fixed_loops: 1`), "
+            "never switched and without conditioning heads: prelude, pass 0's attention and the 8-expert MoE "
+            "layer, coda — one core pass's parameters and compute on the same tokens. ELR's loops are weight-tied, "
+            "so its non-recurrent baseline \"matched in parameters, data, and training horizon\" is its one-loop "
+            "model; here passes 1..3 have their own (flattened) attention, which the baseline never runs. The "
+            "`-noheads` arms' one-loop phase is this run's first steps (same initialisation, tokens and ℓ); arms with "
+            "heads share the tokens and ℓ, not the output layer's initial draw (the heads draw from the RNG first).",
+            "L_max improvement retained = (baseline at ℓ = 1 − arm at ℓ = L_max) / (baseline at ℓ = 1 − "
+            "mixed-scratch at ℓ = L_max). ELR's 97/90/84% are for switches without conditioning (with it, the 75% "
+            "switch beats mixed-scratch), so those claims read the `-noheads` arms; mixed-scratch has the heads.",
+            "Training compute = 3 x forward FLOPs summed over the training tokens at each micro-batch's depth, "
+            "replayed from the seed (experiments/measure.py training_compute), divided by the baseline's.",
         ],
+    )
+
+
+def _one_loop(arm: str) -> Claim:
+    return Claim(
+        paper='No one-loop tax: "a single checkpoint now matches a non-recurrent baseline trained on the same '
+        'data at one loop"',
+        source=ELR,
+        magnitude=f"one-loop loss 1.6774 vs baseline 1.6852 (0.5B); counted as matching within ±{ONE_LOOP_BAND} nat",
+        measure=f"{arm} minus baseline at ℓ = 1 (nats)",
+        value=paired(arm, BASE, "loss@1"),
+        expect="equal",
+        margin=ONE_LOOP_BAND,
+    )
+
+
+def _retained(frac: str) -> Claim:
+    arm = f"switch-{frac}-noheads"
+    return Claim(
+        paper=f'"switching after 25%, 50%, and 75% of tokens retained 97%, 90%, and 84% of the five-loop '
+        f'improvement over the baseline" (here: {float(frac):.0%})',
+        source=ELR,
+        magnitude=f"{RETAINED[frac]:.0%} retained; counted as matching within ±{SHARE_BAND:.0%}",
+        measure=f"{arm}: share of mixed-scratch's ℓ = L_max improvement over the baseline retained, minus "
+        f"{RETAINED[frac]:.2f}",
+        value=minus(share_retained(arm), RETAINED[frac]),
+        expect="equal",
+        margin=SHARE_BAND,
     )
 
 
 EXPERIMENT = Experiment(
     name="late-switch",
-    title="Late switch vs mixed depth from scratch vs a non-looped model",
-    question="Does switching from one loop to mixed depth late (at 75% of the tokens, zero-init loop-count heads; "
-    "ELR) beat mixed depth from the first step, and how do both compare with a non-looped MoE of equal "
-    "parameters? Loss at ℓ = 1 and ℓ = L_max.",
+    title="Late switch from one loop vs mixed depth from scratch vs the non-recurrent baseline (ELR)",
+    question="ELR's design: a non-recurrent baseline matched at ℓ = 1 (the model's one core pass, same tokens), "
+    "mixed depth from scratch, and switches from one loop to mixed depth at 25/50/75% of the tokens with and "
+    "without zero-init loop-count conditioning heads. The one-loop gap to the baseline, the share of the "
+    "L_max improvement retained, and training compute relative to the baseline.",
     analyse=analyse,
     claims=(
+        *(_one_loop(a) for a in (SCRATCH, "switch-0.25", "switch-0.50", "switch-0.75")),
+        *(_retained(f) for f in SWITCHES),
+        Claim(
+            paper='"at the 75% switch the five-loop loss rose by 0.009" (without conditioning, vs mixed depth '
+            "from scratch)",
+            source=ELR,
+            magnitude="+0.009 nat at five loops",
+            measure="switch-0.75-noheads minus mixed-scratch at ℓ = L_max (nats)",
+            value=paired("switch-0.75-noheads", SCRATCH, "loss@max"),
+            expect="positive",
+        ),
         Claim(
             paper='"conditioning heads initialized to zero at the switch make that late schedule beat mixed-depth '
             'training from scratch"',
             source=ELR,
             magnitude="five-loop loss 1.6147 vs 1.6273 (−0.0126 nat)",
-            measure="late-switch minus mixed-scratch loss at ℓ = L_max (nats)",
-            value=paired("late-switch", "mixed-scratch", "loss@max"),
+            measure="switch-0.75 minus mixed-scratch at ℓ = L_max (nats)",
+            value=paired("switch-0.75", SCRATCH, "loss@max"),
             expect="negative",
         ),
         Claim(
-            paper='No one-loop tax: "a single checkpoint now matches a non-recurrent baseline trained on the same '
-            'data at one loop"',
+            paper='"conditioning heads initialized to zero at the switch make that late schedule beat mixed-depth '
+            'training from scratch" (the heads\' share: with vs without them at the 75% switch)',
             source=ELR,
-            magnitude="one-loop loss 1.6774 vs baseline 1.6852 (0.5B); counted as matching within ±0.01 nat",
-            measure="late-switch at ℓ = 1 minus the non-looped job (matched in parameters at full depth, not at "
-            "ℓ = 1: this set's baseline has 4 layers) (nats)",
-            value=paired("late-switch", "non-looped", "loss@1"),
+            magnitude="1.6147 with vs ≈1.6363 without (1.6273 + 0.009): ≈ −0.022 nat, implied",
+            measure="switch-0.75 minus switch-0.75-noheads at ℓ = L_max (nats)",
+            value=paired("switch-0.75", "switch-0.75-noheads", "loss@max"),
+            expect="negative",
+        ),
+        Claim(
+            paper='"Mixed-depth training from scratch costs an estimated 1.62 times the baseline\'s training '
+            'compute, while switching only in the final quarter costs about 1.16 times"',
+            source=ELR,
+            magnitude="1.16x vs 1.62x the baseline (−0.46)",
+            measure="switch-0.75 minus mixed-scratch training FLOPs, each relative to the baseline's",
+            value=paired("switch-0.75", SCRATCH, "compute"),
+            expect="negative",
+        ),
+        Claim(
+            paper='"the 75% switch lowers the estimated added training compute from about 79% to about 20%"',
+            source=ELR,
+            magnitude=f"20% / 79% = 0.25 of the added compute; counted as matching within ±{ADDED_BAND}",
+            measure="switch-0.75's added training compute over the baseline as a share of mixed-scratch's, minus 0.25",
+            value=minus(added_compute_ratio, 0.25),
             expect="equal",
-            margin=0.01,
+            margin=ADDED_BAND,
         ),
     ),
 )

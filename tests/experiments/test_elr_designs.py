@@ -1,0 +1,122 @@
+"""The late-switch, flattening and kv-cache job sets as ELR and Foil design them (issue #17): every job builds
+and runs a step's forward, the late-switch arms are ELR's (a baseline at ℓ = 1, switches from one loop at
+25/50/75% with and without heads), kv-cache shares the late-switch run, and the claims compute the paper's
+quantities (share retained, added compute) from per-arm metrics."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic_pretrain.experiments.runner import job_diff, job_fingerprint
+from elastic_pretrain.job import load_job
+from elastic_pretrain.train.schedule import ScheduleController
+from tests.conftest import REPO
+
+SETS = ("late-switch", "flattening", "kv-cache")
+JOBS = sorted(p for s in SETS for p in (REPO / "jobs/experiments" / s).glob("*.yaml"))
+LS = REPO / "jobs/experiments/late-switch"
+
+
+@pytest.mark.parametrize("path", JOBS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_job_builds_and_runs_forward(path: Path, mesh1: object) -> None:
+    from elastic_pretrain.parallel.megatron import build_model
+    from elastic_pretrain.parallel.mesh import ParallelConfig
+
+    job = load_job(path)
+    cfg = job.model
+    ScheduleController(job.schedule, max_loops=cfg.max_loops, total_tokens=job.train.steps * job.tokens_per_step,
+                       seed=job.train.seed, layers=cfg.core_layers_built)
+    net = build_model(cfg, ParallelConfig()).eval()
+    tokens = torch.randint(0, cfg.vocab_size, (2, 17))
+    with torch.no_grad():
+        out = net(tokens[:, :-1], labels=tokens[:, 1:], loops=cfg.max_loops)
+    assert set(out) == {cfg.max_loops} and torch.isfinite(out[cfg.max_loops].float()).all()
+
+
+def _plans(path: Path) -> list[int]:
+    """ℓ of every training micro-batch of the job, replayed from its seed."""
+    job = load_job(path)
+    ctl = ScheduleController(job.schedule, max_loops=job.model.max_loops,
+                             total_tokens=job.train.steps * job.tokens_per_step, seed=job.train.seed)
+    out = []
+    for step in range(job.train.steps):
+        ctl.update(step=step, tokens_seen=step * job.tokens_per_step)
+        out += [ctl.plan(step=step, micro=i, replica=0).loops for i in range(job.train.micro_batches(1))]
+    return out
+
+
+def test_late_switch_arms_are_elrs_design() -> None:
+    arms = {p.stem for p in LS.glob("*.yaml")}
+    assert arms == {"baseline", "mixed-scratch"} | {
+        f"switch-{f}{h}" for f in ("0.25", "0.50", "0.75") for h in ("", "-noheads")
+    }
+    base = _plans(LS / "baseline.yaml")
+    assert set(base) == {1}  # the non-recurrent baseline: one pass, every micro-batch
+    assert max(_plans(LS / "mixed-scratch.yaml")[:8]) > 1  # mixed from the first step
+    for f in ("0.25", "0.50", "0.75"):
+        for h in ("", "-noheads"):
+            plans = _plans(LS / f"switch-{f}{h}.yaml")
+            cut = round(float(f) * len(plans))
+            assert set(plans[:cut]) == {1} and len(set(plans[cut:])) == 4, (f, h)  # one loop, then ℓ = 1..4
+        with_heads, without = load_job(LS / f"switch-{f}.yaml"), load_job(LS / f"switch-{f}-noheads.yaml")
+        assert job_diff([with_heads, without]) == ["model.loop_conditioning"]
+        assert with_heads.model.loop_conditioning and not without.model.loop_conditioning
+    # matched at ℓ = 1: the baseline is the same model (its one core pass), the same tokens and seed
+    baseline, switch = load_job(LS / "baseline.yaml"), load_job(LS / "switch-0.75-noheads.yaml")
+    assert {k.split(".")[0] for k in job_diff([baseline, switch])} == {"schedule"}
+
+
+def test_kv_cache_late_switch_is_the_late_switch_run() -> None:
+    # docs/results/README.md: the experiments share this run (the runner reuses it by config fingerprint)
+    kv, ls = load_job(REPO / "jobs/experiments/kv-cache/late-switch.yaml"), load_job(LS / "switch-0.75.yaml")
+    assert job_fingerprint(kv) == job_fingerprint(ls)
+    assert kv.schedule.fixed_loops == 1 and kv.schedule.switch_at == 0.75
+
+
+def test_flattening_compares_against_the_looped_baseline() -> None:
+    from elastic_pretrain.experiments.registry import EXPERIMENTS
+
+    jobs = {p.stem: load_job(p) for p in (REPO / "jobs/experiments/flattening").glob("*.yaml")}
+    base = jobs["flatten1-tied"].model
+    assert (base.loops, base.flatten, base.attention) == (2, 1, "tied")
+    for j in jobs.values():  # equal expert parameters and active expert calls (layers x passes x top-k)
+        m = j.model
+        assert m.loops == 2 and m.core_layers_built * m.experts_built == 16
+        assert m.core_layers_built * m.max_loops == 8
+    measures = [c.measure for c in EXPERIMENTS["flattening"].claims]
+    assert sum("minus flatten1-tied" in s for s in measures) == 2
+
+
+def test_late_switch_claims_compute_share_retained_and_added_compute() -> None:
+    from elastic_pretrain.experiments.analyses import late_switch as ls
+
+    m = {
+        "baseline": {"loss@1": 2.0, "loss@max": 2.0, "compute": 1.0},
+        "mixed-scratch": {"loss@1": 2.01, "loss@max": 1.8, "compute": 1.8},
+        "switch-0.75": {"loss@1": 2.005, "loss@max": 1.79, "compute": 1.2},
+        "switch-0.75-noheads": {"loss@1": 2.0, "loss@max": 1.83, "compute": 1.2},
+    }
+    assert ls.share_retained("switch-0.75-noheads")(m) == pytest.approx(0.17 / 0.2)  # 85%
+    assert ls.added_compute_ratio(m) == pytest.approx(0.2 / 0.8)
+    claims = {c.measure: c for c in ls.EXPERIMENT.claims}
+    retained = next(c for s, c in claims.items() if s.startswith("switch-0.75-noheads: share"))
+    assert retained.value(m) == pytest.approx(0.85 - 0.84) and retained.expect == "equal"
+    gap = claims["switch-0.75 minus baseline at ℓ = 1 (nats)"]
+    assert gap.value(m) == pytest.approx(0.005) and gap.margin == ls.ONE_LOOP_BAND
+    m["mixed-scratch"]["loss@max"] = 2.0  # no improvement to retain: undefined, not a division error
+    assert math.isnan(ls.share_retained("switch-0.75")(m))
+
+
+def test_a_claim_undefined_at_a_seed_is_not_decided() -> None:
+    from elastic_pretrain.experiments.analyses import late_switch as ls
+    from elastic_pretrain.experiments.stats import evaluate
+
+    claim = next(c for c in ls.EXPERIMENT.claims if c.measure.startswith("switch-0.25-noheads: share"))
+    flat = {"loss@1": 2.0, "loss@max": 2.0, "compute": 1.0}  # mixed-scratch improves nothing: no share to retain
+    by_seed = {s: {a: dict(flat) for a in ("baseline", "mixed-scratch", "switch-0.25-noheads")} for s in range(3)}
+    result = evaluate(claim, by_seed)
+    assert result.verdict == "no" and result.interval is None and "undefined" in result.reason

@@ -34,7 +34,7 @@ def loss_by_loops(model: Any, tokens_NT1: torch.Tensor, loops: Sequence[int] | N
                   exit_axis: ExitAxis = "loop") -> dict[int, float]:
     """Per-token cross-entropy at every ℓ in ``loops`` (default 1..L_max) on ``tokens_NT1``.
 
-    ``model``: the model, or its DDP wrapper. In a distributed job every rank passes its own rows and
+    ``model``: the model, or its DDP wrapper (or the DeepSpeed engine, ``engine: deepspeed``). In a distributed job every rank passes its own rows and
     the result is over all of them (summed over data-parallel ranks; every rank must have the same
     number of rows, so that the MoE all-to-alls of an expert-parallel group pair up); ``pipeline``
     (``parallel.pipeline`` > 1) runs the passes through the pipeline schedule, the losses come from
@@ -47,7 +47,9 @@ def loss_by_loops(model: Any, tokens_NT1: torch.Tensor, loops: Sequence[int] | N
     ``exit_axis="layer"`` (TLM's axis, ``schedule.exit_axis``): ``loops`` are core layers k of a non-looped
     stack (default 1..N), all read out of one pass as in training (``LoopedMoEModel.run_layers``).
     """
-    net = getattr(model, "module", model)
+    net = model
+    while not hasattr(net, "cfg") and hasattr(net, "module"):  # DDP, or DeepSpeed's engine around its wrapper
+        net = net.module
     layer = exit_axis == "layer"
     deepest = net.cfg.core_layers_built if layer else net.cfg.max_loops
     wanted = sorted(set(range(1, deepest + 1) if loops is None else loops))

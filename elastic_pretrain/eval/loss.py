@@ -34,8 +34,8 @@ def loss_by_loops(model: Any, tokens_NT1: torch.Tensor, loops: Sequence[int] | N
                   exit_axis: ExitAxis = "loop") -> dict[int, float]:
     """Per-token cross-entropy at every ℓ in ``loops`` (default 1..L_max) on ``tokens_NT1``.
 
-    ``model``: the model, or its DDP wrapper (or the DeepSpeed engine, ``engine: deepspeed``). In a distributed job every rank passes its own rows and
-    the result is over all of them (summed over data-parallel ranks; every rank must have the same
+    ``model``: the model, or its DDP wrapper (or the DeepSpeed engine, ``engine: deepspeed``). In a
+    distributed job every rank passes its own rows and the result is over all of them (summed over data-parallel ranks; every rank must have the same
     number of rows, so that the MoE all-to-alls of an expert-parallel group pair up); ``pipeline``
     (``parallel.pipeline`` > 1) runs the passes through the pipeline schedule, the losses come from
     the last stage.

@@ -35,10 +35,10 @@ def loss_by_loops(model: Any, tokens_NT1: torch.Tensor, loops: Sequence[int] | N
     """Per-token cross-entropy at every ℓ in ``loops`` (default 1..L_max) on ``tokens_NT1``.
 
     ``model``: the model, or its DDP wrapper (or the DeepSpeed engine, ``engine: deepspeed``). In a
-    distributed job every rank passes its own rows and the result is over all of them (summed over data-
-    parallel ranks; every rank must have the same number of rows, so that the MoE all-to-alls of an expert-
-    parallel group pair up); ``pipeline`` (``parallel.pipeline`` > 1) runs the passes through the pipeline
-    schedule, the losses come from the last stage.
+    distributed job every rank passes its own rows and the result is over all of them (summed over
+    data-parallel ranks; every rank must have the same number of rows, so that the MoE all-to-alls of an
+    expert-parallel group pair up); ``pipeline`` (``parallel.pipeline`` > 1) runs the passes through the
+    pipeline schedule, the losses come from the last stage.
 
     One L_max run with an exit at every ℓ — or, when an ℓ-pass run is not the prefix of a longer one
     (``one_exit_per_run``: the loop-count conditioning conditions each ℓ on its own target, and

@@ -97,7 +97,7 @@ def test_decider_job_config_errors(tmp_path: Path) -> None:
         assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("backbone", ["frozen", "joint"])
+@pytest.mark.parametrize("backbone", ["frozen", "joint", "per_token"])
 def test_job_loss_equals_the_one_process_reference(mesh1, backbone: str) -> None:
     """The decider job's forward + loss (train/decider.py) against ``decider_loss``: the same objective
     and the same decider gradient; frozen, the backbone gets none."""

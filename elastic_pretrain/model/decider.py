@@ -165,8 +165,9 @@ def decider_loss(model: LoopedMoEModel, decider: IterationDecider, ids_BT: Tenso
 def _per_token_loss(model: LoopedMoEModel, decider: IterationDecider, ids_BT: Tensor, labels_BT: Tensor) -> DeciderLoss:
     """``backbone: per_token``: LM loss at each token's exit + BCE over the nested labels (one process)."""
     vocab = model.cfg.vocab_size
-    run = run_per_token(model, decider, ids_BT, lambda h: token_ce(model.logits(h)[..., :vocab].transpose(0, 1),
-                                                                      labels_BT))
+    run = run_per_token(
+        model, decider, ids_BT, lambda h: token_ce(model.logits(h)[..., :vocab].transpose(0, 1), labels_BT)
+    )
     targets = labels_from_gain(run.gain_LBT(), decider.cfg.coverage)
     bce_sum, count = per_token_bce(run, targets, decider.cfg.pos_weight)
     bce = bce_sum / count.clamp(min=1)
@@ -203,8 +204,13 @@ class PerTokenRun:
         return torch.where(self.labelled_LBT(), gain, torch.zeros_like(gain))
 
 
-def run_per_token(model: LoopedMoEModel, decider: IterationDecider, ids_BT: Tensor,
-                  ce: Callable[[Tensor], Tensor], keep: list[Tensor] | None = None) -> PerTokenRun:
+def run_per_token(
+    model: LoopedMoEModel,
+    decider: IterationDecider,
+    ids_BT: Tensor,
+    ce: Callable[[Tensor], Tensor],
+    keep: list[Tensor] | None = None,
+) -> PerTokenRun:
     """TaH2 joint post-training: L_max passes in which each token stops where the decider says.
 
     After pass j (j < L_max − 1) the decider's continue probability, read from the live state, decides
@@ -241,9 +247,13 @@ def run_per_token(model: LoopedMoEModel, decider: IterationDecider, ids_BT: Tens
             logit_TB = decider(h_TBD, emb_TBD, j)
             logits.append(logit_TB)
             active_TB = active_TB & (torch.sigmoid(logit_TB.detach().float()) >= cfg.threshold)
-    return PerTokenRun(exit_ce_BT=ce(model._head_states(h_TBD, rope)), ce_L_BT=torch.stack(ce_rows),
-                       ahead_L_BT=torch.stack(ahead_rows), active_L_BT=torch.stack(active_rows),
-                       logit_LTB=torch.stack(logits))
+    return PerTokenRun(
+        exit_ce_BT=ce(model._head_states(h_TBD, rope)),
+        ce_L_BT=torch.stack(ce_rows),
+        ahead_L_BT=torch.stack(ahead_rows),
+        active_L_BT=torch.stack(active_rows),
+        logit_LTB=torch.stack(logits),
+    )
 
 
 def per_token_bce(run: PerTokenRun, targets_L_BT: Tensor, pos_weight: float) -> tuple[Tensor, Tensor]:

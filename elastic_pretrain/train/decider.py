@@ -55,8 +55,9 @@ def pooled_labels(gain_L_BT: torch.Tensor, coverage: float) -> torch.Tensor:
     if world == 1:
         return labels_from_gain(gain_L_BT, coverage)
     local = gain_L_BT.flatten(1).double().to(device()).contiguous()
-    every = torch.empty((world, *local.shape), dtype=local.dtype, device=local.device)
-    dist.all_gather_into_tensor(every, local, group=group)
+    every = torch.empty((world * local.shape[0], local.shape[1]), dtype=local.dtype, device=local.device)
+    dist.all_gather_into_tensor(every, local, group=group)  # ranks concatenated along dim 0 (gloo and NCCL)
+    every = every.view(world, *local.shape)
     pooled = labels_from_gain(every.transpose(0, 1).flatten(1), coverage)  # [L-1, world·N], rank-major
     mine = pooled.reshape(local.shape[0], world, -1)[:, dist.get_rank(group)]
     return mine.reshape(gain_L_BT.shape).to(gain_L_BT.device)
@@ -84,8 +85,10 @@ def _per_token_loss(cfg: DeciderConfig, run: PerTokenRun) -> tuple[Any, Any, dic
     return objective, torch.tensor(n, dtype=torch.int, device=objective.device), report
 
 
-def _loss_func(cfg: DeciderConfig, out: tuple[dict[int, torch.Tensor], torch.Tensor] | PerTokenRun,
-               ) -> tuple[Any, Any, dict]:
+def _loss_func(
+    cfg: DeciderConfig,
+    out: tuple[dict[int, torch.Tensor], torch.Tensor] | PerTokenRun,
+) -> tuple[Any, Any, dict]:
     """CE at L_max + loss_weight · BCE, as a per-token sum (megatron divides by the token count).
 
     The CE of every exit is identical on the TP ranks of a replica (vocab-parallel CE), so are the

@@ -95,6 +95,31 @@ def test_labels_pooled_over_two_dp_ranks_equal_one_process():
     one process gives the concatenated batch, and differ from labelling each rank's batch alone."""
     proc = torchrun(REPO / "tests" / "dist" / "decider_pooling.py", nproc=2, timeout=300)
     line = next(x for x in proc.stdout.splitlines() if x.startswith("POOLED "))
-    ranks = json.loads(line[len("POOLED "):])
+    ranks = json.loads(line[len("POOLED ") :])
     assert [r["equal_to_one_process"] for r in ranks] == [True, True]
     assert any(r["differs_from_local"] for r in ranks)
+
+
+def test_accuracy_per_doubling_on_synthetic_points():
+    """TaH2's slope: accuracy = a + s·log2(compute) gives s exactly; noise-free points from two slopes on one
+    sweep give each; one compute, or a non-positive one, is no slope."""
+    from elastic_pretrain.eval.adaptive import AdaptiveResult, AdaptiveSweep, FixedPoint, accuracy_per_doubling
+
+    compute = [0.25, 0.5, 1.0]
+    assert accuracy_per_doubling(compute, [0.30, 0.32, 0.34]) == pytest.approx(0.02)
+    assert accuracy_per_doubling([1, 2, 4, 8], [0.1, 0.2, 0.3, 0.4]) == pytest.approx(0.1)
+    # least squares through scattered points: slope of (log2 c, acc) = ((-1,0.5),(0,0.5),(1,0.7)) is 0.1
+    assert accuracy_per_doubling([0.5, 1.0, 2.0], [0.5, 0.5, 0.7]) == pytest.approx(0.1)
+    assert accuracy_per_doubling([1.0, 1.0], [0.2, 0.3]) != accuracy_per_doubling([1.0, 1.0], [0.2, 0.3])  # NaN
+    with pytest.raises(ValueError, match="compute must be > 0"):
+        accuracy_per_doubling([0.0, 1.0], [0.1, 0.2])
+    sweep = AdaptiveSweep(
+        fixed=tuple(FixedPoint(loops=i + 1, relative_compute=c, loss=1.0, accuracy=0.3 + 0.0179 * i)
+                    for i, c in enumerate(compute)),
+        adaptive=tuple(AdaptiveResult(threshold=t, loss=1.0, mean_passes=1.0, relative_compute=c, policy="per-loop",
+                                      accuracy=0.3 + 0.0274 * i)
+                       for i, (t, c) in enumerate(zip((0.9, 0.5, 0.0), compute, strict=True))),
+    )  # fmt: skip
+    fixed, adaptive = sweep.slopes()
+    assert fixed == pytest.approx(0.0179) and adaptive == pytest.approx(0.0274)
+    assert "fixed depth 1.79, adaptive 2.74" in sweep.markdown()

@@ -85,6 +85,23 @@ def threshold_sweep(
     return QualityCurve(name=name, points=points), results
 
 
+def accuracy_per_doubling(compute: Sequence[float], accuracy: Sequence[float]) -> float:
+    """TaH2's accuracy-compute slope: accuracy gained per doubling of decode compute — the least-squares
+    slope of accuracy against log2(compute). TaH2: "what the accuracy-compute slope looks like as test-time
+    decoding FLOPs double" (2.74 vs 1.79 points on AIME). NaN with fewer than two distinct computes."""
+    if len(compute) != len(accuracy):
+        raise ValueError(f"accuracy_per_doubling: {len(compute)} computes but {len(accuracy)} accuracies")
+    if any(c <= 0 for c in compute):
+        raise ValueError("accuracy_per_doubling: compute must be > 0 (it is doubled on a log2 axis)")
+    x = torch.log2(torch.tensor(compute, dtype=torch.float64))
+    y = torch.tensor(accuracy, dtype=torch.float64)
+    dx = x - x.mean()
+    var = float((dx * dx).sum())
+    if len(compute) < 2 or var == 0.0:
+        return float("nan")
+    return float((dx * (y - y.mean())).sum()) / var
+
+
 @dataclasses.dataclass(frozen=True)
 class FixedPoint:
     loops: int
@@ -105,6 +122,13 @@ class AdaptiveSweep:
         xs = [p.relative_compute for p in self.fixed]
         loss = interp(xs, [p.loss for p in self.fixed], compute)
         return loss, interp(xs, [p.accuracy for p in self.fixed], compute)
+
+    def slopes(self) -> tuple[float, float]:
+        """(fixed depth, adaptive) accuracy gained per doubling of decode compute (:func:`accuracy_per_doubling`)."""
+        return (
+            accuracy_per_doubling([p.relative_compute for p in self.fixed], [p.accuracy for p in self.fixed]),
+            accuracy_per_doubling([r.relative_compute for r in self.adaptive], [r.accuracy for r in self.adaptive]),
+        )
 
     def curves(self) -> tuple[QualityCurve, QualityCurve]:
         """(fixed depth, adaptive) loss-vs-compute curves, for :func:`~elastic_pretrain.eval.curves.compare`."""
@@ -131,8 +155,13 @@ class AdaptiveSweep:
             )
         fixed = ["| ℓ (fixed) | relative compute | loss | accuracy |", "|---|---|---|---|"]
         fixed += [f"| {p.loops} | {p.relative_compute:.3f} | {p.loss:.4f} | {p.accuracy:.4f} |" for p in self.fixed]
+        slope_fixed, slope_adaptive = self.slopes()
+        slope = (
+            "accuracy per doubling of decode compute (TaH2's slope, points): "
+            f"fixed depth {100 * slope_fixed:.2f}, adaptive {100 * slope_adaptive:.2f}"
+        )
         return "\n".join(["**adaptive depth (iteration decider), teacher-forced, per-loop KV**", "", *rows, "",
-                          *fixed, ""])  # fmt: skip
+                          *fixed, "", slope, ""])  # fmt: skip
 
 
 @torch.no_grad()

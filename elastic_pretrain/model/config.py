@@ -219,8 +219,11 @@ class DeciderConfig:
     )
     pos_weight: float = field(1.0, doc="BCE weight of 'continue' labels (> 1 favours running more passes).")
     loss_weight: float = field(0.1, doc="Weight of the decider BCE added to the LM loss.")
-    backbone: Literal["frozen", "joint"] = field(
-        "frozen", doc="'frozen': the BCE does not reach the LM (inputs detached); 'joint': it does."
+    backbone: Literal["frozen", "joint", "per_token"] = field(
+        "frozen",
+        doc="'frozen': the BCE does not reach the LM (inputs detached); 'joint': it does, LM loss at L_max; "
+        "'per_token' (TaH2 joint post-training): tokens stop where the decider says (state frozen, still attended "
+        "to), LM loss at each token's exit, nested lookahead labels pooled over data-parallel ranks.",
     )
     threshold: float = field(
         0.5,

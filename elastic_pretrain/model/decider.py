@@ -21,6 +21,7 @@ L_max (the fixed-depth model); a threshold above 1 stops every token after one p
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -76,16 +77,26 @@ class IterationDecider(torch.nn.Module):
 
 # ---------------------------------------------------------------------------------------------------
 # Lookahead labels (TaH2)
-def lookahead_labels(ce_L_N: Tensor, coverage: float) -> Tensor:
+def lookahead_labels(ce_L_N: Tensor, coverage: float, active_L_N: Tensor | None = None) -> Tensor:
     """Continue labels ``[L-1, ...]`` from per-token CE at each pass ``[L, ...]`` (TaH2 lookahead).
 
     Per pass j: gain = CE_j − CE_{j+1}; tokens with positive gain are sorted by gain (largest first,
     ties in token order) and the shortest prefix whose gain sum reaches ``coverage`` × the total
     positive gain is labelled True. No positive gain → no True label at that pass.
+    ``active_L_N`` (``[L-1, ...]``, ``backbone: per_token``): only tokens that ran pass j take part at j
+    (nested labels: a token that stopped earlier is never labelled "continue" and adds no gain).
     """
     if ce_L_N.shape[0] < 2:
         raise ValueError("lookahead labels need the CE of at least two passes")
-    gain = (ce_L_N[:-1] - ce_L_N[1:]).double().flatten(1)  # [L-1, N]
+    gain = ce_L_N[:-1] - ce_L_N[1:]
+    if active_L_N is not None:
+        gain = torch.where(active_L_N, gain, torch.zeros_like(gain))
+    return labels_from_gain(gain, coverage)
+
+
+def labels_from_gain(gain_L_N: Tensor, coverage: float) -> Tensor:
+    """:func:`lookahead_labels` from the gains ``[L-1, ...]`` (pooling over ranks gathers these first)."""
+    gain = gain_L_N.double().flatten(1)  # [L-1, N]
     pos = gain.clamp(min=0)
     sorted_g, order = torch.sort(pos, dim=1, descending=True, stable=True)
     csum = torch.cumsum(sorted_g, dim=1)
@@ -93,7 +104,7 @@ def lookahead_labels(ce_L_N: Tensor, coverage: float) -> Tensor:
     need = coverage * csum[:, -1:]
     take = (sorted_g > 0) & (before < need)
     labels = torch.zeros_like(take).scatter(1, order, take)
-    return labels.reshape(ce_L_N[:-1].shape)
+    return labels.reshape(gain_L_N.shape)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -119,6 +130,8 @@ def decider_loss(model: LoopedMoEModel, decider: IterationDecider, ids_BT: Tenso
     One process (TP = 1): the job's distributed loss is ``train/decider.py``'s, tested against this.
     """
     cfg = decider.cfg
+    if cfg.backbone == "per_token":
+        return _per_token_loss(model, decider, ids_BT, labels_BT)
     loops = model.cfg.max_loops
     keep: list[Tensor] = []  # token embedding, then the hidden state after each pass
     heads, _ = model.run_loops(ids_BT, loops=loops, exits=range(1, loops + 1), keep=keep)
@@ -147,6 +160,110 @@ def decider_loss(model: LoopedMoEModel, decider: IterationDecider, ids_BT: Tenso
         continue_fraction=float(targets_L_BT.mean()),
         accuracy=acc,
     )
+
+
+def _per_token_loss(model: LoopedMoEModel, decider: IterationDecider, ids_BT: Tensor, labels_BT: Tensor) -> DeciderLoss:
+    """``backbone: per_token``: LM loss at each token's exit + BCE over the nested labels (one process)."""
+    vocab = model.cfg.vocab_size
+    run = run_per_token(
+        model, decider, ids_BT, lambda h: token_ce(model.logits(h)[..., :vocab].transpose(0, 1), labels_BT)
+    )
+    targets = labels_from_gain(run.gain_LBT(), decider.cfg.coverage)
+    bce_sum, count = per_token_bce(run, targets, decider.cfg.pos_weight)
+    bce = bce_sum / count.clamp(min=1)
+    lm = run.exit_ce_BT.mean()
+    mask_LTB = run.labelled_LBT().transpose(1, 2)
+    with torch.no_grad():
+        t_LTB = targets.transpose(1, 2)
+        correct = ((run.logit_LTB > 0) == t_LTB) & mask_LTB
+        acc = float(correct.sum() / mask_LTB.sum().clamp(min=1))
+    return DeciderLoss(
+        total=lm + decider.cfg.loss_weight * bce, lm=lm, bce=bce,
+        ce_per_pass=[float(c.mean()) for c in run.ce_L_BT],
+        continue_fraction=float(t_LTB[mask_LTB].double().mean()) if bool(mask_LTB.any()) else 0.0, accuracy=acc,
+    )  # fmt: skip
+
+
+@dataclasses.dataclass
+class PerTokenRun:
+    """One L_max run under per-token depth (``backbone: per_token``): see :func:`run_per_token`."""
+
+    exit_ce_BT: Tensor  # CE of each token's state at its exit (the LM loss; carries the gradient)
+    ce_L_BT: Tensor  # [L, B, T] detached: CE of the states after pass j under per-token stopping (row L-1: exits)
+    ahead_L_BT: Tensor  # [L, B, T] detached: CE had every token run pass j from its state entering it
+    active_L_BT: Tensor  # [L, B, T] bool: the token ran pass j (row 0: every token)
+    logit_LTB: Tensor  # [L-1, T, B] continue logits after passes 0..L-2 (the decider's live inputs)
+
+    def labelled_LBT(self) -> Tensor:
+        """Nested label mask ``[L-1, B, T]``: the decision after pass j is labelled iff the token ran pass j."""
+        return self.active_L_BT[:-1]
+
+    def gain_LBT(self) -> Tensor:
+        """Lookahead gain of the decision after pass j: CE now − CE after one more pass; 0 where unlabelled."""
+        gain = self.ce_L_BT[:-1] - self.ahead_L_BT[1:]
+        return torch.where(self.labelled_LBT(), gain, torch.zeros_like(gain))
+
+
+def run_per_token(
+    model: LoopedMoEModel,
+    decider: IterationDecider,
+    ids_BT: Tensor,
+    ce: Callable[[Tensor], Tensor],
+    keep: list[Tensor] | None = None,
+) -> PerTokenRun:
+    """TaH2 joint post-training: L_max passes in which each token stops where the decider says.
+
+    After pass j (j < L_max − 1) the decider's continue probability, read from the live state, decides
+    (stop below ``threshold``, as served). A stopped token's hidden state is copied through every later
+    pass, so its exit state reaches the head; it still runs through each later pass (masked), so other
+    tokens keep attending to its K/V (the pass's own projection of its frozen state) and every rank of
+    an expert-parallel group runs the same MoE calls. That masked pass is also the token's lookahead:
+    its input is the state it stopped with, so its CE is "one more pass" for the label (the coda, which
+    attends across tokens, then sees every token one pass further: ``ahead_L_BT``).
+    ``ce`` maps final-norm states ``[T, B, D]`` to per-token CE ``[B, T]``. TP = 1, no sequence parallel.
+    ``keep``: a list that receives the hidden state after each pass (stopped tokens frozen).
+    """
+    cfg = decider.cfg
+    loops = model.cfg.max_loops
+    rope = model.rotary_pos_emb(ids_BT.shape[1])
+    embedded: list[Tensor] = []
+    h_TBD = model._embed(ids_BT, rope, embedded)
+    emb_TBD = embedded[0]
+    active_TB = torch.ones(h_TBD.shape[:2], dtype=torch.bool, device=h_TBD.device)
+    ce_rows: list[Tensor] = []
+    ahead_rows: list[Tensor] = []
+    active_rows: list[Tensor] = []
+    logits: list[Tensor] = []
+    for j in range(loops):
+        x_TBD = model._core_pass(h_TBD, j, loops, rope)
+        active_rows.append(active_TB.t())
+        h_TBD = torch.where(active_TB[..., None], x_TBD, h_TBD)  # stopped tokens stay frozen
+        with torch.no_grad():  # the coda attends across tokens: the served states and the lookahead differ
+            ahead_rows.append(ce(model._head_states(x_TBD, rope)))
+            ce_rows.append(ahead_rows[-1] if bool(active_TB.all()) else ce(model._head_states(h_TBD, rope)))
+        if keep is not None:
+            keep.append(h_TBD)
+        if j + 1 < loops:
+            logit_TB = decider(h_TBD, emb_TBD, j)
+            logits.append(logit_TB)
+            active_TB = active_TB & (torch.sigmoid(logit_TB.detach().float()) >= cfg.threshold)
+    return PerTokenRun(
+        exit_ce_BT=ce(model._head_states(h_TBD, rope)),
+        ce_L_BT=torch.stack(ce_rows),
+        ahead_L_BT=torch.stack(ahead_rows),
+        active_L_BT=torch.stack(active_rows),
+        logit_LTB=torch.stack(logits),
+    )
+
+
+def per_token_bce(run: PerTokenRun, targets_L_BT: Tensor, pos_weight: float) -> tuple[Tensor, Tensor]:
+    """(BCE summed over the labelled decisions, their count): stopped tokens' later passes have no label."""
+    mask_LTB = run.labelled_LBT().transpose(1, 2)
+    bce_LTB = F.binary_cross_entropy_with_logits(
+        run.logit_LTB, targets_L_BT.transpose(1, 2).float(), reduction="none",
+        pos_weight=torch.tensor(pos_weight, device=run.logit_LTB.device),
+    )  # fmt: skip
+    return torch.where(mask_LTB, bce_LTB, torch.zeros_like(bce_LTB)).sum(), mask_LTB.sum()
 
 
 def passes_at(logit_L_N: Tensor, threshold: float) -> Tensor:

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from elastic_pretrain.config import ConfigError
 from elastic_pretrain.model.config import ModelConfig
-from elastic_pretrain.model.decider import DeciderConfig, IterationDecider
+from elastic_pretrain.model.decider import DeciderConfig, IterationDecider, PerTokenRun, run_per_token
 from elastic_pretrain.model.kv_training import FinalKV, mixed_attention, project_kv
 from elastic_pretrain.model.layer_list import LayerList
 from elastic_pretrain.model.recompute import checkpoint_pass
@@ -591,7 +591,7 @@ class LoopedMoEModel(LanguageModule):
             out[loops] = out[loops] + 0.0 * ghost
         return out
 
-    def forward_decider(self, input_ids: Tensor, labels: Tensor) -> tuple[dict[int, Tensor], Tensor]:
+    def forward_decider(self, input_ids: Tensor, labels: Tensor) -> tuple[dict[int, Tensor], Tensor] | PerTokenRun:
         """Decider training (TaH2): one L_max run with an exit at every pass.
 
         Returns (per-token LM losses ``[B, T]`` at every exit 1..L_max, continue logits ``[L-1, T, B]``
@@ -600,6 +600,12 @@ class LoopedMoEModel(LanguageModule):
         """
         if self.decider is None:
             raise RuntimeError("forward_decider needs a model built with a decider")
+        if self.decider.cfg.backbone == "per_token":  # TaH2 joint post-training under per-token depth
+            if self.config.tensor_model_parallel_size != 1 or self.cfg.kv_training != "same_pass":
+                raise ConfigError("decider.backbone=per_token: runs with parallel tensor=1 and model.kv_training="
+                                  "same_pass (use backbone: joint for tensor parallelism)")
+            return run_per_token(self, self.decider, input_ids,
+                                 lambda h: self.compute_language_model_loss(labels, self.logits(h)))
         loops = self.cfg.max_loops
         keep: list[Tensor] = []
         states, _ = self.run_loops(input_ids, loops=loops, exits=range(1, loops + 1), keep=keep)

@@ -22,9 +22,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.model.decider import DeciderConfig, lookahead_labels, passes_at
+from elastic_pretrain.model.decider import (
+    DeciderConfig,
+    PerTokenRun,
+    labels_from_gain,
+    lookahead_labels,
+    passes_at,
+    per_token_bce,
+)
 from elastic_pretrain.model.looped import LoopedMoEModel
-from elastic_pretrain.parallel.mesh import sequence_shard
+from elastic_pretrain.parallel.device import device
+from elastic_pretrain.parallel.mesh import data_parallel_group, sequence_shard
 from elastic_pretrain.train.step import MicroBatch, TrainStep, _reduce_by_loops
 
 # the per-micro-batch sums a decider step reports (reduced over every rank)
@@ -37,7 +45,50 @@ def _forward_step(cfg: DeciderConfig, data_iterator: Iterator[MicroBatch], model
     return model.module.forward_decider(inputs, labels), partial(_loss_func, cfg)
 
 
-def _loss_func(cfg: DeciderConfig, out: tuple[dict[int, torch.Tensor], torch.Tensor]) -> tuple[Any, Any, dict]:
+def pooled_labels(gain_L_BT: torch.Tensor, coverage: float) -> torch.Tensor:
+    """Lookahead labels from the gains ``[L-1, B, T]`` (0 where unlabelled) whose coverage cut is taken over
+    the whole data-parallel batch: every DP rank's gains are gathered (on the NCCL device), labelled together,
+    and this rank keeps its slice — the labels one process gives the concatenated batch. Micro-batch shapes
+    agree across DP ranks (a decider job runs the same micro-batches everywhere)."""
+    group = data_parallel_group() if dist.is_initialized() else None
+    world = dist.get_world_size(group) if group is not None else 1
+    if world == 1:
+        return labels_from_gain(gain_L_BT, coverage)
+    local = gain_L_BT.flatten(1).double().to(device()).contiguous()
+    every = torch.empty((world * local.shape[0], local.shape[1]), dtype=local.dtype, device=local.device)
+    dist.all_gather_into_tensor(every, local, group=group)  # ranks concatenated along dim 0 (gloo and NCCL)
+    every = every.view(world, *local.shape)
+    pooled = labels_from_gain(every.transpose(0, 1).flatten(1), coverage)  # [L-1, world·N], rank-major
+    mine = pooled.reshape(local.shape[0], world, -1)[:, dist.get_rank(group)]
+    return mine.reshape(gain_L_BT.shape).to(gain_L_BT.device)
+
+
+def _per_token_loss(cfg: DeciderConfig, run: PerTokenRun) -> tuple[Any, Any, dict]:
+    """``backbone: per_token``: CE at each token's exit + loss_weight · BCE over the nested, DP-pooled labels
+    (``model/decider.py:decider_loss`` is the one-process reference)."""
+    n = run.exit_ce_BT.numel()
+    targets = pooled_labels(run.gain_LBT(), cfg.coverage)
+    bce_sum, count = per_token_bce(run, targets, cfg.pos_weight)
+    objective = run.exit_ce_BT.sum() + cfg.loss_weight * bce_sum * (n / count.clamp(min=1))
+    with torch.no_grad():
+        mask_LTB = run.labelled_LBT().transpose(1, 2)
+        t_LTB = targets.transpose(1, 2)
+        stats = torch.tensor(
+            [float(bce_sum), float(count), float(t_LTB[mask_LTB].sum()),
+             float((((run.logit_LTB > 0) == t_LTB) & mask_LTB).sum()), float(run.active_L_BT.sum()), n],
+            dtype=torch.float64, device=run.exit_ce_BT.device,
+        )  # fmt: skip
+    loops = run.ce_L_BT.shape[0]  # ℓ = j: the states after pass j-1 under per-token stopping (ℓ = L_max: exits)
+    by_exit = {e: (run.ce_L_BT[e - 1].sum(), n) for e in range(1, loops)}
+    by_exit[loops] = (run.exit_ce_BT.detach().sum(), n)
+    report = {"by_exit": by_exit, "decider": stats}
+    return objective, torch.tensor(n, dtype=torch.int, device=objective.device), report
+
+
+def _loss_func(
+    cfg: DeciderConfig,
+    out: tuple[dict[int, torch.Tensor], torch.Tensor] | PerTokenRun,
+) -> tuple[Any, Any, dict]:
     """CE at L_max + loss_weight · BCE, as a per-token sum (megatron divides by the token count).
 
     The CE of every exit is identical on the TP ranks of a replica (vocab-parallel CE), so are the
@@ -45,6 +96,8 @@ def _loss_func(cfg: DeciderConfig, out: tuple[dict[int, torch.Tensor], torch.Ten
     shard, so the BCE here is the shard's sum over the *whole* sequence's label count: the TP ranks'
     decider gradients add up (finalize_model_grads all-reduces them) to the gradient of the full mean.
     """
+    if isinstance(out, PerTokenRun):
+        return _per_token_loss(cfg, out)
     losses, logit_LTB = out
     loops = len(losses)
     ce_LBT = torch.stack([losses[e] for e in range(1, loops + 1)])

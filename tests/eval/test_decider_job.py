@@ -70,6 +70,21 @@ def test_decider_job_trains_resumes_and_drives_eval_and_generate(run_dir: Path, 
     assert some.passes_BN.min() >= 1 and some.passes_BN.max() <= 4
 
 
+@pytest.mark.slow
+def test_per_token_decider_job_two_ranks_strict_devices(run_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    """``decider.backbone=per_token`` end to end: 2 ranks (EP=2, so DP=2: labels pooled by an all-gather),
+    strict device checks on, two steps; the backbone trains (Adam state beyond the decider)."""
+    monkeypatch.setenv("ELASTIC_PRETRAIN_STRICT_DEVICES", "1")
+    run = tmp_path / "per-token"
+    out = cli("train", str(JOB), "--nproc-per-node", "2", "--run-dir", str(run), f"decider.init_from={run_dir}",
+              "decider.backbone=per_token", "train.steps=2", *COMMON)  # fmt: skip
+    assert "(per_token)" in out.stdout
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("step     2/2"))
+    assert "decider bce" in line and "ℓ1=" in line and "ℓ4=" in line
+    adam = [k for k in _all_keys(run / "checkpoints" / "step_2") if k.startswith("optimizer.")]
+    assert any("decider." in k for k in adam) and any("decider." not in k for k in adam)
+
+
 def _all_keys(step: Path) -> list[str]:
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -97,7 +112,7 @@ def test_decider_job_config_errors(tmp_path: Path) -> None:
         assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("backbone", ["frozen", "joint"])
+@pytest.mark.parametrize("backbone", ["frozen", "joint", "per_token"])
 def test_job_loss_equals_the_one_process_reference(mesh1, backbone: str) -> None:
     """The decider job's forward + loss (train/decider.py) against ``decider_loss``: the same objective
     and the same decider gradient; frozen, the backbone gets none."""

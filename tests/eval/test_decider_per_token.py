@@ -1,0 +1,125 @@
+"""TaH2 joint post-training under per-token depth (``decider.backbone: per_token``, issue 18 item 1):
+nested labels, frozen states of stopped tokens, LM loss at each token's exit, DP-pooled labels."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from elastic_pretrain.model.decider import decider_loss, lookahead_labels, run_per_token
+from elastic_pretrain.model.losses import token_ce
+from tests.conftest import REPO, torchrun
+from tests.eval.test_decider import ids, make_decider
+
+
+def _ce(model, labels_BT):
+    return lambda h: token_ce(model.logits(h)[..., : model.cfg.vocab_size].transpose(0, 1), labels_BT)
+
+
+def test_nested_labels_skip_stopped_tokens():
+    """A token that did not run pass j gets no "continue" label at j, however large its gain, and adds
+    nothing to the total gain the coverage cut is taken from."""
+    ce = torch.tensor([[5.0, 5.0, 5.0], [4.0, 1.0, 4.5], [3.0, 0.0, 4.4]])  # [L=3, N=3]
+    assert lookahead_labels(ce, 1.0).tolist() == [[True, True, True], [True, True, True]]
+    active = torch.tensor([[True, True, True], [True, False, True]])  # token 1 stopped after pass 0
+    got = lookahead_labels(ce, 0.9, active)
+    assert got[1].tolist() == [True, False, False]  # token 1 unlabelled; 0.9 of (1.0 + 0.1) is token 0 alone
+    assert got[0].tolist() == lookahead_labels(ce[:2], 0.9)[0].tolist()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_stopped_tokens_frozen_and_loss_at_exit(model, seed):
+    """A random decider stops tokens at mixed passes: after its stop pass a token's hidden state is
+    unchanged, it is never active again (nested), and the LM loss is the CE of its exit state — the lookahead
+    row of its last pass, and for position 0 (which attends only to itself) the fixed-depth model's own exit."""
+    dec = make_decider(model, spread=2.0, backbone="per_token")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        dec.fc2.bias.normal_(0.0, 1.0)
+    x = ids(3, 12, 10 + seed)
+    keep: list[torch.Tensor] = []
+    with torch.no_grad():
+        run = run_per_token(model, dec, x[:, :-1], _ce(model, x[:, 1:]), keep=keep)
+        own = model(x[:, :-1], labels=x[:, 1:], loops=4, exits=[1, 2, 3])
+    act = run.active_L_BT
+    assert bool((act[1:] <= act[:-1]).all())  # nested: once stopped, never active again
+    passes_BT = act.sum(0)
+    assert len(passes_BT.unique()) > 1, "the test needs mixed depths"
+    states = torch.stack(keep)  # [L, T, B, D]
+    for j in range(1, 4):
+        stopped_TB = ~act[j].t()
+        assert torch.equal(states[j][stopped_TB], states[j - 1][stopped_TB])
+        assert not torch.equal(states[j][~stopped_TB], states[j - 1][~stopped_TB])
+    torch.testing.assert_close(run.ce_L_BT[-1], run.exit_ce_BT, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(run.ahead_L_BT[0], run.ce_L_BT[0], rtol=0, atol=0)  # pass 0: every token runs
+    assert bool((run.gain_LBT()[~run.labelled_LBT()] == 0).all())  # nested: no gain, no label after a stop
+    for b in range(3):  # position 0: the per-token run's exit equals the fixed-depth run at its depth
+        p = int(passes_BT[b, 0])
+        assert float(run.exit_ce_BT[b, 0]) == pytest.approx(float(own[p][b, 0]), abs=1e-5)
+    stopped_early = passes_BT < 4
+    assert not torch.allclose(run.exit_ce_BT[stopped_early], own[4][stopped_early])  # not L_max's loss
+
+
+def test_per_token_extremes_equal_fixed_depth(model):
+    """Threshold 0 runs every token L_max passes (the ``joint`` model's loss); above 1 every token exits after one."""
+    x = ids(2, 9, 5)
+    with torch.no_grad():
+        own = model(x[:, :-1], labels=x[:, 1:], loops=4, exits=[1])
+        for thr, ell, mean_passes in ((0.0, 4, 4.0), (1.01, 1, 1.0)):
+            dec = make_decider(model, spread=2.0, backbone="per_token", threshold=thr)
+            run = run_per_token(model, dec, x[:, :-1], _ce(model, x[:, 1:]))
+            torch.testing.assert_close(run.exit_ce_BT, own[ell], rtol=1e-5, atol=1e-5)
+            assert float(run.active_L_BT.sum(0).double().mean()) == mean_passes
+            out = decider_loss(model, dec, x[:, :-1], x[:, 1:])
+            assert float(out.lm) == pytest.approx(float(own[ell].mean()), abs=1e-5)
+
+
+def test_per_token_loss_trains_the_backbone_at_the_exit(model):
+    """The LM gradient reaches the backbone through each token's exit; the BCE reaches the decider."""
+    dec = make_decider(model, spread=2.0, backbone="per_token")
+    x = ids(2, 11, 6)
+    out = decider_loss(model, dec, x[:, :-1], x[:, 1:])
+    assert out.total.item() == pytest.approx(out.lm.item() + 0.1 * out.bce.item(), rel=1e-6)
+    model.zero_grad(set_to_none=True)
+    out.total.backward()
+    assert dec.fc1.weight.grad.abs().sum() > 0
+    assert model.core[0].attention_for(3).self_attention.linear_qkv.weight.grad is not None
+    model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.slow
+def test_labels_pooled_over_two_dp_ranks_equal_one_process():
+    """2 gloo ranks (DP=2), strict device checks on: each rank's pooled labels equal its slice of the labels
+    one process gives the concatenated batch, and differ from labelling each rank's batch alone."""
+    proc = torchrun(REPO / "tests" / "dist" / "decider_pooling.py", nproc=2, timeout=300)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("POOLED "))
+    ranks = json.loads(line[len("POOLED ") :])
+    assert [r["equal_to_one_process"] for r in ranks] == [True, True]
+    assert any(r["differs_from_local"] for r in ranks)
+
+
+def test_accuracy_per_doubling_on_synthetic_points():
+    """TaH2's slope: accuracy = a + s·log2(compute) gives s exactly; noise-free points from two slopes on one
+    sweep give each; one compute, or a non-positive one, is no slope."""
+    from elastic_pretrain.eval.adaptive import AdaptiveResult, AdaptiveSweep, FixedPoint, accuracy_per_doubling
+
+    compute = [0.25, 0.5, 1.0]
+    assert accuracy_per_doubling(compute, [0.30, 0.32, 0.34]) == pytest.approx(0.02)
+    assert accuracy_per_doubling([1, 2, 4, 8], [0.1, 0.2, 0.3, 0.4]) == pytest.approx(0.1)
+    # least squares through scattered points: slope of (log2 c, acc) = ((-1,0.5),(0,0.5),(1,0.7)) is 0.1
+    assert accuracy_per_doubling([0.5, 1.0, 2.0], [0.5, 0.5, 0.7]) == pytest.approx(0.1)
+    assert accuracy_per_doubling([1.0, 1.0], [0.2, 0.3]) != accuracy_per_doubling([1.0, 1.0], [0.2, 0.3])  # NaN
+    with pytest.raises(ValueError, match="compute must be > 0"):
+        accuracy_per_doubling([0.0, 1.0], [0.1, 0.2])
+    sweep = AdaptiveSweep(
+        fixed=tuple(FixedPoint(loops=i + 1, relative_compute=c, loss=1.0, accuracy=0.3 + 0.0179 * i)
+                    for i, c in enumerate(compute)),
+        adaptive=tuple(AdaptiveResult(threshold=t, loss=1.0, mean_passes=1.0, relative_compute=c, policy="per-loop",
+                                      accuracy=0.3 + 0.0274 * i)
+                       for i, (t, c) in enumerate(zip((0.9, 0.5, 0.0), compute, strict=True))),
+    )  # fmt: skip
+    fixed, adaptive = sweep.slopes()
+    assert fixed == pytest.approx(0.0179) and adaptive == pytest.approx(0.0274)
+    assert "fixed depth 1.79, adaptive 2.74" in sweep.markdown()

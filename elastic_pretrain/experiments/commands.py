@@ -26,9 +26,9 @@ def _experiment(args: argparse.Namespace) -> int:
         raise UserError(f"unknown experiment '{unknown[0]}' (known: {', '.join(EXPERIMENTS)}, all)")
     from elastic_pretrain.experiments.report import run_experiment
     from elastic_pretrain.experiments.runner import QUICK_OVERRIDES
-    from elastic_pretrain.train.commands import _quiet_logs
+    from elastic_pretrain.quiet import quiet_logs
 
-    _quiet_logs()
+    quiet_logs()
     runs = Path(args.runs or ("runs/experiments-quick" if args.quick else "runs/experiments"))
     out = Path(args.out or (runs / "results" if args.quick else "docs/results"))
     overrides = [*(QUICK_OVERRIDES if args.quick else ()), *args.overrides]

@@ -70,3 +70,23 @@ def test_the_walker_sees_lazy_relative_and_from_package_imports(tmp_path: Path) 
     got = imported(path, tmp_path)
     assert {"elastic_pretrain.rundir", "elastic_pretrain.eval.commands", "elastic_pretrain.train.commands",
             "elastic_pretrain.data.commands"} <= got, got
+
+
+def test_the_run_directory_page_names_every_file_of_the_contract() -> None:
+    from elastic_pretrain.rundir import CheckpointFiles, RunFiles
+
+    page = (REPO / "docs" / "run-directory.md").read_text()
+    run, ckpt = RunFiles(Path("R")), CheckpointFiles(Path("C"))
+    paths = [getattr(run, p) for p in vars(RunFiles) if isinstance(getattr(RunFiles, p), property)]
+    paths += [run.hang_dump(0), run.profile_trace(0), run.step_dir(1)]
+    paths += [getattr(ckpt, p) for p in vars(CheckpointFiles)
+              if isinstance(getattr(CheckpointFiles, p), property) and isinstance(getattr(ckpt, p), Path)]  # fmt: skip
+    paths.append(ckpt.rng(0))
+    names = {
+        p.relative_to(p.parts[0]).as_posix().replace("rank_00000", "rank_<R>").replace("rank_0", "rank_<R>")
+        .replace("step_1", "step_<N>")
+        for p in paths
+        if p.parts[0] in ("R", "C") and len(p.parts) > 1
+    }
+    missing = sorted(n for n in names if f"`{n}" not in page)
+    assert not missing, f"docs/run-directory.md does not list {missing}"

@@ -88,7 +88,7 @@ def _is_count(v: Any) -> bool:
 def check_marker(marker: Any, ckpt: Path) -> dict[str, Any]:
     """``marker`` if it has the shape :meth:`CheckpointStore.commit` writes, with every file name a
     relative path that stays inside ``ckpt``; otherwise a one-line UserError naming what is wrong."""
-    where = ckpt / COMMIT_FILE
+    where = CheckpointFiles(ckpt).committed
     if not isinstance(marker, dict):
         raise UserError(f"{where}: malformed commit marker (a {type(marker).__name__}, not an object); {_NOT_OURS}")
     if marker.get("version") != FORMAT_VERSION:
@@ -276,7 +276,7 @@ def verify_share(files: dict[str, Any], rank: int, world: int) -> set[str]:
 def verify(ckpt: Path, share: tuple[int, int] | None = None) -> dict[str, Any]:
     """Check every file listed in ``COMMITTED`` (size, CRC32); raise a one-line UserError naming the file.
     ``share=(rank, world)``: only that rank's share of the files (the marker is checked in full)."""
-    marker_path = ckpt / COMMIT_FILE
+    marker_path = CheckpointFiles(ckpt).committed
     try:
         marker = json.loads(marker_path.read_text())
     except FileNotFoundError:

@@ -104,3 +104,25 @@ def test_a_malformed_run_id_is_one_line(tmp_path: Path) -> None:
     CheckpointFiles(ckpt).trainer.write_text(json.dumps({"config": {}, "tracker": {"run_id": 7}}))
     with pytest.raises(UserError, match=r"malformed \(tracker\.run_id is int, not str or null\)"):
         read_trainer_state(ckpt)
+
+
+def test_the_mlflow_run_id_is_the_tracker_state(mesh1, tmp_path: Path) -> None:
+    """The checkpoint's run id is the one a resumed run opens; a rollback keeps the open run; without an id
+    in the checkpoint a resume from this run directory takes ``mlflow_run_id`` (MLflow answered late)."""
+    from elastic_pretrain.train.trainer import TrackingCallback
+
+    job = load_job(REPO / "jobs" / "tiny-cpu.yaml", ["parallel=single", "tracking.backend=none"],
+                   values={"run_dir": str(tmp_path / "run")})  # fmt: skip
+    resumed = TrackingCallback(job, mesh1, job.run_path)
+    resumed.load_state_dict({"run_id": "from-the-checkpoint"})
+    resumed.start(run_id_file=True)
+    resumed.load_state_dict({"run_id": "an-older-checkpoint"})  # a fault rollback restores every object
+    assert resumed.state_dict() == {"run_id": "from-the-checkpoint"}
+
+    RunFiles(job.run_path).mlflow_run_id.parent.mkdir(parents=True)
+    RunFiles(job.run_path).mlflow_run_id.write_text("from-the-file\n")
+    for own_run_dir, want in ((True, "from-the-file"), (False, None)):
+        late = TrackingCallback(job, mesh1, job.run_path)
+        late.load_state_dict({"run_id": None})
+        late.start(run_id_file=own_run_dir)
+        assert late.state_dict() == {"run_id": want}

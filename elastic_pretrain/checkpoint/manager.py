@@ -38,6 +38,7 @@ from elastic_pretrain.job import JobConfig, decider_changes, public_dict, shape_
 from elastic_pretrain.parallel.mesh import Mesh, describe
 from elastic_pretrain.rundir import CheckpointFiles, RunFiles
 
+# save_tensors/load_tensors live in checkpoint/tensors.py; named here too for tests/dist and bench/
 __all__ = ["Checkpointer", "Stateful", "check_resumable", "load_tensors", "resume_source", "save_tensors"]
 
 log = logging.getLogger(__name__)

@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from elastic_pretrain.checkpoint.config import CheckpointConfig
+from elastic_pretrain.checkpoint.store import read_trainer_state, resolve_checkpoint
 from elastic_pretrain.config import (
     ConfigError,
     apply_overrides,
@@ -28,6 +29,7 @@ from elastic_pretrain.errors import UserError
 from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.model.config import DeciderConfig, ModelConfig
 from elastic_pretrain.parallel.config import ParallelConfig
+from elastic_pretrain.rundir import RunFiles
 from elastic_pretrain.tracking.config import REDACTED, TrackingConfig, redact_uri, write_private
 from elastic_pretrain.train.config import TrainConfig
 from elastic_pretrain.train.schedule import ScheduleConfig
@@ -186,8 +188,6 @@ def load_job(
     base = _decider_base(raw)
     job = build(JobConfig, raw)
     if base is not None:
-        from elastic_pretrain.checkpoint.manager import shape_changes
-
         changes = shape_changes(base, job)
         if changes:
             raise ConfigError(
@@ -216,9 +216,6 @@ def _decider_base(raw: dict[str, Any]) -> dict[str, Any] | None:
             f"decider.init_from: {section['init_from']} is a job file (`elastic-pretrain experiment` puts its run "
             "here): name the base run directory or checkpoint (decider.init_from=runs/<base>)"
         )
-    from elastic_pretrain.checkpoint.store import read_trainer_state
-    from elastic_pretrain.eval.commands import resolve_checkpoint
-
     try:
         step = resolve_checkpoint(Path(section["init_from"]))
         meta = read_trainer_state(step)
@@ -234,6 +231,46 @@ def _decider_base(raw: dict[str, Any]) -> dict[str, Any] | None:
     raw["model"] = {**base.get("model", {}), **(raw.get("model") or {})}
     raw["schedule"] = {"switch_at": 0.0 if meta.get("controller", {}).get("phase") == "mixed" else 1.0}
     return base
+
+
+# Model keys whose change makes saved tensors meaningless for the new model: refuse to resume.
+SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_heads",
+    "num_query_groups",
+    "qk_norm",
+    "ffn_hidden_size",
+    "prelude_layers",
+    "core_layers",
+    "coda_layers",
+    "loops",
+    "num_experts",
+    "moe_ffn_hidden_size",
+    "flatten",
+    "attention",
+    "edge_mlp",
+    "normalization",
+    "tie_embeddings",
+    "loop_conditioning",
+)
+
+
+def shape_changes(saved: dict[str, Any], job: JobConfig) -> list[str]:
+    """``model.<key>: old -> new`` for every shape key that differs between a saved config and ``job``."""
+    now, old = to_dict(job)["model"], saved.get("model", {})
+    # checkpoints saved before these keys existed had their defaults (multi-head attention, no QK-norm)
+    old = {"num_query_groups": None, "qk_norm": False, **old}
+    return [f"model.{k}: {old.get(k)!r} -> {now.get(k)!r}" for k in SHAPE_KEYS if old.get(k) != now.get(k)]
+
+
+def decider_changes(saved: dict[str, Any], job: JobConfig) -> list[str]:
+    """The iteration decider (a decider job's submodule) appeared, vanished or changed width."""
+    old, now = saved.get("decider"), to_dict(job).get("decider")
+    width = [(d or {}).get("hidden_size") for d in (old, now)]
+    if (old is None) != (now is None) or width[0] != width[1]:
+        return [f"decider.hidden_size: {width[0]!r} -> {width[1]!r}"]
+    return []
 
 
 def public_dict(job: JobConfig) -> dict[str, Any]:
@@ -254,6 +291,6 @@ def dump_job(job: JobConfig) -> str:
 
 def write_resolved(job: JobConfig, run_dir: Path) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
-    out = run_dir / "config.yaml"
+    out = RunFiles(run_dir).config
     write_private(out, dump_job(job))
     return out

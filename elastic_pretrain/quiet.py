@@ -7,6 +7,8 @@ deliberate); torch's checkpoint planner warns that ShardedTensor — which megat
 
 from __future__ import annotations
 
+import logging
+import os
 import warnings
 
 _MESSAGES = (
@@ -26,3 +28,16 @@ def third_party_warnings() -> None:
         warnings.filterwarnings("ignore", message=message)
     for module in _FUTURE_MODULES:
         warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+
+
+def quiet_logs() -> None:
+    """Log lines for a training process: INFO from rank 0, WARNING from the others, megatron's WARNING only."""
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    third_party_warnings()
+    for name in ("megatron", "megatron.core"):
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -6,11 +6,11 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
+from elastic_pretrain.checkpoint.index import checkpoint_index
 from elastic_pretrain.checkpoint.latest import latest_problem
-from elastic_pretrain.checkpoint.store import CheckpointStore, read_trainer_state, verify
-from elastic_pretrain.errors import UserError
+from elastic_pretrain.checkpoint.store import CheckpointStore
+from elastic_pretrain.rundir import RunFiles
 
 
 def _human(n: int) -> str:
@@ -26,35 +26,10 @@ def _layout(layout: dict[str, int]) -> str:
     return " ".join(f"{k}{layout[k]}" for k in ("tp", "ep", "pp", "dp") if k in layout)
 
 
-def checkpoint_index(run_dir: Path, *, check: bool = False) -> list[dict[str, Any]]:
-    """One row per committed checkpoint (step, path, bytes, tokens, layout, latest) — the
-    ``checkpoints`` listing, also logged to MLflow as ``checkpoints/index.json``."""
-    store = CheckpointStore(run_dir / "checkpoints")
-    if not run_dir.is_dir():
-        raise UserError(f"{run_dir}: no such run directory")
-    latest = store.read_latest()
-    rows = []
-    for c in store.committed():
-        meta = read_trainer_state(c.path, require=("trainer",))
-        if check:
-            verify(c.path)
-        rows.append(
-            {
-                "step": c.step,
-                "path": str(c.path),
-                "bytes": c.size_bytes,
-                "tokens": meta["trainer"]["tokens"],
-                "layout": meta.get("layout", {}),
-                "latest": c.path.name == latest,
-            }
-        )
-    return rows
-
-
 def _list(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir)
     rows = checkpoint_index(run_dir, check=args.verify)
-    store = CheckpointStore(run_dir / "checkpoints")
+    store = CheckpointStore(RunFiles(run_dir).checkpoints)
     stale = latest_problem(store)
     newest = store.newest()
     if stale:  # before the table, on stderr: --json stays parseable

@@ -1,9 +1,11 @@
 """Save and restore everything a resumed run needs; the Trainer calls :class:`Checkpointer`.
 
-What a checkpoint holds (docs/checkpoints.md): the model and the Adam state through megatron-core
-``dist_checkpointing`` (sharded, layout-independent keys: loads at another TP/EP/DP layout), the
-LR schedule, the schedule controller, the data position, the loop counters, the MLflow run id,
-the resolved config and layout (``trainer.json``), and every rank's RNG states (``rng/``).
+A checkpoint holds (docs/checkpoints.md): the model and its optimizer's Adam state
+(:class:`~elastic_pretrain.checkpoint.tensors.ModelTensors`, through megatron-core ``dist_checkpointing``:
+sharded, layout-independent keys, loads at another TP/EP/DP layout); the state of every named stateful
+object the caller hands in (the loop counters, LR schedule, schedule controller, data position, fault
+counts, the MLflow run id...: ``state_dict()`` under its name in ``trainer.json``); the resolved config and
+layout; and every rank's RNG states (``rng/``). The checkpointer knows none of those objects' insides.
 """
 
 from __future__ import annotations
@@ -11,94 +13,52 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-from elastic_pretrain.checkpoint import optim_state, parallel_io, rng
+from elastic_pretrain.checkpoint import parallel_io, rng
 from elastic_pretrain.checkpoint.preempt import start_helper_manager
-from elastic_pretrain.checkpoint.safe_load import load_sharded
 from elastic_pretrain.checkpoint.store import (
-    MODEL_DIR,
-    RNG_DIR,
-    TRAINER_FILE,
-    TRAINER_KEYS,
+    RESUME_KEYS,
     CheckpointStore,
     fault_point,
     rank_records,
     read_trainer_state,
     write_atomic,
 )
-from elastic_pretrain.config import flatten, to_dict
+from elastic_pretrain.checkpoint.tensors import ModelTensors, load_tensors, save_tensors
+from elastic_pretrain.config import flatten
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.job import JobConfig, public_dict
+from elastic_pretrain.job import JobConfig, decider_changes, public_dict, shape_changes
 from elastic_pretrain.parallel.mesh import Mesh, describe
+from elastic_pretrain.rundir import CheckpointFiles, RunFiles
+
+# save_tensors/load_tensors live in checkpoint/tensors.py; named here too for tests/dist and bench/
+__all__ = ["Checkpointer", "Stateful", "check_resumable", "load_tensors", "resume_source", "save_tensors"]
 
 log = logging.getLogger(__name__)
 
-# Model keys whose change makes saved tensors meaningless for the new model: refuse to resume.
-SHAPE_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "num_heads",
-    "num_query_groups",
-    "qk_norm",
-    "ffn_hidden_size",
-    "prelude_layers",
-    "core_layers",
-    "coda_layers",
-    "loops",
-    "num_experts",
-    "moe_ffn_hidden_size",
-    "flatten",
-    "attention",
-    "edge_mlp",
-    "normalization",
-    "tie_embeddings",
-    "loop_conditioning",
-)
+# trainer.json keys of the checkpointer itself (the tensors' small state adds adam_step): no object takes them
+RESERVED = ("adam_step", "layout", "config")
 
 
-def shape_changes(saved: dict[str, Any], job: JobConfig) -> list[str]:
-    """``model.<key>: old -> new`` for every shape key that differs between a saved config and ``job``."""
-    now, old = to_dict(job)["model"], saved.get("model", {})
-    # checkpoints saved before these keys existed had their defaults (multi-head attention, no QK-norm)
-    old = {"num_query_groups": None, "qk_norm": False, **old}
-    return [f"model.{k}: {old.get(k)!r} -> {now.get(k)!r}" for k in SHAPE_KEYS if old.get(k) != now.get(k)]
+class Stateful(Protocol):
+    """An object a checkpoint saves: ``state_dict()`` is JSON-serialisable data (it goes into trainer.json,
+    written by rank 0) and ``load_state_dict`` takes it back on every rank."""
 
+    def state_dict(self) -> dict[str, Any]: ...
 
-def decider_changes(saved: dict[str, Any], job: JobConfig) -> list[str]:
-    """The iteration decider (a decider job's submodule) appeared, vanished or changed width."""
-    old, now = saved.get("decider"), to_dict(job).get("decider")
-    width = [(d or {}).get("hidden_size") for d in (old, now)]
-    if (old is None) != (now is None) or width[0] != width[1]:
-        return [f"decider.hidden_size: {width[0]!r} -> {width[1]!r}"]
-    return []
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    def load_state_dict(self, state: dict[str, Any], /) -> None: ...
 
 
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-def _from_rank0(value: Any) -> Any:
-    """Rank 0's ``value`` on every rank (small picklable objects of our own making only)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 _results_manager: Any = None
@@ -149,7 +109,7 @@ def check_resumable(ckpt: Path, job: JobConfig) -> dict[str, Any]:
         verify_everywhere(ckpt, job.checkpoint.io_timeout_minutes)
     except UserError as err:
         raise UserError(f"{err}{_previous_hint(ckpt)}") from None
-    meta = read_trainer_state(ckpt, require=tuple(TRAINER_KEYS))
+    meta = read_trainer_state(ckpt, require=RESUME_KEYS)
     saved_engine = meta.get("config", {}).get("engine", "megatron")  # engine/: each reads only its own files
     if saved_engine != job.engine:
         raise UserError(
@@ -167,90 +127,55 @@ def check_resumable(ckpt: Path, job: JobConfig) -> dict[str, Any]:
 
 def _previous_hint(ckpt: Path) -> str:
     """``; to continue from the previous committed checkpoint: --resume-from <it>`` (or nothing)."""
-    step = ckpt.name.removeprefix("step_")
-    older = [c for c in CheckpointStore(ckpt.parent).committed() if step.isdigit() and c.step < int(step)]
+    step = CheckpointFiles(ckpt).step
+    older = [c for c in CheckpointStore(ckpt.parent).committed() if step is not None and c.step < step]
     if not older:
         return ""
     return f"; to continue from the previous committed checkpoint: --resume-from {older[-1].path}"
 
 
-def save_tensors(
-    net: Any, optimizer: Any, path: Path, strategy: TorchDistSaveShardedStrategy, use_async: bool = False
-) -> tuple[Any, float]:
-    """Model + Adam state (model space) to ``path`` through dist_checkpointing; returns (the async request,
-    or None when synchronous; Adam's step count). Collective."""
-    model_sd = net.sharded_state_dict()
-    optim_sd, adam_step = optim_state.sharded_optimizer_state(optimizer, model_sd)
-    request = dist_checkpointing.save(
-        {"model": model_sd, "optimizer": optim_sd}, str(path), sharded_strategy=strategy, async_sharded_save=use_async
-    )
-    return request, adam_step
-
-
-def load_tensors(net: Any, optimizer: Any, path: Path, *, adam_step: float) -> None:
-    """Load model + Adam state from ``path`` at this process's layout (reshards over TP/EP/DP). Collective."""
-    model_sd = net.sharded_state_dict()
-    optim_state.ensure_state(optimizer)
-    template = optim_state.loading_template(optimizer, model_sd)
-    loaded = load_sharded(
-        {"model": model_sd, "optimizer": template}, path, what="model/optimizer tensors",
-        strategy=parallel_io.load_strategy(),
-    )
-    with torch.no_grad():
-        net.load_state_dict(loaded["model"], strict=True)
-        # a fresh sharded view: megatron's load rewrites the one it was given in place
-        fresh = net.sharded_state_dict()
-        optim_state.load_optimizer_state(optimizer, fresh, loaded["optimizer"], adam_step)
-
-
 class Checkpointer:
-    """Owns ``<run_dir>/checkpoints``: periodic/final/preemption saves (sync or async) and resume."""
+    """Owns ``<run_dir>/checkpoints``: periodic/final/preemption saves (sync or async) and resume.
 
-    def __init__(self, job: JobConfig, mesh: Mesh, session: Any, run_dir: Path) -> None:
-        self.job, self.mesh, self.s, self.cfg = job, mesh, session, job.checkpoint
-        self.store = CheckpointStore(run_dir / "checkpoints")
-        self.run_id: Callable[[], str | None] = lambda: None
+    ``tensors``: the model and optimizer (sharded). ``state``: name -> :class:`Stateful`, each saved under its
+    name in ``trainer.json`` and loaded back by :meth:`restore`; :attr:`state` may gain entries until the
+    first save (an object built after the checkpointer, e.g. the fault monitor, which needs it)."""
+
+    def __init__(
+        self, job: JobConfig, mesh: Mesh, run_dir: Path, tensors: ModelTensors, state: Mapping[str, Stateful]
+    ) -> None:
+        self.job, self.mesh, self.cfg, self.tensors = job, mesh, job.checkpoint, tensors
+        self.state: dict[str, Stateful] = dict(state)
+        self.store = CheckpointStore(RunFiles(run_dir).checkpoints)
         self.strategy = parallel_io.save_strategy()
         self.queue = AsyncCallsQueue() if self.cfg.async_save else None
         self.pending: int | None = None  # step of the async save in flight
         self.last_saved: int | None = None
         self.stale_cleaned = False
-        # name -> object with state_dict()/load_state_dict(), kept in trainer.json under "extras"
-        self.extras: dict[str, Any] = {}
         start_write_results_queue()
 
     # --- resume ------------------------------------------------------------------------------------
-    def restore(self, ckpt: Path, meta: dict[str, Any], state: Any) -> None:
+    def restore(self, ckpt: Path, meta: dict[str, Any]) -> None:
         """Load ``ckpt`` (already checked by :func:`check_resumable`, which returned ``meta``) into the
-        session and ``state``. Collective."""
-        s = self.s
-        if getattr(s, "tensors", None) is not None:  # engine=deepspeed: its own files (engine/deepspeed.py)
-            s.tensors.load(ckpt / MODEL_DIR)
-        else:
-            load_tensors(s.net, s.optimizer, ckpt / MODEL_DIR, adam_step=float(meta["adam_step"]))
-        s.scheduler.load_state_dict(meta["scheduler"])
-        s.controller.load_state_dict(meta["controller"])
-        s.batches.load_state_dict(meta["data"])
-        state.load_state_dict(meta["trainer"])
-        self._load_extras(meta.get("extras", {}))
+        tensors and every named object; an object the checkpoint has no state for (saved before it
+        existed) keeps its fresh state. Collective."""
+        files = CheckpointFiles(ckpt)
+        self.tensors.load(files.tensors, meta)
+        for name, obj in self.state.items():
+            if name in meta:
+                obj.load_state_dict(meta[name])
+            elif self.mesh.rank == 0:
+                log.info("%s holds no %r state (saved before it existed): it starts fresh", ckpt, name)
         same_layout = meta.get("layout") == describe(self.mesh)
         if same_layout:
-            rng.restore(rng.load(ckpt / RNG_DIR / f"rank_{self.mesh.rank:05d}.pt"))
+            rng.restore(rng.load(files.rng(self.mesh.rank)))
         elif self.mesh.rank == 0:
             log.warning(
                 "layout changed %s -> %s: RNG states start from the seed", meta.get("layout"), describe(self.mesh)
             )
-        if hasattr(s, "sync_phase"):
-            s.sync_phase()
-        self.last_saved = state.step if ckpt.parent == self.store.root else None
+        self.last_saved = files.step if ckpt.parent == self.store.root else None
         if self.mesh.rank == 0:
             self._log_changes(meta.get("config", {}))
-            print(f"resumed from {ckpt} (step {state.step}, {state.tokens:,} tokens)", flush=True)
-
-    def _load_extras(self, saved: dict[str, Any]) -> None:
-        for name, obj in self.extras.items():
-            if name in saved:  # a checkpoint from before the extra existed starts it fresh
-                obj.load_state_dict(saved[name])
 
     def _log_changes(self, saved: dict[str, Any]) -> None:
         old, new = flatten(saved), flatten(public_dict(self.job))
@@ -262,26 +187,24 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return bool(self.cfg.interval) and step % self.cfg.interval == 0
 
-    def save(self, state: Any, *, blocking: bool = False) -> None:
-        """Save at ``state.step`` (collective). Async: returns once tensors are staged in a forked writer."""
+    def save(self, step: int, *, blocking: bool = False) -> None:
+        """Save as step ``step`` (collective). Async: returns once tensors are staged in a forked writer."""
         self.wait()  # one save in flight at a time
-        step, rank = state.step, self.mesh.rank
+        rank = self.mesh.rank
         if rank == 0:
             if not self.stale_cleaned:
                 self.store.clean_stale()
                 self.stale_cleaned = True
             self.store.prepare(step)
         _barrier()
-        tmp = self.store.tmp_dir(step)
+        files = CheckpointFiles(self.store.tmp_dir(step))
         fault_point("before_tensors", rank, step)
-        rng.save(tmp / RNG_DIR / f"rank_{rank:05d}.pt")
+        rng.save(files.rng(rank))
         use_async = self.queue is not None and not blocking
-        if getattr(self.s, "tensors", None) is not None:  # engine=deepspeed: its own save, synchronous
-            request, adam_step, use_async = None, self.s.tensors.save(tmp / MODEL_DIR), False
-        else:
-            request, adam_step = save_tensors(self.s.net, self.s.optimizer, tmp / MODEL_DIR, self.strategy, use_async)
+        request, tensor_state = self.tensors.save(files.tensors, self.strategy, use_async)
+        use_async = use_async and request is not None  # engine=deepspeed saves synchronously
         if rank == 0:
-            write_atomic(tmp / TRAINER_FILE, json.dumps(self._trainer_state(state, adam_step), indent=1))
+            write_atomic(files.trainer, json.dumps(self._trainer_state(tensor_state), indent=1))
         if use_async:
             assert self.queue is not None and request is not None
             request.add_finalize_fn(functools.partial(self._commit, step))
@@ -291,16 +214,13 @@ class Checkpointer:
             self._commit(step)
         self.last_saved = step
 
-    def _trainer_state(self, state: Any, adam_step: float) -> dict[str, Any]:
-        s = self.s
+    def _trainer_state(self, tensor_state: dict[str, Any]) -> dict[str, Any]:
+        clash = sorted(set(self.state) & {*RESERVED, *tensor_state})
+        if clash:
+            raise ValueError(f"checkpointed objects may not be named {', '.join(clash)} (the checkpointer's keys)")
         return {
-            "trainer": state.state_dict(),
-            "adam_step": adam_step,
-            "scheduler": s.scheduler.state_dict(),
-            "controller": s.controller.state_dict(),
-            "data": s.batches.state_dict(),
-            "mlflow_run_id": self.run_id(),
-            "extras": {name: obj.state_dict() for name, obj in self.extras.items()},
+            **{name: obj.state_dict() for name, obj in self.state.items()},
+            **tensor_state,
             "layout": describe(self.mesh),
             "config": public_dict(self.job),  # checkpoints are shared: no credentials, no env values
         }

@@ -1,6 +1,6 @@
 """The checkpoint folder of a run: step directories, commit markers, ``latest``, retention, checks.
 
-Layout (the contract with ``launch/layout.py`` and the sbatch script)::
+Layout (named in ``elastic_pretrain/rundir.py``, the run directory's contract with the sbatch script)::
 
     <run_dir>/checkpoints/
         .tmp-step_<N>/            being written (every rank writes its part here)
@@ -27,7 +27,6 @@ import dataclasses
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import zlib
@@ -37,22 +36,24 @@ from typing import Any
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import fsync_dir as _fsync_dir
 from elastic_pretrain.files import write_atomic
+from elastic_pretrain.rundir import (
+    COMMIT_FILE,
+    LATEST_FILE,
+    MODEL_DIR,
+    RNG_DIR,
+    CheckpointFiles,
+    RunFiles,
+    step_name,
+)
+from elastic_pretrain.rundir import STEP_DIR as _STEP_DIR
+from elastic_pretrain.rundir import TRAINER_FILE as TRAINER_FILE  # the names of a checkpoint's files: rundir.py
 
 log = logging.getLogger(__name__)
 
-COMMIT_FILE = "COMMITTED"
-TRAINER_FILE = "trainer.json"
-MODEL_DIR = "model_optim"
-RNG_DIR = "rng"
 FORMAT_VERSION = 1
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 # Crash-safety tests: "<point>:<rank>[:<step>]" -> SIGKILL that rank at that point (of that step's save).
 FAULT_ENV = "ELASTIC_PRETRAIN_CKPT_FAULT"
 FAULT_POINTS = ("before_tensors", "before_marker", "after_marker", "after_rename")
-
-
-def step_name(step: int) -> str:
-    return f"step_{step}"
 
 
 def fault_point(point: str, rank: int, step: int) -> None:
@@ -87,7 +88,7 @@ def _is_count(v: Any) -> bool:
 def check_marker(marker: Any, ckpt: Path) -> dict[str, Any]:
     """``marker`` if it has the shape :meth:`CheckpointStore.commit` writes, with every file name a
     relative path that stays inside ``ckpt``; otherwise a one-line UserError naming what is wrong."""
-    where = ckpt / COMMIT_FILE
+    where = CheckpointFiles(ckpt).committed
     if not isinstance(marker, dict):
         raise UserError(f"{where}: malformed commit marker (a {type(marker).__name__}, not an object); {_NOT_OURS}")
     if marker.get("version") != FORMAT_VERSION:
@@ -136,7 +137,7 @@ class CheckpointStore:
 
     @property
     def latest_file(self) -> Path:
-        return self.root / "latest"
+        return self.root / LATEST_FILE
 
     def tmp_dir(self, step: int) -> Path:
         return self.root / f".tmp-{step_name(step)}"
@@ -236,6 +237,18 @@ class CheckpointStore:
         shutil.rmtree(trash, ignore_errors=True)
 
 
+def resolve_checkpoint(path: Path) -> Path:
+    """A step directory, or a run directory / its ``checkpoints`` folder (→ the newest committed step)."""
+    if CheckpointFiles(path).trainer.exists():
+        return path
+    for root in (RunFiles(path).checkpoints, path):
+        if root.is_dir():
+            newest = CheckpointStore(root).newest()
+            if newest is not None:
+                return newest.path
+    raise UserError(f"{path}: no committed checkpoint here (give a step_<N> directory or a run directory)")
+
+
 def _rank_written(path: Path) -> bool:
     """Files whose records the writing rank computed itself (``__<rank>_<i>.distcp``, ``rank_<R>.pt``)."""
     return path.suffix == ".distcp" or (path.parent.name == RNG_DIR and path.name.startswith("rank_"))
@@ -243,9 +256,10 @@ def _rank_written(path: Path) -> bool:
 
 def rank_records(tmp: Path, rank: int) -> dict[str, list[int]]:
     """Size + CRC32 of the files this rank wrote (its tensor files and its RNG file)."""
-    mine = [*list((tmp / MODEL_DIR).glob(f"__{rank}_*.distcp")), tmp / RNG_DIR / f"rank_{rank:05d}.pt",
-            *(tmp / MODEL_DIR).glob(f"zero_pp_rank_{rank}_*.pt"),  # engine=deepspeed (engine/deepspeed.py)
-            *((tmp / MODEL_DIR).glob("mp_rank_*.pt") if rank == 0 else [])]
+    files = CheckpointFiles(tmp)
+    mine = [*files.tensors.glob(f"__{rank}_*.distcp"), files.rng(rank),
+            *files.tensors.glob(f"zero_pp_rank_{rank}_*.pt"),  # engine=deepspeed (engine/deepspeed.py)
+            *(files.tensors.glob("mp_rank_*.pt") if rank == 0 else [])]
     return file_records(tmp, [p for p in mine if p.is_file()])
 
 
@@ -264,7 +278,7 @@ def verify_share(files: dict[str, Any], rank: int, world: int) -> set[str]:
 def verify(ckpt: Path, share: tuple[int, int] | None = None) -> dict[str, Any]:
     """Check every file listed in ``COMMITTED`` (size, CRC32); raise a one-line UserError naming the file.
     ``share=(rank, world)``: only that rank's share of the files (the marker is checked in full)."""
-    marker_path = ckpt / COMMIT_FILE
+    marker_path = CheckpointFiles(ckpt).committed
     try:
         marker = json.loads(marker_path.read_text())
     except FileNotFoundError:
@@ -286,24 +300,31 @@ def verify(ckpt: Path, share: tuple[int, int] | None = None) -> dict[str, Any]:
     return marker
 
 
-# What the checkpointer writes into trainer.json (Checkpointer._trainer_state), and each value's type.
+# trainer.json (Checkpointer.save): the state of every named stateful object under its name, and the
+# checkpointer's own keys (adam_step from the tensors, layout, config). The known keys and their types:
 TRAINER_KEYS: dict[str, tuple[type, ...]] = {
     "trainer": (dict,),
     "adam_step": (int, float),
     "scheduler": (dict,),
     "controller": (dict,),
     "data": (dict,),
-    "mlflow_run_id": (str, type(None)),
+    "tracker": (dict,),
     "layout": (dict,),
     "config": (dict,),
 }
+# What a resume needs (an object named in the trainer's mapping but absent here starts fresh, e.g. "faults")
+RESUME_KEYS = ("trainer", "adam_step", "scheduler", "controller", "data", "layout", "config")
+# Checkpoints written before the stateful mapping: optional objects under "extras", the run id at the top
+_LEGACY_KEYS: dict[str, tuple[type, ...]] = {"extras": (dict,), "mlflow_run_id": (str, type(None))}
 _COUNTERS = {"step": (int,), "tokens": (int,), "elapsed_s": (int, float)}
 
 
 def read_trainer_state(ckpt: Path, require: tuple[str, ...] = ("config",)) -> dict[str, Any]:
     """``trainer.json`` of ``ckpt``: an object whose known keys have the types the checkpointer writes
-    and which holds every key of ``require`` (``TRAINER_KEYS`` for a resume); else a one-line UserError."""
-    path = ckpt / TRAINER_FILE
+    and which holds every key of ``require`` (``RESUME_KEYS`` for a resume); else a one-line UserError.
+    A checkpoint of the earlier format reads as the current one (``extras.<name>`` → ``<name>``,
+    ``mlflow_run_id`` → ``tracker.run_id``)."""
+    path = CheckpointFiles(ckpt).trainer
     try:
         meta = json.loads(path.read_text())
     except FileNotFoundError:
@@ -315,11 +336,26 @@ def read_trainer_state(ckpt: Path, require: tuple[str, ...] = ("config",)) -> di
     missing = [k for k in require if k not in meta]
     if missing:
         raise UserError(f"{path}: malformed (no {', '.join(missing)}); {_NOT_OURS}")
-    shapes = [(k, meta[k], TRAINER_KEYS[k]) for k in TRAINER_KEYS if k in meta]
+    known = {**TRAINER_KEYS, **_LEGACY_KEYS}
+    shapes = [(k, meta[k], known[k]) for k in known if k in meta]
     if isinstance(meta.get("trainer"), dict):
         shapes += [(f"trainer.{k}", meta["trainer"].get(k), t) for k, t in _COUNTERS.items()]
+    if isinstance(meta.get("tracker"), dict):
+        shapes.append(("tracker.run_id", meta["tracker"].get("run_id"), (str, type(None))))
+    if isinstance(meta.get("extras"), dict):
+        shapes += [(f"extras.{k}", v, (dict,)) for k, v in meta["extras"].items()]
     for key, value, types in shapes:
         if isinstance(value, bool) or not isinstance(value, types):
             want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
             raise UserError(f"{path}: malformed ({key} is {type(value).__name__}, not {want}); {_NOT_OURS}")
+    for name, state in meta.pop("extras", {}).items():
+        meta.setdefault(name, state)
+    if "mlflow_run_id" in meta:
+        meta.setdefault("tracker", {"run_id": meta.pop("mlflow_run_id")})
     return meta
+
+
+def saved_run_id(meta: dict[str, Any]) -> str | None:
+    """The MLflow run id a checkpoint's ``trainer.json`` (:func:`read_trainer_state`) holds, or None."""
+    run_id = meta.get("tracker", {}).get("run_id")
+    return run_id if isinstance(run_id, str) and run_id else None

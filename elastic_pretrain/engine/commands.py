@@ -7,8 +7,8 @@ from pathlib import Path
 
 
 def _convert(args: argparse.Namespace) -> int:
+    from elastic_pretrain.checkpoint.store import resolve_checkpoint
     from elastic_pretrain.engine.convert import convert
-    from elastic_pretrain.eval.commands import resolve_checkpoint
     from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 
     init_mesh(ParallelConfig(), seed=0)

@@ -24,8 +24,8 @@ from elastic_pretrain.errors import UserError
 
 def convert(step: Path, out_run: Path, *, zero_stage: int = 2) -> Path:
     """Write ``step`` (either engine) as the other engine's committed checkpoint under ``out_run``; its path."""
+    from elastic_pretrain.checkpoint.tensors import load_model
     from elastic_pretrain.config import build
-    from elastic_pretrain.eval.commands import load_model
     from elastic_pretrain.job import JobConfig
 
     verify(step)
@@ -61,7 +61,8 @@ def _save_deepspeed(job: Any, net: torch.nn.Module, tmp: Path) -> None:
     import os
 
     from elastic_pretrain.engine.config import ds_config
-    from elastic_pretrain.engine.deepspeed import import_deepspeed, param_groups
+    from elastic_pretrain.engine.deepspeed import param_groups
+    from elastic_pretrain.engine.weights import import_deepspeed
 
     deepspeed = import_deepspeed()
     os.environ.setdefault("LOCAL_RANK", "0")

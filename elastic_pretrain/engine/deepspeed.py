@@ -33,6 +33,7 @@ import torch
 
 from elastic_pretrain.engine.config import can_mix, ds_config
 from elastic_pretrain.engine.safe_load import load_checkpoint_safely
+from elastic_pretrain.engine.weights import import_deepspeed
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.job import JobConfig
 from elastic_pretrain.parallel.device import to_device
@@ -54,20 +55,6 @@ log = logging.getLogger(__name__)
 
 CONFIG_FILE = "deepspeed_config.json"  # in the run directory: the generated DeepSpeed config
 TAG = "model_optim"  # DeepSpeed's files go to step_<N>/model_optim/ (checkpoint/store.py MODEL_DIR)
-
-
-def import_deepspeed() -> Any:
-    """``deepspeed``, on its CPU accelerator (gloo) when there is no CUDA; one line naming the install if absent."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read once, at DeepSpeed's first import
-    try:
-        import deepspeed
-    except ImportError as err:
-        raise UserError(
-            f"engine=deepspeed needs DeepSpeed ({err}): pip install -c requirements/constraints-cpu.txt "
-            "'elastic-pretrain[deepspeed]' (scripts/setup.sh installs it), or set engine=megatron"
-        ) from None
-    return deepspeed
 
 
 def param_groups(net: torch.nn.Module) -> list[dict[str, Any]]:
@@ -230,13 +217,14 @@ class DeepSpeedTensors:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
-    def save(self, path: Path) -> float:
-        """Collective; ``path`` is ``<tmp>/model_optim``. Returns the optimizer step count."""
+    def save(self, path: Path, strategy: Any, use_async: bool) -> tuple[None, dict[str, Any]]:
+        """Collective; ``path`` is ``<tmp>/model_optim``. Synchronous (DeepSpeed's own writer: ``strategy`` and
+        ``use_async`` do not apply), so no async request; the state beside it is the optimizer step count."""
         self.engine.save_checkpoint(str(path.parent), tag=path.name, save_latest=False)
-        return float(self.engine.global_steps)
+        return None, {"adam_step": float(self.engine.global_steps)}
 
-    def load(self, path: Path) -> None:
-        """Collective; ``path`` is ``step_<N>/model_optim``."""
+    def load(self, path: Path, state: dict[str, Any]) -> None:
+        """Collective; ``path`` is ``step_<N>/model_optim`` (DeepSpeed restores its own step count)."""
         if not any(path.glob("*_model_states.pt")):
             raise UserError(
                 f"{path}: not a DeepSpeed-engine checkpoint (written by engine=megatron?): resume it with "
@@ -247,7 +235,7 @@ class DeepSpeedTensors:
 
 def build_session(job: JobConfig, mesh: Mesh) -> Any:
     """The :class:`~elastic_pretrain.train.session.Session` of ``engine: deepspeed`` (same fields, a DeepSpeed
-    engine as ``model``, :class:`DeepSpeedStep` as ``step``, :class:`DeepSpeedTensors` as ``tensors``)."""
+    engine as ``model``, :class:`DeepSpeedStep` as ``step``, :class:`DeepSpeedTensors` as ``tensors()``)."""
     from elastic_pretrain.data.loader import TokenBatches, load_validation
     from elastic_pretrain.data.tokenizer import load_tokenizer
     from elastic_pretrain.parallel.megatron import build_model
@@ -278,7 +266,7 @@ def build_session(job: JobConfig, mesh: Mesh) -> Any:
                          ordered=ordered)
     session = DeepSpeedSession(job, net, engine, optimizer, scheduler, batches, val_tokens, controller,
                                step)  # type: ignore[arg-type]  # the same interface as TrainStep
-    session.tensors = DeepSpeedTensors(engine)
+    session.ds_tensors = DeepSpeedTensors(engine)
     session.sync_phase()
     if mesh.is_logging_rank:
         log.info("engine deepspeed: ZeRO-%d, %s backward (mixed depth possible: %s)", job.deepspeed.zero_stage,
@@ -289,7 +277,11 @@ def build_session(job: JobConfig, mesh: Mesh) -> Any:
 class DeepSpeedSession(Session):
     """A Session whose switch to mixed depth writes the copied attention through ZeRO's master copies."""
 
-    tensors: DeepSpeedTensors | None = None
+    ds_tensors: DeepSpeedTensors | None = None
+
+    def tensors(self) -> Any:  # the Checkpointer's tensors: DeepSpeed's own files, not megatron's sharded ones
+        assert self.ds_tensors is not None
+        return self.ds_tensors
 
     def describe(self) -> str:
         """As the megatron session's, counting ZeRO-3's partitioned parameters at their full size."""

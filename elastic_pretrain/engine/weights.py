@@ -3,12 +3,28 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from elastic_pretrain.checkpoint.store import MODEL_DIR
 from elastic_pretrain.errors import UserError
+
+
+def import_deepspeed() -> Any:
+    """``deepspeed``, on its CPU accelerator (gloo) when there is no CUDA; one line naming the install if absent."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read once, at DeepSpeed's first import
+    try:
+        import deepspeed
+    except ImportError as err:
+        raise UserError(
+            f"engine=deepspeed needs DeepSpeed ({err}): pip install -c requirements/constraints-cpu.txt "
+            "'elastic-pretrain[deepspeed]' (scripts/setup.sh installs it), or set engine=megatron"
+        ) from None
+    return deepspeed
 
 
 def is_deepspeed(step: Path) -> bool:
@@ -18,7 +34,6 @@ def is_deepspeed(step: Path) -> bool:
 
 def deepspeed_weights(step: Path) -> dict[str, torch.Tensor]:
     """The full fp32 model state dict of a DeepSpeed-engine ``step_<N>`` (ZeRO 1/2/3), weights-only."""
-    from elastic_pretrain.engine.deepspeed import import_deepspeed
     from elastic_pretrain.engine.safe_load import weights_only_loads
 
     import_deepspeed()

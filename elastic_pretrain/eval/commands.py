@@ -12,54 +12,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from elastic_pretrain.checkpoint.store import resolve_checkpoint
 from elastic_pretrain.errors import UserError
-
-
-def load_model(ckpt: Path) -> tuple[Any, Any]:
-    """(JobConfig, LoopedMoEModel in eval mode) from a committed checkpoint directory ``step_<N>``.
-
-    Needs an initialised one-process mesh (``init_mesh(ParallelConfig(), seed=...)``).
-    """
-
-    from elastic_pretrain.checkpoint.safe_load import load_sharded
-    from elastic_pretrain.checkpoint.store import MODEL_DIR, read_trainer_state, verify
-    from elastic_pretrain.config import build
-    from elastic_pretrain.job import JobConfig
-    from elastic_pretrain.parallel.megatron import build_model
-    from elastic_pretrain.parallel.mesh import ParallelConfig
-
-    ckpt = resolve_checkpoint(Path(ckpt))
-    verify(ckpt)
-    meta = read_trainer_state(ckpt)
-    job = build(JobConfig, meta["config"])
-    net = build_model(job.model, ParallelConfig(), decider=job.decider)  # a decider job's decider rides along
-    from elastic_pretrain.engine.weights import is_deepspeed, load_deepspeed_weights
-
-    if is_deepspeed(ckpt):  # engine=deepspeed wrote it (weights-only read; engine/weights.py)
-        load_deepspeed_weights(net, ckpt)
-    else:
-        loaded = load_sharded({"model": net.sharded_state_dict()}, ckpt / MODEL_DIR, what="model tensors")
-        net.load_state_dict(loaded["model"], strict=True)
-    # the ELR conditioning heads are on exactly in the mixed phase (as in the trainer's session)
-    net.conditioning_active = meta.get("controller", {}).get("phase") == "mixed" and net.loop_conditioning is not None
-    return job, net.eval()
-
-
-def resolve_checkpoint(path: Path) -> Path:
-    """A step directory, or a run directory / its ``checkpoints`` folder (→ the newest committed step)."""
-    from elastic_pretrain.checkpoint.store import TRAINER_FILE, CheckpointStore
-
-    if (path / TRAINER_FILE).exists():
-        return path
-    for root in (path / "checkpoints", path):
-        if root.is_dir():
-            newest = CheckpointStore(root).newest()
-            if newest is not None:
-                return newest.path
-    raise UserError(f"{path}: no committed checkpoint here (give a step_<N> directory or a run directory)")
+from elastic_pretrain.rundir import CheckpointFiles, RunFiles
 
 
 def _eval(args: argparse.Namespace) -> int:
+    from elastic_pretrain.checkpoint.tensors import load_model
     from elastic_pretrain.data.loader import load_validation
     from elastic_pretrain.eval.adaptive import DEFAULT_THRESHOLDS, adaptive_sweep, plot_sweep
     from elastic_pretrain.eval.curves import compare
@@ -84,7 +43,7 @@ def _eval(args: argparse.Namespace) -> int:
             for policy in KV_POLICIES:
                 tf = teacher_forced_loss(model, tokens, kv_cache=policy, batch_size=args.batch_size)
                 lines.append(f"| {policy} | {tf.kv_bytes_per_token:.0f} | {tf.loss:.4f} |")
-        out = Path(args.out) if args.out else ckpt / "eval"
+        out = Path(args.out) if args.out else CheckpointFiles(ckpt).eval_dir
         out.mkdir(parents=True, exist_ok=True)
         written = [out / "eval.md", plot([curve], out / "quality.png")]
         if decider is not None:
@@ -118,15 +77,14 @@ def track_eval(
     import dataclasses
     import math
 
-    from elastic_pretrain.checkpoint.store import read_trainer_state
-    from elastic_pretrain.launch.layout import RunFiles
+    from elastic_pretrain.checkpoint.store import read_trainer_state, saved_run_id
     from elastic_pretrain.tracking.config import redact_uri, resolve_uri
     from elastic_pretrain.tracking.tracker import create_tracker
 
     if job.tracking.backend == "none":
         return None
     step = int(ckpt.name.removeprefix("step_")) if ckpt.name.startswith("step_") else 0
-    run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt
+    run_dir = CheckpointFiles(ckpt).run_dir
     stored = job.tracking.uri
     cfg = dataclasses.replace(job.tracking, uri=uri, run_name=f"{job.name} eval step_{step}", system_metrics=False)
     target = resolve_uri(cfg, run_dir)
@@ -138,7 +96,7 @@ def track_eval(
         )
     tracker = create_tracker(cfg, run_dir=run_dir, job_name=job.name, rank=0)
     id_file = RunFiles(run_dir).mlflow_run_id  # written at the end of training; the checkpoint's may be unset
-    parent = read_trainer_state(ckpt).get("mlflow_run_id")
+    parent = saved_run_id(read_trainer_state(ckpt))
     parent = parent or (id_file.read_text().strip() if id_file.is_file() else None)
     tracker.set_tags({"elastic_pretrain.kind": "eval", "elastic_pretrain.checkpoint": str(ckpt.resolve()),
                       **({"mlflow.parentRunId": parent} if parent else {})})  # fmt: skip
@@ -178,6 +136,7 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from elastic_pretrain.checkpoint.store import read_trainer_state
+    from elastic_pretrain.checkpoint.tensors import load_model
     from elastic_pretrain.data.tokenizer import load_tokenizer
     from elastic_pretrain.model.inference import generate
     from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown

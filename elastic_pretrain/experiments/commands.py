@@ -27,9 +27,9 @@ def _experiment(args: argparse.Namespace) -> int:
         raise UserError(f"unknown experiment '{unknown[0]}' (known: {', '.join(EXPERIMENTS)}, all)")
     from elastic_pretrain.experiments.report import run_experiment
     from elastic_pretrain.experiments.runner import QUICK_OVERRIDES
-    from elastic_pretrain.train.commands import _quiet_logs
+    from elastic_pretrain.quiet import quiet_logs
 
-    _quiet_logs()
+    quiet_logs()
     if args.scale < 1:
         raise UserError(f"--scale {args.scale}: must be a positive integer (e.g. 1, 4, 16)")
     runs = Path(args.runs or ("runs/experiments-quick" if args.quick else "runs/experiments"))

@@ -31,6 +31,7 @@ from elastic_pretrain.config import ConfigError, build, flatten, load_yaml, to_d
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.experiments.stats import MIN_SEEDS, Claim, Metrics
 from elastic_pretrain.job import JobConfig, dump_job, load_job
+from elastic_pretrain.rundir import RunFiles
 
 if TYPE_CHECKING:
     import torch
@@ -135,7 +136,7 @@ class Context:
         """The run's final checkpoint as a one-process model in eval mode (cached)."""
         forget_moe_aux_losses()  # the model asked for may have another number of layers than the last one
         if name not in self._models:
-            from elastic_pretrain.eval.commands import load_model
+            from elastic_pretrain.checkpoint.tensors import load_model
 
             self._models[name] = load_model(self.run(name).run_dir)[1]
         return self._models[name]
@@ -285,7 +286,7 @@ def run_fingerprint(run_dir: Path) -> str | None:
     """The run's config through today's schema: a key added since it was trained (``decider: null``) reads as
     its default, so adding a config field does not retrain every finished run (new fields default to the old
     behaviour); a config that no longer builds (a key since removed) is compared as written."""
-    path = run_dir / "config.yaml"
+    path = RunFiles(run_dir).config
     if not path.is_file():
         return None
     raw = yaml.safe_load(path.read_text())
@@ -296,13 +297,15 @@ def run_fingerprint(run_dir: Path) -> str | None:
 
 
 def is_finished(run_dir: Path) -> bool:
-    return (run_dir / "FINISHED").is_file() and (run_dir / "summary.json").is_file()
+    files = RunFiles(run_dir)
+    return files.finished.is_file() and files.summary.is_file()
 
 
 def find_reusable(job: JobConfig, runs_root: Path) -> Path | None:
     """A finished run with this job's config: its own run directory first, then any experiment's."""
     want = job_fingerprint(job)
-    candidates = [job.run_path, *sorted(p.parent for p in runs_root.glob("*/*/config.yaml"))]
+    configs = runs_root.glob(f"*/*/{RunFiles(Path()).config.name}")  # <experiment>/<job>/config.yaml
+    candidates = [job.run_path, *sorted(p.parent for p in configs)]
     for run_dir in candidates:
         if is_finished(run_dir) and run_fingerprint(run_dir) == want:
             return run_dir
@@ -333,7 +336,7 @@ def ensure_trained(path: Path, job: JobConfig, runs_root: Path) -> Run:
         found = own
     else:
         print(f"{path.stem}: reused {found} (same config)", flush=True)
-    summary = json.loads((found / "summary.json").read_text())
+    summary = json.loads(RunFiles(found).summary.read_text())
     return Run(name=path.stem, job=job, job_path=path, run_dir=found, summary=summary, status=status)
 
 

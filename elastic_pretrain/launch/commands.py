@@ -12,9 +12,9 @@ from typing import Any
 
 from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.launch.environment import job_environment
-from elastic_pretrain.launch.layout import RunFiles
 from elastic_pretrain.launch.render import LaunchSpec, render
 from elastic_pretrain.launch.slurm import cancel, query_job, read_job_id, run_status, submit
+from elastic_pretrain.rundir import RunFiles
 
 # submit flag -> SlurmConfig field
 _FLAG_FIELDS = (

@@ -1,64 +1,11 @@
-"""The files a run directory holds: the contract between the trainer, the sbatch script and the CLI.
-
-Written by the trainer (rank 0):
-    checkpoints/step_<N>/     a committed checkpoint (written elsewhere, then renamed into place)
-    checkpoints/latest        text file ``step_<N>``, replaced atomically after step_<N> is complete
-    FINISHED                  written once training has completed; a run with it is never requeued
-    mlflow_run_id             text file holding the MLflow run id (optional)
-Written by ``elastic-pretrain submit`` / ``cancel`` and the batch script:
-    slurm/train.sbatch        the rendered script that was submitted
-    slurm/train.log           stdout+stderr of every (re)start of the job, appended
-    slurm/job_id              the Slurm job id of the latest submission
-    slurm/CANCELLED           marker: ``cancel`` was run, the batch script must not requeue
-"""
+"""Reading a run directory's Slurm-side state. The run directory's files are named in
+:mod:`elastic_pretrain.rundir` (``RunFiles``)."""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
-
-@dataclasses.dataclass(frozen=True)
-class RunFiles:
-    """Paths inside one run directory (see the module docstring for who writes what)."""
-
-    run_dir: Path
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.run_dir / "checkpoints"
-
-    @property
-    def latest(self) -> Path:
-        return self.checkpoints / "latest"
-
-    @property
-    def finished(self) -> Path:
-        return self.run_dir / "FINISHED"
-
-    @property
-    def mlflow_run_id(self) -> Path:
-        return self.run_dir / "mlflow_run_id"
-
-    @property
-    def slurm_dir(self) -> Path:
-        return self.run_dir / "slurm"
-
-    @property
-    def script(self) -> Path:
-        return self.slurm_dir / "train.sbatch"
-
-    @property
-    def log(self) -> Path:
-        return self.slurm_dir / "train.log"
-
-    @property
-    def job_id(self) -> Path:
-        return self.slurm_dir / "job_id"
-
-    @property
-    def cancelled(self) -> Path:
-        return self.slurm_dir / "CANCELLED"
+from elastic_pretrain.rundir import RunFiles
 
 
 def last_committed_step(files: RunFiles) -> int | None:

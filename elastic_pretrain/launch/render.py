@@ -24,8 +24,8 @@ from pathlib import Path
 from elastic_pretrain.config import ConfigError
 from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.launch.environment import export_lines
-from elastic_pretrain.launch.layout import RunFiles
 from elastic_pretrain.launch.local import ERRORS_ENV
+from elastic_pretrain.rundir import RunFiles
 
 PLACEHOLDER_RE = re.compile(r"\{\{([A-Z][A-Z0-9_]*)\}\}")
 DEFAULT_TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "train.sbatch"

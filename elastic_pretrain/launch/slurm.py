@@ -17,8 +17,9 @@ from elastic_pretrain.checkpoint.store import CheckpointStore
 from elastic_pretrain.config import clip
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.launch.config import SlurmConfig
-from elastic_pretrain.launch.layout import RunFiles, last_committed_step, read_text_or_none
+from elastic_pretrain.launch.layout import last_committed_step, read_text_or_none
 from elastic_pretrain.launch.render import LaunchSpec, render
+from elastic_pretrain.rundir import RunFiles
 from elastic_pretrain.tracking.config import write_private
 
 # States in which a job still holds (or waits for) resources.

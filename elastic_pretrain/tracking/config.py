@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 from elastic_pretrain.config import ConfigError, field
+from elastic_pretrain.rundir import RunFiles
 
 ENV_TRACKING_URI = "MLFLOW_TRACKING_URI"
 REDACTED = "<redacted>"
@@ -72,7 +73,7 @@ class TrackingConfig:
 
 def local_store_dir(run_dir: Path) -> Path:
     """Folder that holds the tracker's files for a run: local store, artifacts, plots, run.json."""
-    return Path(run_dir).absolute() / "mlflow"
+    return RunFiles(Path(run_dir).absolute()).mlflow
 
 
 def local_store_uri(run_dir: Path) -> str:

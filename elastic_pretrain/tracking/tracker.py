@@ -11,11 +11,11 @@ buffer in batches. If MLflow is down or slow, training does not notice beyond th
 Usage (trainer)::
 
     tracker = create_tracker(cfg.tracking, run_dir=run_dir, job_name=name, rank=rank,
-                             resume_run_id=state.get("mlflow_run_id"))
+                             resume_run_id=saved_run_id)  # a resumed run: the checkpoint's "tracker" state
     tracker.log_params(flatten(to_dict(cfg)))
     tracker.set_tags(default_tags(world_size=world_size))
     tracker.log_metrics({"loss": loss, "lr": lr}, step=step)
-    state["mlflow_run_id"] = tracker.run_id        # at each checkpoint (None until MLflow answered)
+    {"run_id": tracker.run_id}                     # its checkpointed state (None until MLflow answered)
     tracker.close(cfg.tracking.close_timeout_s)
 """
 

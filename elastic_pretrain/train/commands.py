@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import logging
 import os
 import signal
 import subprocess
@@ -13,19 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from elastic_pretrain.quiet import third_party_warnings
-
-
-def _quiet_logs() -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
-    third_party_warnings()
-    for name in ("megatron", "megatron.core"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+from elastic_pretrain.quiet import quiet_logs
 
 
 def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -102,7 +89,7 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    _quiet_logs()
+    quiet_logs()
     job = job_from_args(args)
     if args.nproc_per_node and "RANK" not in os.environ:
         from elastic_pretrain.parallel.validate import check_layout

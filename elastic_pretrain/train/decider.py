@@ -21,7 +21,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from elastic_pretrain.errors import UserError
 from elastic_pretrain.model.decider import (
     DeciderConfig,
     PerTokenRun,
@@ -155,13 +154,8 @@ def load_base(net: LoopedMoEModel, ckpt: Path) -> None:
     """The base model's tensors (``decider.init_from``) into a decider job's model at this layout; the
     decider keeps its initialisation. Only model tensors are read (no optimizer state). Collective."""
     from elastic_pretrain.checkpoint.manager import verify_everywhere
-    from elastic_pretrain.checkpoint.safe_load import load_sharded
-    from elastic_pretrain.checkpoint.store import MODEL_DIR
+    from elastic_pretrain.checkpoint.tensors import load_tensors
+    from elastic_pretrain.rundir import CheckpointFiles
 
     verify_everywhere(ckpt)
-    model_sd = {k: v for k, v in net.sharded_state_dict().items() if not k.startswith("decider.")}
-    loaded = load_sharded({"model": model_sd}, ckpt / MODEL_DIR, what="the base model tensors")
-    missing, unexpected = net.load_state_dict(loaded["model"], strict=False)
-    left = [k for k in missing if not k.startswith("decider.")] + list(unexpected)
-    if left:
-        raise UserError(f"{ckpt}: base model tensors do not match the decider job's model ({left[0]} ...)")
+    load_tensors(net, None, CheckpointFiles(ckpt).tensors, exclude="decider.", what="the base model tensors")

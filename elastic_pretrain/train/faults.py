@@ -131,7 +131,7 @@ class FaultMonitor:
     """Owns the non-finite/spike policy of a run; the Trainer calls :meth:`before_step`, the step calls
     :meth:`veto`, the Trainer calls :meth:`after_step` (which may roll back or raise :class:`FaultStop`).
 
-    ``state_dict`` (in ``trainer.json``) holds the spike window and the event counts."""
+    Checkpointed as ``faults``: ``state_dict`` (in ``trainer.json``) holds the spike window and the event counts."""
 
     def __init__(self, job: Any, mesh: Any, session: Any, ckpt: Any) -> None:
         t = job.train
@@ -230,7 +230,7 @@ class FaultMonitor:
             )
         bad_step, data, counts = state.step, self.s.batches.state_dict(), dict(self.counts)
         self.s.scheduler.num_steps = 0  # megatron's scheduler load_state_dict steps on from the current count
-        self.ckpt.restore(newest.path, check_resumable(newest.path, self.job), state)
+        self.ckpt.restore(newest.path, check_resumable(newest.path, self.job))  # state too: it is checkpointed
         self.s.batches.load_state_dict(data)
         self.counts = counts | {"rollback": counts["rollback"] + 1}
         if self.mesh.is_logging_rank:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from elastic_pretrain.rundir import RunFiles
 from elastic_pretrain.train.config import ProfileConfig
 
 
@@ -25,7 +26,7 @@ class ProfileWindow:
         log_artifact: Callable[[Path, str], None] = lambda p, a: None,
     ) -> None:
         self.cfg, self.rank, self.log_artifact = cfg, rank, log_artifact
-        self.path = run_dir / "profile" / f"rank_{rank}.json"
+        self.path = RunFiles(run_dir).profile_trace(rank)
         self.prof: torch.profiler.profile | None = None
         self.done = False
 

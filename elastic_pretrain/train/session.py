@@ -11,6 +11,8 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from elastic_pretrain.checkpoint.manager import Stateful
+from elastic_pretrain.checkpoint.tensors import ModelTensors
 from elastic_pretrain.data.loader import TokenBatches, load_validation
 from elastic_pretrain.data.tokenizer import load_tokenizer
 from elastic_pretrain.job import JobConfig
@@ -56,6 +58,14 @@ class Session:
         # and every stage must agree (evaluation runs one pass per ℓ when they are on)
         self.net.conditioning_active = self.controller.mixed and self.job.model.loop_conditioning
 
+    def tensors(self) -> ModelTensors:
+        """The model and optimizer, as a checkpoint saves them (sharded, layout-independent)."""
+        return ModelTensors(self.net, self.optimizer)
+
+    def checkpointed(self) -> dict[str, Stateful]:
+        """The session's other checkpointed state, by its name in ``trainer.json``."""
+        return {"scheduler": self.scheduler, "controller": ControllerState(self), "data": self.batches}
+
     def describe(self) -> str:
         n_params = sum(p.numel() for p in self.net.parameters())
         n_train = sum(p.numel() for p in self.net.parameters() if p.requires_grad)
@@ -67,6 +77,21 @@ class Session:
             f"{cfg.experts_built} experts top-{cfg.moe_top_k} (flatten {cfg.flatten}) | "
             f"sampler {self.job.schedule.sampler}, switch at {self.job.schedule.switch_at:.2f} of tokens"
         )
+
+
+@dataclasses.dataclass
+class ControllerState:
+    """The schedule controller as a checkpoint holds it; loading it also switches the conditioning heads
+    to its phase (:meth:`Session.sync_phase`), on resume and on a fault rollback alike."""
+
+    session: Session
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.session.controller.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any], /) -> None:
+        self.session.controller.load_state_dict(state)
+        self.session.sync_phase()
 
 
 def copy_to_main_params(optimizer: Any, params: list[torch.nn.Parameter]) -> None:

@@ -11,7 +11,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -23,9 +23,9 @@ from elastic_pretrain.checkpoint.store import CheckpointStore
 from elastic_pretrain.engine import build_session  # job.engine: megatron or deepspeed
 from elastic_pretrain.eval.loss import loss_by_loops
 from elastic_pretrain.job import JobConfig, write_resolved
-from elastic_pretrain.launch.layout import RunFiles
 from elastic_pretrain.parallel.mesh import Mesh, describe, every_rank, expert_layout, init_mesh, teardown
 from elastic_pretrain.parallel.strict import enter_strict_devices
+from elastic_pretrain.rundir import RunFiles
 from elastic_pretrain.train.decider import load_base
 from elastic_pretrain.train.faults import FaultMonitor
 from elastic_pretrain.train.mfu import baseline_flops_per_token, device_peak, step_flops, utilisation
@@ -35,6 +35,9 @@ from elastic_pretrain.train.session import Session
 from elastic_pretrain.train.step import MicroBatch, StepResult
 from elastic_pretrain.train.stragglers import DATA_WAIT_KEY, StragglerReport
 from elastic_pretrain.train.watchdog import HangWatchdog
+
+if TYPE_CHECKING:
+    from elastic_pretrain.tracking.tracker import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +132,7 @@ class Trainer:
                 for cb in self.callbacks:
                     cb.on_eval(state, val)
         if self.ckpt.last_saved != state.step:
-            self.ckpt.save(state, blocking=True)
+            self.ckpt.save(state.step, blocking=True)
         self.ckpt.wait()
         val = self.validate()
         for cb in self.callbacks:
@@ -157,7 +160,7 @@ class Trainer:
         stop = any(signums) or 0 < c.cfg.stop_at <= step
         c.poll()
         if stop or (c.due(step) and step < self.job.train.steps):
-            c.save(self.state, blocking=stop)
+            c.save(step, blocking=stop)
         return stop_reason(signums) if stop else None
 
     def validate(self) -> dict[int, float]:
@@ -253,8 +256,9 @@ class SummaryWriter:
     (steps trained after the checkpoint are trained again)."""
 
     def __init__(self, run_dir: Path, mesh: Mesh, resumed_step: int = 0, job: JobConfig | None = None) -> None:
-        self.path, self.enabled, self.mesh, self.job = run_dir / "summary.json", mesh.is_logging_rank, mesh, job
-        self.history_path = run_dir / "history.jsonl"
+        files = RunFiles(run_dir)
+        self.path, self.enabled, self.mesh, self.job = files.summary, mesh.is_logging_rank, mesh, job
+        self.history_path = files.history
         self.history: list[dict[str, Any]] = []
         if resumed_step and self.history_path.is_file():  # the steps before the checkpoint, from earlier attempts
             for line in self.history_path.read_text().splitlines():
@@ -322,29 +326,57 @@ def depth_summary(history: list[dict[str, Any]]) -> dict[str, float]:
 
 
 class TrackingCallback:
-    """Metrics, validation curves and the quality-budget plot to MLflow (rank 0; never fatal)."""
+    """Metrics, validation curves and the quality-budget plot to MLflow (rank 0; never fatal).
 
-    def __init__(self, job: JobConfig, mesh: Mesh, run_dir: Path, resume_run_id: str | None = None) -> None:
-        from elastic_pretrain.config import flatten
-        from elastic_pretrain.job import public_dict
+    Checkpointed (as ``tracker``): its state is the MLflow run id, so a resumed run continues that MLflow
+    run. :meth:`start` opens the run, after a resume has loaded the id."""
+
+    def __init__(self, job: JobConfig, mesh: Mesh, run_dir: Path) -> None:
         from elastic_pretrain.tracking import names
-        from elastic_pretrain.tracking.tracker import create_tracker, default_tags
 
-        self.job, self.names, self.run_dir = job, names, run_dir
-        self.tracker = create_tracker(
-            job.tracking, run_dir=run_dir, job_name=job.name, rank=mesh.rank, resume_run_id=resume_run_id
-        )
-        self.tracker.log_params(flatten(public_dict(job)))  # no URI credentials, no slurm.env values
-        if mesh.is_logging_rank:
-            self.tracker.set_tags({**default_tags(world_size=mesh.world_size), "layout": json.dumps(describe(mesh))})
+        self.job, self.mesh, self.names, self.files = job, mesh, names, RunFiles(run_dir)
+        self.resume_run_id: str | None = None
+        self.tracker: Tracker | None = None
         self._window: list[float] = []
         self.world_size, self.is_logging_rank = mesh.world_size, mesh.is_logging_rank
         t = job.train
         tflops = t.peak_tflops or (t.peak_flops_per_s / 1e12 if t.peak_flops_per_s else None)
         # model.fp8 arrives with the precision work (gpu-b); until then every model is measured against bf16
         self.peak = device_peak(tflops, precision="fp8" if getattr(job.model, "fp8", "off") != "off" else "bf16")
+
+    def state_dict(self) -> dict[str, Any]:
+        live = self.tracker.run_id if self.tracker is not None else None
+        return {"run_id": live or self.resume_run_id}  # None until MLflow answered (then: mlflow_run_id file)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.tracker is None:  # a rollback keeps the run that is open
+            self.resume_run_id = state.get("run_id")
+
+    def start(self, *, run_id_file: bool) -> Tracker:
+        """Open the MLflow run: the checkpoint's, else (``run_id_file``: resumed from this run directory)
+        the one in ``mlflow_run_id`` — MLflow may not have answered before that checkpoint was saved."""
+        from elastic_pretrain.config import flatten
+        from elastic_pretrain.job import public_dict
+        from elastic_pretrain.tracking.tracker import create_tracker, default_tags
+
+        job, mesh = self.job, self.mesh
+        if not self.resume_run_id and run_id_file and self.files.mlflow_run_id.is_file():
+            self.resume_run_id = self.files.mlflow_run_id.read_text().strip() or None
+        self.tracker = tracker = create_tracker(
+            job.tracking, run_dir=self.files.run_dir, job_name=job.name, rank=mesh.rank,
+            resume_run_id=self.resume_run_id,
+        )  # fmt: skip
+        tracker.log_params(flatten(public_dict(job)))  # no URI credentials, no slurm.env values
+        if mesh.is_logging_rank:
+            tracker.set_tags({**default_tags(world_size=mesh.world_size), "layout": json.dumps(describe(mesh))})
         if self.peak and mesh.is_logging_rank:
-            self.tracker.set_tags({names.MFU_PEAK_TAG: self.peak[1]})
+            tracker.set_tags({self.names.MFU_PEAK_TAG: self.peak[1]})
+        return tracker
+
+    @property
+    def _tracker(self) -> Tracker:
+        assert self.tracker is not None, "TrackingCallback.start() opens the run before training"
+        return self.tracker
 
     def on_step(self, state: TrainState, result: StepResult, step_s: float) -> None:
         self._window.append(step_s)
@@ -367,37 +399,36 @@ class TrackingCallback:
         for (layer, p), stats in result.routing.items():
             metrics.update({n.routing(layer, p, stat): v for stat, v in stats.items()})
         self._window.clear()
-        self.tracker.log_metrics(metrics, step=state.step)
+        self._tracker.log_metrics(metrics, step=state.step)
 
     def on_eval(self, state: TrainState, val: dict[int, float]) -> None:
-        self.tracker.log_quality_budget(val, step=state.step)
+        self._tracker.log_quality_budget(val, step=state.step)
 
     def on_rollback(self, state: TrainState) -> None:
         self._window.clear()  # MLflow keeps the first value logged at a step; the re-trained steps add none
 
     def on_end(self, state: TrainState, val: dict[int, float]) -> None:
         self.on_eval(state, val)
-        if (self.run_dir / "config.yaml").is_file():
-            self.tracker.log_artifact(self.run_dir / "config.yaml")
+        if self.files.config.is_file():
+            self._tracker.log_artifact(self.files.config)
         if self.is_logging_rank:
-            from elastic_pretrain.checkpoint.commands import checkpoint_index
+            from elastic_pretrain.checkpoint.index import write_index
 
-            index = self.run_dir / "checkpoints" / "index.json"
-            if index.parent.is_dir():
-                index.write_text(json.dumps(checkpoint_index(self.run_dir), indent=1))
-                self.tracker.log_artifact(index, "checkpoints")
-        self.tracker.close(self.job.tracking.close_timeout_s)
+            index = write_index(self.files.run_dir)
+            if index is not None:
+                self._tracker.log_artifact(index, "checkpoints")
+        self._tracker.close(self.job.tracking.close_timeout_s)
         self._write_run_id()
 
     def on_stop(self, state: TrainState, reason: str) -> None:
-        self.tracker.close(self.job.tracking.close_timeout_s, status="KILLED")  # a resume reopens the run
+        self._tracker.close(self.job.tracking.close_timeout_s, status="KILLED")  # a resume reopens the run
         self._write_run_id()
 
     def _write_run_id(self) -> None:
         # after close: a run stopped early may have saved its checkpoint before MLflow answered, and
         # then this file is how the resumed run finds its MLflow run (train())
-        if self.tracker.run_id:
-            (self.run_dir / "mlflow_run_id").write_text(self.tracker.run_id)
+        if self._tracker.run_id:
+            self.files.mlflow_run_id.write_text(self._tracker.run_id)
 
 
 def fault_callbacks(job: JobConfig, mesh: Mesh, run_dir: Path, faults: FaultMonitor, tracker: Any) -> list[Any]:
@@ -436,11 +467,12 @@ def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
     done = False
     try:
         run_dir = job.run_path
+        files = RunFiles(run_dir)
         if mesh.is_logging_rank:
             write_resolved(job, run_dir)
             print(f"run {job.name}: {describe(mesh)} -> {run_dir}", flush=True)
         # refuse a corrupt checkpoint or a changed model shape before building anything
-        store = CheckpointStore(run_dir / "checkpoints")
+        store = CheckpointStore(files.checkpoints)
         source = resume_source(job, store)
         meta = check_resumable(source, job) if source else {}
         if mesh.rank == 0 and (repaired := repair_latest(store)):  # a crash left it naming an older/missing step
@@ -448,35 +480,33 @@ def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
         session = build_session(job, mesh)
         if mesh.is_logging_rank:
             print(session.describe(), flush=True)
-        ckpt, state = Checkpointer(job, mesh, session, run_dir), TrainState()
+        state, tracking = TrainState(), TrackingCallback(job, mesh, run_dir)
+        # what a checkpoint holds besides the tensors, by name in trainer.json (docs/checkpoints.md)
+        ckpt = Checkpointer(job, mesh, run_dir, session.tensors(),
+                            {"trainer": state, **session.checkpointed(), "tracker": tracking})  # fmt: skip
         faults = FaultMonitor(job, mesh, session, ckpt)
-        ckpt.extras["faults"] = faults
+        ckpt.state["faults"] = faults
         if source:
-            ckpt.restore(source, meta, state)
+            ckpt.restore(source, meta)
+            if mesh.rank == 0:
+                print(f"resumed from {source} (step {state.step}, {state.tokens:,} tokens)", flush=True)
         elif job.decider is not None:  # a decider job starts from its base model (decider.init_from)
             load_base(session.net, Path(job.decider.init_from or ""))
             if mesh.is_logging_rank:
                 print(f"decider job: base model from {job.decider.init_from} ({job.decider.backbone})", flush=True)
-        # the MLflow run continues: its id is in the checkpoint (or, if MLflow had not answered by the
-        # time that save was taken, in the run directory's mlflow_run_id file)
-        run_id_file = RunFiles(run_dir).mlflow_run_id
-        resume_id = meta.get("mlflow_run_id") or (
-            run_id_file.read_text().strip()
-            if source and source.parent == ckpt.store.root and run_id_file.is_file()
-            else None
-        )
-        tracking = TrackingCallback(job, mesh, run_dir, resume_run_id=resume_id)
-        ckpt.run_id = lambda: tracking.tracker.run_id or resume_id
+        # the MLflow run continues: its id came with the checkpoint's "tracker" state (or, when MLflow had not
+        # answered by the time that save was taken, it is in the run directory's mlflow_run_id file)
+        tracker = tracking.start(run_id_file=source is not None and source.parent == ckpt.store.root)
         callbacks: list[Callback] = [
             ProgressPrinter(job, mesh, session.controller),
             SummaryWriter(run_dir, mesh, resumed_step=state.step, job=job),
             tracking,
-            *fault_callbacks(job, mesh, run_dir, faults, tracking.tracker),
+            *fault_callbacks(job, mesh, run_dir, faults, tracker),
         ]
         val = Trainer(job, mesh, session, callbacks, ckpt, stop, state, faults).fit()
         ckpt.close()
         if val is not None and mesh.is_logging_rank:
-            RunFiles(run_dir).finished.write_text(json.dumps({"step": state.step, "tokens": state.tokens}) + "\n")
+            files.finished.write_text(json.dumps({"step": state.step, "tokens": state.tokens}) + "\n")
         done = True
         return val
     finally:

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from elastic_pretrain.rundir import RunFiles
+
 HANG_EXIT_CODE = 124  # like timeout(1): the sbatch script requeues on any non-zero exit (slurm.on_failure=requeue)
 GRACE_S = 15.0  # at most this long for the dump to reach MLflow before the process exits anyway
 # Every rank stopped beating at about the same moment and fires within a poll of the others; exiting at
@@ -50,7 +52,7 @@ class HangWatchdog:
         poll_s: float = 1.0,
     ) -> None:
         self.timeout_s, self.rank, self.on_fire = timeout_s, rank, on_fire
-        self.path = run_dir / "hang" / f"rank_{rank}.txt"
+        self.path = RunFiles(run_dir).hang_dump(rank)
         self.step, self.last = 0, time.monotonic()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(poll_s,), name="hang-watchdog", daemon=True)

@@ -8,7 +8,8 @@ import pytest
 
 from elastic_pretrain.checkpoint.store import CheckpointStore, verify
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.launch.layout import RunFiles, last_committed_step
+from elastic_pretrain.launch.layout import last_committed_step
+from elastic_pretrain.rundir import RunFiles
 
 
 def _save(store: CheckpointStore, step: int) -> Path:

@@ -15,8 +15,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 def losses_per_loop(step: Path) -> dict[int, float]:
+    from elastic_pretrain.checkpoint.tensors import load_model
     from elastic_pretrain.data.loader import load_validation
-    from elastic_pretrain.eval.commands import load_model
     from elastic_pretrain.eval.loss import loss_by_loops
 
     job, net = load_model(step)

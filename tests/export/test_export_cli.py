@@ -63,8 +63,9 @@ def load_hf(path: Path) -> Any:
 def test_export_equals_the_checkpoint(exported, layout: str, mesh1, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
+    from elastic_pretrain.checkpoint.store import resolve_checkpoint
+    from elastic_pretrain.checkpoint.tensors import load_model
     from elastic_pretrain.data.loader import load_validation
-    from elastic_pretrain.eval.commands import load_model, resolve_checkpoint
 
     run, hf_dir = exported[layout]
     assert sorted(p.name for p in hf_dir.iterdir()) == sorted(p.name for p in exported["single"][1].iterdir())
@@ -112,7 +113,8 @@ def test_lm_eval_command_on_a_checkpoint(exported, mesh1, tmp_path: Path) -> Non
     """The CLI exports the checkpoint on the fly, runs the local task at ℓ = 1, 2, 4 offline and writes
     one table; its acc equals the project model's own choice of the most likely continuation."""
     pytest.importorskip("lm_eval")
-    from elastic_pretrain.eval.commands import load_model, resolve_checkpoint
+    from elastic_pretrain.checkpoint.store import resolve_checkpoint
+    from elastic_pretrain.checkpoint.tensors import load_model
     from tests.export.test_lm_eval import accuracies, direct_loglikelihoods
 
     run, _ = exported["single"]

@@ -61,8 +61,8 @@ def test_skip_leaves_parameters_adam_state_and_schedule_untouched(tmp_path, prep
     assert m[3]["adam_step"] == m[2]["adam_step"] and m[3]["scheduler"] == m[2]["scheduler"]
     assert m[5]["adam_step"] == m[4]["adam_step"] and m[5]["scheduler"] == m[4]["scheduler"]
     assert m[3]["data"]["position"] == m[2]["data"]["position"] + 16  # the skipped batch is consumed
-    assert m[5]["extras"]["faults"]["counts"] == {"nonfinite": 1, "spike": 1, "rollback": 0}
-    assert len(m[5]["extras"]["faults"]["spike"]["losses"]) == 2  # the window resumes with the checkpoint
+    assert m[5]["faults"]["counts"] == {"nonfinite": 1, "spike": 1, "rollback": 0}
+    assert len(m[5]["faults"]["spike"]["losses"]) == 2  # the window resumes with the checkpoint
 
 
 @pytest.mark.slow
@@ -74,7 +74,7 @@ def test_rollback_reloads_the_checkpoint_and_skips_the_data_window(tmp_path, pre
     m4, m6 = _meta(run, 4), _meta(run, 6)
     # steps 5 and 6 were trained again on the batches after the one that failed: 3 batches past step 4
     assert m6["data"]["position"] == m4["data"]["position"] + 3 * 16
-    assert m6["trainer"]["step"] == 6 and m6["extras"]["faults"]["counts"]["rollback"] == 1
+    assert m6["trainer"]["step"] == 6 and m6["faults"]["counts"]["rollback"] == 1
     assert m6["scheduler"]["num_steps"] == m4["scheduler"]["num_steps"] + 2
     history = [json.loads(line)["step"] for line in (run / "history.jsonl").read_text().splitlines()]
     assert history == [1, 2, 3, 4, 5, 6]  # the rolled-back step's line is gone

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from elastic_pretrain import cli
-from elastic_pretrain.launch.layout import RunFiles
+from elastic_pretrain.rundir import RunFiles
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = "".join(

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from elastic_pretrain.launch.config import SlurmConfig
-from elastic_pretrain.launch.layout import RunFiles, last_committed_step
+from elastic_pretrain.launch.layout import last_committed_step
 from elastic_pretrain.launch.render import LaunchSpec
 from elastic_pretrain.launch.slurm import JobState, query_job, submit
+from elastic_pretrain.rundir import RunFiles
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]

@@ -38,8 +38,9 @@ from slurm_helpers import (
 )
 
 from elastic_pretrain import cli
-from elastic_pretrain.launch.layout import RunFiles, last_committed_step
+from elastic_pretrain.launch.layout import last_committed_step
 from elastic_pretrain.launch.slurm import cancel, query_job
+from elastic_pretrain.rundir import RunFiles
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(300)]
 

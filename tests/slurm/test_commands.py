@@ -12,8 +12,9 @@ import pytest
 from elastic_pretrain import cli
 from elastic_pretrain.checkpoint.store import CheckpointStore
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.launch.layout import RunFiles, last_committed_step
+from elastic_pretrain.launch.layout import last_committed_step
 from elastic_pretrain.launch.slurm import check_can_submit, explain_sbatch_error
+from elastic_pretrain.rundir import RunFiles
 
 REPO = Path(__file__).resolve().parents[2]
 # The default job without its name (submit validates the whole job before calling sbatch).

@@ -34,8 +34,8 @@ from slurm_helpers import (
 
 from elastic_pretrain import cli
 from elastic_pretrain.checkpoint.store import CheckpointStore
-from elastic_pretrain.launch.layout import RunFiles
 from elastic_pretrain.launch.slurm import query_job
+from elastic_pretrain.rundir import RunFiles
 from tests.checkpoint.runs import COMMON, history, train
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(1500)]

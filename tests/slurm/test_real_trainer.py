@@ -34,7 +34,8 @@ import yaml
 from slurm_helpers import MAIN_NODES, REPO, Cluster, log_tail, wait_checkpoint, wait_job_end
 
 from elastic_pretrain import cli
-from elastic_pretrain.launch.layout import RunFiles, last_committed_step
+from elastic_pretrain.launch.layout import last_committed_step
+from elastic_pretrain.rundir import RunFiles
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -1,0 +1,111 @@
+"""Model and optimizer tensors of a checkpoint (``step_<N>/model_optim/``): the one place that saves and
+loads them.
+
+Saved through megatron-core ``dist_checkpointing`` with layout-independent keys, so a checkpoint loads at
+another TP/EP/DP layout, and into one process (eval, generate, export, experiments). Every load goes
+through :func:`load_tensors`: resume (model + Adam state), a decider job's base model (model minus the
+decider) and :func:`load_model` (model only) differ in what they ask for, not in how it is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core import dist_checkpointing
+
+from elastic_pretrain.checkpoint import optim_state, parallel_io
+from elastic_pretrain.checkpoint.safe_load import load_sharded
+from elastic_pretrain.errors import UserError
+from elastic_pretrain.rundir import CheckpointFiles
+
+
+def save_tensors(
+    net: Any, optimizer: Any, path: Path, strategy: Any, use_async: bool = False
+) -> tuple[Any, float]:
+    """Model + Adam state (model space) to ``path`` through dist_checkpointing; returns (the async request,
+    or None when synchronous; Adam's step count). Collective."""
+    model_sd = net.sharded_state_dict()
+    optim_sd, adam_step = optim_state.sharded_optimizer_state(optimizer, model_sd)
+    request = dist_checkpointing.save(
+        {"model": model_sd, "optimizer": optim_sd}, str(path), sharded_strategy=strategy, async_sharded_save=use_async
+    )
+    return request, adam_step
+
+
+def load_tensors(
+    net: Any,
+    optimizer: Any | None,
+    path: Path,
+    *,
+    adam_step: float = 0.0,
+    exclude: str | None = None,
+    what: str = "model/optimizer tensors",
+) -> None:
+    """Load ``path`` into ``net`` at this process's layout (reshards over TP/EP/DP). Collective.
+
+    ``optimizer``: also its Adam state (with ``adam_step``); None reads model tensors only. ``exclude``: a
+    parameter-name prefix that keeps its initialisation (a decider job's ``decider.``); every other
+    parameter must be in the checkpoint. Reads are spread over the data-parallel group (parallel_io)."""
+    model_sd = net.sharded_state_dict()
+    if exclude:
+        model_sd = {k: v for k, v in model_sd.items() if not k.startswith(exclude)}
+    request: dict[str, Any] = {"model": model_sd}
+    if optimizer is not None:
+        optim_state.ensure_state(optimizer)
+        request["optimizer"] = optim_state.loading_template(optimizer, model_sd)
+    loaded = load_sharded(request, path, what=what, strategy=parallel_io.load_strategy())
+    with torch.no_grad():
+        missing, unexpected = net.load_state_dict(loaded["model"], strict=not exclude)
+        left = [k for k in missing if not (exclude and k.startswith(exclude))] + list(unexpected)
+        if left:
+            raise UserError(f"{path}: {what} do not match the model ({left[0]} ...)")
+        if optimizer is not None:
+            # a fresh sharded view: megatron's load rewrites the one it was given in place
+            fresh = net.sharded_state_dict()
+            optim_state.load_optimizer_state(optimizer, fresh, loaded["optimizer"], adam_step)
+
+
+@dataclasses.dataclass
+class ModelTensors:
+    """The model and its optimizer as one checkpointed object: sharded tensors under ``model_optim/``, and
+    (:meth:`save` returns it, :meth:`load` takes it) the small state beside them in ``trainer.json``."""
+
+    net: Any
+    optimizer: Any
+
+    def save(self, path: Path, strategy: Any, use_async: bool) -> tuple[Any, dict[str, Any]]:
+        request, adam_step = save_tensors(self.net, self.optimizer, path, strategy, use_async)
+        return request, {"adam_step": adam_step}
+
+    def load(self, path: Path, state: dict[str, Any]) -> None:
+        load_tensors(self.net, self.optimizer, path, adam_step=float(state["adam_step"]))
+
+
+def load_model(ckpt: Path) -> tuple[Any, Any]:
+    """(JobConfig, LoopedMoEModel in eval mode) from a committed checkpoint (a ``step_<N>`` directory, or
+    a run directory: its newest committed step), whatever layout saved it; only model tensors are read.
+
+    Needs an initialised one-process mesh (``init_mesh(ParallelConfig(), seed=...)``)."""
+    from elastic_pretrain.checkpoint.store import read_trainer_state, resolve_checkpoint, verify
+    from elastic_pretrain.config import build
+    from elastic_pretrain.job import JobConfig
+    from elastic_pretrain.parallel.config import ParallelConfig
+    from elastic_pretrain.parallel.megatron import build_model
+
+    ckpt = resolve_checkpoint(Path(ckpt))
+    verify(ckpt)
+    meta = read_trainer_state(ckpt)
+    job = build(JobConfig, meta["config"])
+    net = build_model(job.model, ParallelConfig(), decider=job.decider)  # a decider job's decider rides along
+    from elastic_pretrain.engine.weights import is_deepspeed, load_deepspeed_weights
+
+    if is_deepspeed(ckpt):  # engine=deepspeed wrote it (weights-only read; engine/weights.py)
+        load_deepspeed_weights(net, ckpt)
+    else:
+        load_tensors(net, None, CheckpointFiles(ckpt).tensors, what="model tensors")
+    # the ELR conditioning heads are on exactly in the mixed phase (as in the trainer's session)
+    net.conditioning_active = meta.get("controller", {}).get("phase") == "mixed" and net.loop_conditioning is not None
+    return job, net.eval()

@@ -1,7 +1,8 @@
-"""The late-switch, flattening and kv-cache job sets as ELR and Foil design them (issue #17): every job builds
-and runs a step's forward, the late-switch arms are ELR's (a baseline at ℓ = 1, switches from one loop at
-25/50/75% with and without heads), kv-cache shares the late-switch run, and the claims compute the paper's
-quantities (share retained, added compute) from per-arm metrics."""
+"""The late-switch, flattening, kv-cache and route-replay job sets as ELR and Foil design them (issue #17):
+every job builds and runs a step's forward, the late-switch arms are ELR's (a baseline at ℓ = 1, switches from
+one loop at 25/50/75% with and without heads), kv-cache, decider and route-replay (replay off) share the
+late-switch run, and the claims compute the paper's quantities (share retained, added compute) from per-arm
+metrics."""
 
 from __future__ import annotations
 
@@ -16,8 +17,14 @@ from elastic_pretrain.job import load_job
 from elastic_pretrain.train.schedule import ScheduleController
 from tests.conftest import REPO
 
-SETS = ("late-switch", "flattening", "kv-cache")
-JOBS = sorted(p for s in SETS for p in (REPO / "jobs/experiments" / s).glob("*.yaml"))
+SETS = ("late-switch", "flattening", "kv-cache", "route-replay")
+# decider.yaml post-trains a run (init_from), so only the decider set's base builds alone
+JOBS = sorted(
+    [
+        *(p for s in SETS for p in (REPO / "jobs/experiments" / s).glob("*.yaml")),
+        REPO / "jobs/experiments/decider/late-switch.yaml",
+    ]
+)
 LS = REPO / "jobs/experiments/late-switch"
 
 
@@ -120,3 +127,18 @@ def test_a_claim_undefined_at_a_seed_is_not_decided() -> None:
     by_seed = {s: {a: dict(flat) for a in ("baseline", "mixed-scratch", "switch-0.25-noheads")} for s in range(3)}
     result = evaluate(claim, by_seed)
     assert result.verdict == "no" and result.interval is None and "undefined" in result.reason
+
+
+@pytest.mark.parametrize("path", ["decider/late-switch.yaml", "route-replay/replay-off.yaml"])
+def test_decider_and_route_replay_bases_are_the_late_switch_run(path: str) -> None:
+    # docs/results/README.md: one run for late-switch, kv-cache, decider and route-replay (reused by fingerprint)
+    job, ls = load_job(REPO / "jobs/experiments" / path), load_job(LS / "switch-0.75.yaml")
+    assert job_fingerprint(job) == job_fingerprint(ls)
+    assert job.schedule.fixed_loops == 1 and job.schedule.switch_at == 0.75
+
+
+def test_replay_on_is_the_late_switch_run_with_route_replay() -> None:
+    off = load_job(REPO / "jobs/experiments/route-replay/replay-off.yaml")
+    on = load_job(REPO / "jobs/experiments/route-replay/replay-on.yaml")
+    assert job_diff([off, on]) == ["model.route_replay"]
+    assert on.model.route_replay and not off.model.route_replay

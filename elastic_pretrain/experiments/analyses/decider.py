@@ -1,168 +1,111 @@
-"""decider: a TaH2 iteration decider (adaptive depth) vs fixed depth at matched mean passes, with random
-per-token stopping as the control."""
+"""decider: TaH2 iteration deciders (adaptive depth) — frozen backbone and joint post-training under per-token
+depth — vs fixed depth at matched mean passes, with random per-token stopping as the control. The measuring
+is in ``decider_measure.py``."""
 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from typing import Any
 
-import torch
-
-from elastic_pretrain.errors import UserError
-from elastic_pretrain.experiments.measure import losses, run_flops
+from elastic_pretrain.experiments.analyses.decider_measure import (
+    base_curve,
+    decider_runs,
+    matched,
+    measure,
+    run_metrics,
+)
+from elastic_pretrain.experiments.measure import run_flops
 from elastic_pretrain.experiments.present import figure, table
-from elastic_pretrain.experiments.runner import Context, Experiment, Findings, base_job
-from elastic_pretrain.experiments.stats import Claim
+from elastic_pretrain.experiments.runner import Context, Experiment, Findings
+from elastic_pretrain.experiments.stats import Claim, paired
 
 TAH2 = "seeds/000 (TaH2)"
-RANDOM_STOP = (0.1, 0.25, 0.5, 0.75)  # the control: each pass, stop with this probability regardless of the token
-
-
-def random_stop(model: Any, tokens: torch.Tensor, q: float, *, seed: int = 0) -> dict[str, float]:
-    """Teacher-forced (per-loop KV) loss, accuracy and mean passes when every token stops after each pass
-    with probability ``q`` — adaptive depth without any information, at a compute set by ``q``."""
-    from elastic_pretrain.model.flops import relative_compute
-    from elastic_pretrain.model.inference import teacher_forced_loss
-
-    gen = torch.Generator().manual_seed(seed)
-    tf = teacher_forced_loss(
-        model, tokens, kv_cache="per-loop", stop=lambda h, e, j: torch.rand(h.shape[:2], generator=gen) < q
-    )
-    rel = relative_compute(model.cfg, tf.mean_passes, seq_len=tokens.shape[1] - 1)
-    return {"q": q, "mean_passes": tf.mean_passes, "relative_compute": rel, "loss": tf.loss, "accuracy": tf.accuracy}
-
-
-def _interp_curve(points: list[tuple[float, float]], x: float) -> float:
-    from elastic_pretrain.eval.curves import interp
-
-    pts = sorted(points)
-    return interp([p for p, _ in pts], [v for _, v in pts], x)
-
-
-def _measure(ctx: Context) -> dict[str, Any]:
-    """The sweep, the control and every paired difference, on one checkpoint and the same tokens."""
-    from elastic_pretrain.eval.adaptive import DEFAULT_THRESHOLDS, adaptive_sweep
-    from elastic_pretrain.eval.curves import compare
-
-    run = next(r for r in ctx.runs if r.job.decider is not None)
-    base = ctx.run(base_job(run.job_path) or ctx.runs[0].name)
-    tokens, model = ctx.val_tokens(), ctx.model(run.name)
-    if model.decider is None or run.job.decider is None:
-        raise UserError(f"{run.run_dir}: the decider job's checkpoint holds no iteration decider")
-    sweep = adaptive_sweep(model, model.decider.eval(), tokens, (0.0, 0.5, 1.01) if ctx.quick else DEFAULT_THRESHOLDS)
-    control = [random_stop(model, tokens, q) for q in ((0.5,) if ctx.quick else RANDOM_STOP)]
-    for c in control:
-        c["fixed_loss"], c["fixed_accuracy"] = sweep.fixed_at(c["relative_compute"])
-    top = model.cfg.max_loops
-    # the sweep's ends are fixed depth itself (threshold 0: ℓ = L_max; above 1: ℓ = 1): compare the inside
-    inner = [r for r in sweep.adaptive if 1.0 + 1e-6 < r.mean_passes < top - 1e-6]
-    ends = [(r.relative_compute, r.loss) for r in (sweep.adaptive[0], sweep.adaptive[-1])]
-    rand = [*ends, *((c["relative_compute"], c["loss"]) for c in control)]
-    base_loss = losses(ctx, base)  # the base run's own checkpoint: the frozen backbone must match it
-    return {
-        "run": run,
-        "base": base,
-        "sweep": sweep,
-        "control": control,
-        "inner": inner,
-        "top": top,
-        "cmp": compare(list(sweep.curves())),
-        "base_loss": base_loss,
-        "drift": max(abs(p.loss - base_loss[p.loops]) for p in sweep.fixed),
-        "delta": {r.threshold: r.loss - sweep.fixed_at(r.relative_compute)[0] for r in sweep.adaptive},
-        "dacc": {r.threshold: r.accuracy - sweep.fixed_at(r.relative_compute)[1] for r in sweep.adaptive},
-        "vs_random": {r.threshold: r.loss - _interp_curve(rand, r.relative_compute) for r in inner},
-        "decider_flops": 2 * (2 * model.cfg.hidden_size * run.job.decider.hidden_size + run.job.decider.hidden_size),
-    }
+FROZEN, PER_TOKEN = "decider", "decider-per-token"  # the job names (arms) the claims read
 
 
 def _reading(m: dict[str, Any]) -> list[str]:
-    cmp, inner, delta, control = m["cmp"], m["inner"], m["delta"], m["control"]
+    cmp, inner, delta, control, name = m["cmp"], m["inner"], m["delta"], m["control"], m["run"].name
     out = [
-        f"AUC (compute-averaged loss over relative compute [{cmp.lo:.3f}, {cmp.hi:.3f}]): adaptive "
-        f"{cmp.aucs[1]:.4f} vs fixed depth {cmp.aucs[0]:.4f} ({cmp.relative[1]:+.2%}; lower is better)."
+        f"{name} ({m['backbone']} backbone): AUC (compute-averaged loss over relative compute [{cmp.lo:.3f}, "
+        f"{cmp.hi:.3f}]): adaptive {cmp.aucs[1]:.4f} vs its own fixed depth {cmp.aucs[0]:.4f} "
+        f"({cmp.relative[1]:+.2%}; lower is better)."
     ]
     if inner:
         out.append(
-            f"Between the ends ({len(inner)} thresholds with 1 < mean passes < {m['top']}), adaptive minus fixed "
-            f"depth at the same compute: "
+            f"{name}: between the ends ({len(inner)} thresholds with 1 < mean passes < {m['top']}), adaptive minus "
+            "fixed depth at the same compute: "
             + ", ".join(f"{delta[r.threshold]:+.4f} at {r.mean_passes:.2f} passes" for r in inner)
             + "; minus random stopping: "
             + ", ".join(f"{m['vs_random'][r.threshold]:+.4f}" for r in inner)
             + " nats."
         )
     out.append(
-        "Random stopping (no information about the token) minus fixed depth at the same compute: "
+        f"{name}: random stopping (no information about the token) minus fixed depth at the same compute: "
         + ", ".join(f"{c['loss'] - c['fixed_loss']:+.4f} at {c['mean_passes']:.2f} passes" for c in control)
         + " nats."
     )
-    sweep = m["sweep"]
+    backbone = (
+        "the frozen backbone is the base model"
+        if m["backbone"] == "frozen"
+        else "the backbone was post-trained, so it differs from the base"
+    )
     out.append(
-        f"Fixed depth ℓ = 1..{m['top']} on the decider checkpoint: "
-        + ", ".join(f"{p.loss:.4f}" for p in sweep.fixed)
-        + f" (the base run {m['base'].name}'s own checkpoint: within {m['drift']:.1e} nats: the frozen backbone is "
-        "the base model); the end points of the sweep equal fixed depth by construction."
+        f"{name}: fixed depth ℓ = 1..{m['top']} on its checkpoint: "
+        + ", ".join(f"{p.loss:.4f}" for p in m["sweep"].fixed)
+        + f" (the base run {m['base'].name}'s own checkpoint: within {m['drift']:.1e} nats: {backbone}); the end "
+        "points of the sweep equal fixed depth by construction."
     )
     return out
 
 
-def _draw(m: dict[str, Any], axes: Any) -> None:
-    sweep, control = m["sweep"], m["control"]
-    series = (
-        ("fixed depth", [(p.relative_compute, p.loss, p.accuracy) for p in sweep.fixed], "-o"),
-        ("adaptive (decider)", [(r.relative_compute, r.loss, r.accuracy) for r in sweep.adaptive], "-s"),
-        ("random stop (control)", [(c["relative_compute"], c["loss"], c["accuracy"]) for c in control], "x"),
-    )
+def _draw(ms: list[dict[str, Any]], axes: Any) -> None:
+    first = ms[0]
+    base = [(p.relative_compute, first["base_loss"][p.loops], float("nan")) for p in first["sweep"].fixed]
+    series = [(f"fixed depth ({first['base'].name})", base, "-o")]
+    for m in ms:
+        name = m["run"].name
+        series.append(
+            (f"adaptive ({name})", [(r.relative_compute, r.loss, r.accuracy) for r in m["sweep"].adaptive], "-s")
+        )
+        series.append(
+            (f"random stop ({name})", [(c["relative_compute"], c["loss"], c["accuracy"]) for c in m["control"]], "x")
+        )
     for name, pts, style in series:
         pts = sorted(pts)
         for ax, k in zip(axes, (1, 2), strict=True):
             ax.plot([p[0] for p in pts], [p[k] for p in pts], style, label=name, ms=4)
-    for i, r in enumerate(sweep.adaptive):  # one label per distinct point (high thresholds all stop after one pass)
-        if i == 0 or r.mean_passes != sweep.adaptive[i - 1].mean_passes:
-            axes[0].annotate(
-                f"{r.threshold:g}", (r.relative_compute, r.loss), fontsize=6, xytext=(3, 3), textcoords="offset points"
-            )
     for ax, label in zip(axes, ("held-out loss (nats/token)", "next-token accuracy"), strict=True):
         ax.set(xlabel="relative compute FLOPs(mean passes) / FLOPs(L_max)", ylabel=label)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=6)
 
 
-def _method(m: dict[str, Any]) -> list[str]:
+def _method(ms: list[dict[str, Any]]) -> list[str]:
+    m = ms[0]
     run, base, top, fl = m["run"], m["base"], m["top"], m["decider_flops"]
+    arms = ", ".join(f"{x['run'].name} (`decider.backbone: {x['backbone']}`)" for x in ms)
     return [
-        f"The decider job post-trains a TaH2 iteration decider on {base.name}'s final checkpoint of the same seed "
-        f"(`decider.init_from: {base.name}.yaml`); the backbone is frozen. Its training sees the base's "
-        f"{run.tokens:,} tokens in the same order; every micro-batch runs all passes with an exit at each and the "
-        "BCE trains the decider only.",
+        f"Each decider job post-trains a TaH2 iteration decider on {base.name}'s final checkpoint of the same seed "
+        f"(`decider.init_from: {base.name}.yaml`): {arms}. Each sees the base's {run.tokens:,} tokens in the same "
+        "order. `frozen`: every micro-batch runs all passes with an exit at each and the BCE trains the decider "
+        "only. `per_token` (TaH2's joint post-training, docs/evaluation.md): tokens stop per the decider, the LM "
+        "loss is taken at each token's exit, the labels are nested; the backbone trains on those extra tokens too.",
         "Teacher-forced on the held-out tokens with the per-loop KV cache (`eval/adaptive.py adaptive_sweep`, as "
         "`eval --adaptive`): after pass j a token stops when the decider's continue probability is below the "
         "threshold. Relative compute = FLOPs per token at the mean passes / FLOPs at L_max. Not counted: the "
         f"decider's own {fl:,} FLOPs per token and decision ({fl / run_flops(run, top):.1%} of FLOPs(L_max)), "
         "which favours adaptive depth. Fixed depth is linearly interpolated at the adaptive point's compute.",
+        "Matched compute across arms: the AUC of each decider's adaptive curve and of the base run's fixed depth "
+        "over the relative-compute range they all cover (`auc_matched`; `auc_vs_base` = minus the base's).",
         "Control: the same execution with a random stop rule (each pass, each token stops with probability q, "
-        "seed 0). The claims' per-seed quantities are means over the thresholds strictly between the ends.",
+        "seed 0). The per-seed quantities `minus_fixed`/`minus_random` are means over the thresholds strictly "
+        "between the ends.",
     ]
 
 
-def analyse(ctx: Context) -> Findings:
-    m = _measure(ctx)
-    sweep, control, delta, dacc, cmp = m["sweep"], m["control"], m["delta"], m["dacc"], m["cmp"]
-    rows = [
-        (
-            f"{c['q']:g}",
-            f"{c['mean_passes']:.3f}",
-            f"{c['relative_compute']:.3f}",
-            f"{c['loss']:.4f}",
-            f"{c['accuracy']:.4f}",
-            f"{c['fixed_loss']:.4f}",
-            f"{c['loss'] - c['fixed_loss']:+.4f}",
-            f"{c['accuracy'] - c['fixed_accuracy']:+.4f}",
-        )
-        for c in control
-    ]
+def _control_table(ms: list[dict[str, Any]]) -> str:
     header = (
+        "decider run",
         "control: stop probability per pass",
         "mean passes/token",
         "relative compute",
@@ -172,54 +115,108 @@ def analyse(ctx: Context) -> Findings:
         "Δ loss",
         "Δ accuracy",
     )
-    inner = [r.threshold for r in m["inner"]]
-    metric = {"auc_vs_fixed": cmp.aucs[1] - cmp.aucs[0]}
-    if inner:
-        metric["minus_fixed"] = statistics.fmean(delta[t] for t in inner)
-        metric["minus_random"] = statistics.fmean(m["vs_random"][t] for t in inner)
+    rows = [
+        (
+            m["run"].name,
+            f"{c['q']:g}",
+            f"{c['mean_passes']:.3f}",
+            f"{c['relative_compute']:.3f}",
+            f"{c['loss']:.4f}",
+            f"{c['accuracy']:.4f}",
+            f"{c['fixed_loss']:.4f}",
+            f"{c['loss'] - c['fixed_loss']:+.4f}",
+            f"{c['accuracy'] - c['fixed_accuracy']:+.4f}",
+        )
+        for m in ms
+        for c in m["control"]
+    ]
+    return table(header, rows)
+
+
+def _numbers(m: dict[str, Any]) -> dict[str, Any]:
+    sweep, delta, dacc, cmp = m["sweep"], m["delta"], m["dacc"], m["cmp"]
+    return {
+        "backbone": m["backbone"],
+        "fixed": [dataclasses.asdict(p) for p in sweep.fixed],
+        "adaptive": [
+            {**dataclasses.asdict(r), "delta_loss": delta[r.threshold], "delta_accuracy": dacc[r.threshold]}
+            for r in sweep.adaptive
+        ],
+        "random_stop": m["control"],
+        "decider_minus_random": m["vs_random"],
+        "auc": dict(zip(cmp.names, cmp.aucs, strict=True)),
+        "auc_range": [cmp.lo, cmp.hi],
+        "backbone_drift": m["drift"],
+        "decider_flops_per_decision": m["decider_flops"],
+    }
+
+
+def analyse(ctx: Context) -> Findings:
+    ms = [measure(ctx, r) for r in decider_runs(ctx)]
+    cmp, across = matched(base_curve(ms[0]), {m["run"].name: m["sweep"].curves()[1] for m in ms})
+    metrics = {m["run"].name: {**run_metrics(m), **across[m["run"].name]} for m in ms}
     return Findings(
-        tables=[sweep.markdown(), table(header, rows)],
-        reading=_reading(m),
+        tables=[
+            *(f"**{m['run'].name}** ({m['backbone']} backbone)\n\n{m['sweep'].markdown()}" for m in ms),
+            _control_table(ms),
+        ],
+        reading=[
+            *(line for m in ms for line in _reading(m)),
+            f"At matched compute over [{cmp.lo:.3f}, {cmp.hi:.3f}], AUC of loss: "
+            + ", ".join(f"{n} {a:.4f}" for n, a in zip(cmp.names, cmp.aucs, strict=True))
+            + " (lower is better).",
+        ],
         numbers={
-            "fixed": [dataclasses.asdict(p) for p in sweep.fixed],
-            "adaptive": [
-                {**dataclasses.asdict(r), "delta_loss": delta[r.threshold], "delta_accuracy": dacc[r.threshold]}
-                for r in sweep.adaptive
-            ],
-            "random_stop": control,
-            "decider_minus_random": m["vs_random"],
-            "auc": dict(zip(cmp.names, cmp.aucs, strict=True)),
-            "auc_range": [cmp.lo, cmp.hi],
-            "base_loss_by_loops": m["base_loss"],
-            "backbone_drift": m["drift"],
-            "decider_flops_per_decision": m["decider_flops"],
+            "runs": {m["run"].name: _numbers(m) for m in ms},
+            "base_loss_by_loops": ms[0]["base_loss"],
+            "matched": {"range": [cmp.lo, cmp.hi], "auc": dict(zip(cmp.names, cmp.aucs, strict=True))},
         },
-        metrics={m["run"].name: metric},
-        plot=lambda path: figure(path, lambda axes: _draw(m, axes), panels=2),
-        method=_method(m),
+        metrics=metrics,
+        plot=lambda path: figure(path, lambda axes: _draw(ms, axes), panels=2),
+        method=_method(ms),
     )
 
 
-def _of_decider(metric: str) -> Any:
-    return lambda ms: ms["decider"][metric]
+def _of(arm: str, metric: str) -> Any:
+    return lambda ms: ms[arm][metric]
 
 
+_SLOPE = 'adaptive depth beats uniform depth at matched compute: "Extra compute goes where it moves the answer"'
 EXPERIMENT = Experiment(
     name="decider",
-    title="Adaptive depth (iteration decider) vs fixed depth at matched mean passes",
-    question="A TaH2 iteration decider post-trained on the late-switch model (frozen backbone) stops each "
-    "token after its own number of passes. At the same mean passes per token (the same compute), is the "
-    "held-out loss better than running every token at one fixed depth? A threshold sweep against fixed depth "
-    "ℓ = 1..4 interpolated at the same relative compute, with random per-token stopping as a control.",
+    title="Adaptive depth (iteration deciders, frozen and joint per-token) vs fixed depth at matched mean passes",
+    question="TaH2 iteration deciders post-trained on the late-switch model — one with the backbone frozen, one "
+    "jointly with the backbone under per-token depth (TaH2's post-training) — stop each token after its own "
+    "number of passes. At the same mean passes per token (the same compute), is the held-out loss better than "
+    "running every token at one fixed depth, better than random per-token stopping, and is the joint decider "
+    "better than the frozen one? Threshold sweeps against fixed depth ℓ = 1..4 at the same relative compute.",
     analyse=analyse,
     claims=(
         Claim(
-            paper='adaptive depth beats uniform depth at matched compute: "Extra compute goes where it moves the '
-            'answer"; "53% steeper accuracy-compute slope"',
+            paper=_SLOPE + ' (frozen backbone, a variant); "53% steeper accuracy-compute slope"',
             source=TAH2,
             magnitude="slope 2.74 vs 1.79 on AIME",
-            measure="adaptive minus fixed-depth AUC of loss over relative compute (nats)",
-            value=_of_decider("auc_vs_fixed"),
+            measure="frozen decider: adaptive minus fixed-depth AUC of loss over relative compute (nats)",
+            value=_of(FROZEN, "auc_vs_fixed"),
+            expect="negative",
+        ),
+        Claim(
+            paper=_SLOPE + '; the decider is "post-trained jointly with the backbone through lookahead depth '
+            'supervision"',
+            source=TAH2,
+            magnitude="+3.4 points over the baseline's peak accuracy at matched test-time compute (AIME)",
+            measure="joint per-token decider: adaptive minus the base run's fixed-depth AUC of loss, common "
+            "compute range (nats)",
+            value=_of(PER_TOKEN, "auc_vs_base"),
+            expect="negative",
+        ),
+        Claim(
+            paper="joint post-training beats a frozen backbone: TaH2's decider is \"post-trained jointly with the "
+            'backbone", which "makes loop depth a per-token decision"',
+            source=TAH2,
+            magnitude="not given (TaH2 reports only the joint model)",
+            measure="joint per-token minus frozen decider: adaptive AUC of loss over the common compute range (nats)",
+            value=paired(PER_TOKEN, FROZEN, "auc_matched"),
             expect="negative",
         ),
         Claim(
@@ -227,8 +224,18 @@ EXPERIMENT = Experiment(
             'iteration would improve the prediction for that token"',
             source=TAH2,
             magnitude="not given (vs random allocation)",
-            measure="decider minus random stopping loss at the same compute, mean over the inner thresholds (nats)",
-            value=_of_decider("minus_random"),
+            measure="frozen decider minus random stopping loss at the same compute, mean over the inner thresholds "
+            "(nats)",
+            value=_of(FROZEN, "minus_random"),
+            expect="negative",
+        ),
+        Claim(
+            paper='the joint decider puts passes where they help: "Extra compute goes where it moves the answer"',
+            source=TAH2,
+            magnitude="not given (vs random allocation)",
+            measure="joint per-token decider minus random stopping (on its own backbone) loss at the same compute, "
+            "mean over the inner thresholds (nats)",
+            value=_of(PER_TOKEN, "minus_random"),
             expect="negative",
         ),
     ),

@@ -1,0 +1,114 @@
+"""decider, measured: one decider run's threshold sweep, random-stopping control and per-run paired differences
+(:func:`measure`), and the compute-matched comparison of every decider run against the base model's fixed depth
+over one common compute range (:func:`matched`), from which the per-seed claim metrics come."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import torch
+
+from elastic_pretrain.errors import UserError
+from elastic_pretrain.experiments.measure import losses
+from elastic_pretrain.experiments.runner import Context, Run, base_job
+
+RANDOM_STOP = (0.1, 0.25, 0.5, 0.75)  # the control: each pass, stop with this probability regardless of the token
+
+
+def random_stop(model: Any, tokens: torch.Tensor, q: float, *, seed: int = 0) -> dict[str, float]:
+    """Teacher-forced (per-loop KV) loss, accuracy and mean passes when every token stops after each pass
+    with probability ``q`` — adaptive depth without any information, at a compute set by ``q``."""
+    from elastic_pretrain.model.flops import relative_compute
+    from elastic_pretrain.model.inference import teacher_forced_loss
+
+    gen = torch.Generator().manual_seed(seed)
+    tf = teacher_forced_loss(
+        model, tokens, kv_cache="per-loop", stop=lambda h, e, j: torch.rand(h.shape[:2], generator=gen) < q
+    )
+    rel = relative_compute(model.cfg, tf.mean_passes, seq_len=tokens.shape[1] - 1)
+    return {"q": q, "mean_passes": tf.mean_passes, "relative_compute": rel, "loss": tf.loss, "accuracy": tf.accuracy}
+
+
+def _interp_curve(points: list[tuple[float, float]], x: float) -> float:
+    from elastic_pretrain.eval.curves import interp
+
+    pts = sorted(points)
+    return interp([p for p, _ in pts], [v for _, v in pts], x)
+
+
+def decider_runs(ctx: Context) -> list[Run]:
+    runs = [r for r in ctx.runs if r.job.decider is not None]
+    if not runs:
+        raise UserError(f"experiment {ctx.experiment.name}: no decider job in this set (decider.init_from: <job>.yaml)")
+    return runs
+
+
+def measure(ctx: Context, run: Run) -> dict[str, Any]:
+    """The sweep, the control and every paired difference of one decider run, on its checkpoint and the
+    same held-out tokens as every other run."""
+    from elastic_pretrain.eval.adaptive import DEFAULT_THRESHOLDS, adaptive_sweep
+    from elastic_pretrain.eval.curves import compare
+
+    base = ctx.run(base_job(run.job_path) or ctx.runs[0].name)
+    tokens, model = ctx.val_tokens(), ctx.model(run.name)
+    if model.decider is None or run.job.decider is None:
+        raise UserError(f"{run.run_dir}: the decider job's checkpoint holds no iteration decider")
+    sweep = adaptive_sweep(model, model.decider.eval(), tokens, (0.0, 0.5, 1.01) if ctx.quick else DEFAULT_THRESHOLDS)
+    control = [random_stop(model, tokens, q) for q in ((0.5,) if ctx.quick else RANDOM_STOP)]
+    for c in control:
+        c["fixed_loss"], c["fixed_accuracy"] = sweep.fixed_at(c["relative_compute"])
+    top = model.cfg.max_loops
+    # the sweep's ends are fixed depth itself (threshold 0: ℓ = L_max; above 1: ℓ = 1): compare the inside
+    inner = [r for r in sweep.adaptive if 1.0 + 1e-6 < r.mean_passes < top - 1e-6]
+    ends = [(r.relative_compute, r.loss) for r in (sweep.adaptive[0], sweep.adaptive[-1])]
+    rand = [*ends, *((c["relative_compute"], c["loss"]) for c in control)]
+    base_loss = losses(ctx, base)  # the base run's own checkpoint: a frozen backbone must match it
+    return {
+        "run": run,
+        "backbone": run.job.decider.backbone,
+        "base": base,
+        "sweep": sweep,
+        "control": control,
+        "inner": inner,
+        "top": top,
+        "cmp": compare(list(sweep.curves())),
+        "base_loss": base_loss,
+        "drift": max(abs(p.loss - base_loss[p.loops]) for p in sweep.fixed),
+        "delta": {r.threshold: r.loss - sweep.fixed_at(r.relative_compute)[0] for r in sweep.adaptive},
+        "dacc": {r.threshold: r.accuracy - sweep.fixed_at(r.relative_compute)[1] for r in sweep.adaptive},
+        "vs_random": {r.threshold: r.loss - _interp_curve(rand, r.relative_compute) for r in inner},
+        "decider_flops": 2 * (2 * model.cfg.hidden_size * run.job.decider.hidden_size + run.job.decider.hidden_size),
+    }
+
+
+def run_metrics(m: dict[str, Any]) -> dict[str, float]:
+    """One decider run's per-seed metrics against its own checkpoint's fixed depth and random stopping."""
+    cmp, inner = m["cmp"], [r.threshold for r in m["inner"]]
+    out = {"auc_vs_fixed": cmp.aucs[1] - cmp.aucs[0]}
+    if inner:
+        out["minus_fixed"] = statistics.fmean(m["delta"][t] for t in inner)
+        out["minus_random"] = statistics.fmean(m["vs_random"][t] for t in inner)
+    return out
+
+
+def matched(base_curve: Any, adaptive: dict[str, Any]) -> tuple[Any, dict[str, dict[str, float]]]:
+    """Every decider run's adaptive curve and the base model's fixed-depth curve, AUC of loss over relative
+    compute on the range they all cover: ``auc_matched`` per run (comparable between runs: the frozen vs
+    joint claim) and ``auc_vs_base`` = that minus the base's fixed depth (the adaptive-vs-uniform claim; for
+    a joint backbone its own fixed depth has moved, but fixed depth of the base is what it replaces)."""
+    from elastic_pretrain.eval.curves import compare
+
+    names = list(adaptive)
+    cmp = compare([base_curve, *(adaptive[n] for n in names)])
+    return cmp, {
+        n: {"auc_matched": a, "auc_vs_base": a - cmp.aucs[0]} for n, a in zip(names, cmp.aucs[1:], strict=True)
+    }
+
+
+def base_curve(m: dict[str, Any]) -> Any:
+    """Fixed depth ℓ = 1..L_max of the base run's own checkpoint, at the relative compute of each ℓ."""
+    from elastic_pretrain.eval.curves import CurvePoint, QualityCurve
+
+    pts = tuple(CurvePoint(p.loops, p.relative_compute, m["base_loss"][p.loops]) for p in m["sweep"].fixed)
+    return QualityCurve(name=f"fixed depth ({m['base'].name})", points=pts)

@@ -1,0 +1,84 @@
+"""The decider experiment's claim plumbing (issue #18): the per-token job is decider.yaml with the joint
+per-token backbone only, every decider run is compared with the base's fixed depth over one common compute
+range, and the claims (adaptive vs fixed depth, joint vs frozen, vs random stopping) are decided over paired
+seeds from those per-arm metrics. Synthetic curves and metrics: the end-to-end run is `elastic-pretrain
+experiment decider`, outside CI."""
+
+from __future__ import annotations
+
+import pytest
+
+from elastic_pretrain.config import flatten, load_yaml
+from elastic_pretrain.eval.curves import CurvePoint, QualityCurve
+from elastic_pretrain.experiments.analyses.decider import EXPERIMENT, FROZEN, PER_TOKEN
+from elastic_pretrain.experiments.analyses.decider_measure import matched, run_metrics
+from elastic_pretrain.experiments.stats import evaluate
+from tests.conftest import REPO
+
+SET = REPO / "jobs/experiments/decider"
+
+
+def _curve(name: str, pts: list[tuple[float, float]]) -> QualityCurve:
+    return QualityCurve(name=name, points=tuple(CurvePoint(i + 1, x, y) for i, (x, y) in enumerate(pts)))
+
+
+def test_the_per_token_job_is_the_frozen_job_with_the_joint_per_token_backbone() -> None:
+    frozen, joint = flatten(load_yaml(SET / "decider.yaml")), flatten(load_yaml(SET / "decider-per-token.yaml"))
+    assert {k for k in frozen.keys() | joint.keys() if frozen.get(k) != joint.get(k)} == {"decider.backbone"}
+    assert (frozen["decider.backbone"], joint["decider.backbone"]) == ("frozen", "per_token")
+    assert joint["decider.init_from"] == "late-switch.yaml"  # the same base run of the same seed
+
+
+def test_matched_compares_every_decider_over_the_range_they_all_cover() -> None:
+    base = _curve("fixed", [(0.25, 3.0), (0.5, 2.5), (1.0, 2.0)])
+    frozen = _curve("frozen", [(0.25, 3.0), (0.5, 2.4), (1.0, 2.0)])
+    joint = _curve("joint", [(0.4, 2.4), (1.0, 1.8)])  # starts later: the common range is [0.4, 1]
+    cmp, out = matched(base, {FROZEN: frozen, PER_TOKEN: joint})
+    assert (cmp.lo, cmp.hi) == (0.4, 1.0)
+    assert out[PER_TOKEN]["auc_matched"] == pytest.approx((2.4 + 1.8) / 2)
+    # base on [0.4, 1]: 2.7 at 0.4, 2.5 at 0.5, 2.0 at 1 (trapezoids, / 0.6)
+    base_auc = (0.1 * (2.7 + 2.5) / 2 + 0.5 * (2.5 + 2.0) / 2) / 0.6
+    frozen_auc = (0.1 * (2.64 + 2.4) / 2 + 0.5 * (2.4 + 2.0) / 2) / 0.6
+    assert out[FROZEN]["auc_matched"] == pytest.approx(frozen_auc)
+    assert out[FROZEN]["auc_vs_base"] == pytest.approx(frozen_auc - base_auc)
+    assert out[PER_TOKEN]["auc_vs_base"] == pytest.approx(2.1 - base_auc)
+
+
+def test_run_metrics_average_the_inner_thresholds_only() -> None:
+    class R:
+        def __init__(self, t: float) -> None:
+            self.threshold = t
+
+    class Cmp:
+        aucs = (2.5, 2.4)
+
+    m = {"cmp": Cmp(), "inner": [R(0.3), R(0.5)], "delta": {0.0: 9.0, 0.3: -0.02, 0.5: -0.04},
+         "vs_random": {0.3: -0.01, 0.5: 0.03}}  # fmt: skip
+    out = run_metrics(m)
+    assert out["auc_vs_fixed"] == pytest.approx(-0.1)
+    assert out["minus_fixed"] == pytest.approx(-0.03) and out["minus_random"] == pytest.approx(0.01)
+    assert set(run_metrics({**m, "inner": []})) == {"auc_vs_fixed"}  # no threshold inside the ends
+
+
+def _seed(joint_gain: float, noise: float) -> dict[str, dict[str, float]]:
+    frozen = {"auc_vs_fixed": 0.03 + noise, "auc_vs_base": 0.03 + noise, "auc_matched": 2.0 + noise,
+              "minus_random": 0.001 + noise, "minus_fixed": 0.03}  # fmt: skip
+    joint = {**frozen, "auc_vs_base": -0.05 + noise, "auc_matched": 2.0 - joint_gain + noise, "minus_random": -0.02}
+    return {FROZEN: frozen, PER_TOKEN: joint}
+
+
+def test_the_claims_are_decided_over_paired_seeds() -> None:
+    claims = {c.measure.split(":")[0]: c for c in EXPERIMENT.claims}
+    assert {"frozen decider", "joint per-token decider", "joint per-token minus frozen decider"} <= set(claims)
+    by_seed = {s: _seed(0.04, n) for s, n in zip((1, 2, 3), (0.0, 0.002, -0.001), strict=True)}
+    verdicts = {k: evaluate(c, by_seed).verdict for k, c in claims.items()}
+    assert verdicts["frozen decider"] == "contradicted"  # adaptive worse than fixed depth at every seed
+    assert verdicts["joint per-token decider"] == "yes"
+    assert verdicts["joint per-token minus frozen decider"] == "yes"
+    # the joint-vs-frozen difference is paired within a seed: seed noise shared by both arms cancels
+    noisy = {s: _seed(0.04, n) for s, n in zip((1, 2, 3), (0.0, 0.5, -0.5), strict=True)}
+    assert evaluate(claims["joint per-token minus frozen decider"], noisy).verdict == "yes"
+    assert evaluate(claims["joint per-token decider"], noisy).verdict == "not resolved at this scale"
+    # a job set without the per-token arm: its claims say so instead of failing
+    missing = evaluate(claims["joint per-token minus frozen decider"], {1: {FROZEN: by_seed[1][FROZEN]}})
+    assert missing.verdict == "no" and "decider-per-token" in missing.reason

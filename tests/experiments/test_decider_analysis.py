@@ -2,9 +2,17 @@
 per-token backbone only, every decider run is compared with the base's fixed depth over one common compute
 range, and the claims (adaptive vs fixed depth, joint vs frozen, vs random stopping) are decided over paired
 seeds from those per-arm metrics. Synthetic curves and metrics: the end-to-end run is `elastic-pretrain
-experiment decider`, outside CI."""
+experiment decider`, outside CI; one
+`--quick --seeds 1` run checks the wiring (both deciders measured, every claim has a value)."""
 
 from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -82,3 +90,33 @@ def test_the_claims_are_decided_over_paired_seeds() -> None:
     # a job set without the per-token arm: its claims say so instead of failing
     missing = evaluate(claims["joint per-token minus frozen decider"], {1: {FROZEN: by_seed[1][FROZEN]}})
     assert missing.verdict == "no" and "decider-per-token" in missing.reason
+
+
+@pytest.mark.slow
+def test_quick_decider_experiment_measures_both_deciders(tmp_path: Path) -> None:
+    # ~20 s: a private copy of the declarative side (as test_experiment_runner's kv-cache cycle), one seed
+    for folder in ("data", "parallel", "jobs/experiments/decider"):
+        shutil.copytree(REPO / folder, tmp_path / folder)
+    if not (REPO / "cache/stdlib-code/manifest.json").is_file():
+        cmd = [sys.executable, "-m", "elastic_pretrain.cli", "prepare-data", "stdlib-code"]
+        subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, timeout=300)
+    (tmp_path / "cache").symlink_to(REPO / "cache")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "elastic_pretrain.cli", "experiment", "decider", "--quick", "--seeds", "1"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = tmp_path / "runs/experiments-quick/results"
+    numbers = json.loads((results / "decider.json").read_text())
+    assert [r["job"] for r in numbers["runs"]] == ["late-switch", "decider-per-token", "decider"]
+    assert {n: d["backbone"] for n, d in numbers["deciders"].items()} == {FROZEN: "frozen", PER_TOKEN: "per_token"}
+    metrics = numbers["metrics_by_seed"]["1234"]
+    assert {"auc_matched", "auc_vs_base", "auc_vs_fixed"} <= set(metrics[FROZEN]) & set(metrics[PER_TOKEN])
+    assert set(numbers["matched"]["auc"]) == {
+        "fixed depth (late-switch)",
+        f"adaptive ({FROZEN})",
+        f"adaptive ({PER_TOKEN})",
+    }
+    # the frozen decider's backbone is the base model: its own fixed depth is the base's, so both AUCs agree
+    assert metrics[FROZEN]["auc_vs_base"] == pytest.approx(metrics[FROZEN]["auc_vs_fixed"], abs=1e-5)
+    assert numbers["deciders"][PER_TOKEN]["backbone_drift"] > 1e-3  # the joint backbone trained
+    assert len(numbers["claims"]) == 5 and all(c["values"] for c in numbers["claims"])  # every claim measured

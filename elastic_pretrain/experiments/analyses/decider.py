@@ -152,8 +152,10 @@ def _numbers(m: dict[str, Any]) -> dict[str, Any]:
 
 
 def analyse(ctx: Context) -> Findings:
-    ms = [measure(ctx, r) for r in decider_runs(ctx)]
-    cmp, across = matched(base_curve(ms[0]), {m["run"].name: m["sweep"].curves()[1] for m in ms})
+    ms = [measure(ctx, r) for r in sorted(decider_runs(ctx), key=lambda r: r.name != FROZEN)]  # frozen first
+    curves = {m["run"].name: m["sweep"].curves()[1] for m in ms}  # each named "adaptive (decider)": name by run
+    curves = {n: dataclasses.replace(c, name=f"adaptive ({n})") for n, c in curves.items()}
+    cmp, across = matched(base_curve(ms[0]), curves)
     metrics = {m["run"].name: {**run_metrics(m), **across[m["run"].name]} for m in ms}
     return Findings(
         tables=[
@@ -167,7 +169,7 @@ def analyse(ctx: Context) -> Findings:
             + " (lower is better).",
         ],
         numbers={
-            "runs": {m["run"].name: _numbers(m) for m in ms},
+            "deciders": {m["run"].name: _numbers(m) for m in ms},  # not "runs": the report's run table
             "base_loss_by_loops": ms[0]["base_loss"],
             "matched": {"range": [cmp.lo, cmp.hi], "auc": dict(zip(cmp.names, cmp.aucs, strict=True))},
         },

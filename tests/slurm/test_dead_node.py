@@ -47,6 +47,7 @@ RUN = [f"train.steps={STEPS}", f"checkpoint.interval={INTERVAL}", "checkpoint.ke
 SLURM = ["slurm.on_failure=requeue", "slurm.retries=2", f"slurm.sbatch_args=['--nodelist={PREEMPT_NODES}']"]
 START_TIMEOUT_S = 600  # 4 processes importing torch + megatron on 2 shared cores, then the first checkpoint
 DOWN_TIMEOUT_S = 240  # SlurmdTimeout (30 s) + the controller's ping cycle + the requeue
+BEGIN_DELAY_S = 300  # a requeued batch job's begin time is set ahead (reason BeginTime) before it waits for nodes
 END_TIMEOUT_S = 600  # a second start and the rest of the run
 
 
@@ -110,8 +111,15 @@ def test_dead_node_requeues_and_resumes_from_the_last_committed_checkpoint(
         wait_for(requeued, timeout=DOWN_TIMEOUT_S, what="the job to be requeued", run_dir=run_dir, job_id=job_id)
         assert node_state(DEAD).startswith("down"), node_state(DEAD)
         assert not files.finished.exists()
+        # a requeued job first waits out Slurm's requeue begin-time delay (reason BeginTime), then waits for
+        # the node: ReqNodeNotAvail, UnavailableNodes:node4
+        def waits_for_the_node() -> bool:
+            state = query_job(job_id)
+            return state is not None and state.state == "PENDING" and DEAD in state.reason
+
+        wait_for(waits_for_the_node, timeout=BEGIN_DELAY_S, what=f"the job to wait for {DEAD}", run_dir=run_dir,
+                 job_id=job_id)  # fmt: skip
         pending = query_job(job_id)
-        assert pending is not None and DEAD in pending.reason, pending  # ReqNodeNotAvail, UnavailableNodes:node4
         # Slurm itself requeued it (the batch script asks for --requeue), whatever the script then decided
         ctld = (slurm_cluster.home / "log" / "slurmctld.log").read_text(errors="replace")
         assert f"requeue job JobId={job_id} due to failure of node {DEAD}" in ctld

@@ -140,6 +140,25 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[-1]}" if text else type(err).__name__
 
 
+# what a collective says when a peer process died or hung (gloo, NCCL, the store): not a user error
+_COMM_MARKERS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer", "NCCL", "DistNetworkError",
+                 "DistBackendError", "Socket Timeout", "timed out")
+
+
+def is_comm_failure(err: BaseException) -> bool:
+    """Whether ``err`` (or what it wraps) is a broken collective — a peer rank died or hung — rather than a
+    damaged checkpoint. Such a load failure is re-raised as is (the job fails and Slurm requeues it), not
+    reported as a user error (which stops the job for good: "use another checkpoint" would be wrong)."""
+    seen: BaseException | None = err
+    for _ in range(8):  # the cause chain: DCP's CheckpointException wraps each rank's exception
+        if seen is None:
+            return False
+        if isinstance(seen, torch.distributed.DistError) or any(m in str(seen) for m in _COMM_MARKERS):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def load_sharded(
     sharded_state_dict: dict[str, Any], path: Path, *, what: str, strategy: Any = None
 ) -> dict[str, Any]:
@@ -163,6 +182,8 @@ def load_sharded(
     except UserError:
         raise
     except (Exception, CheckpointException) as err:  # megatron/DCP wrap the cause; keep one line
+        if is_comm_failure(err):  # a peer died mid-load: not the checkpoint's fault, let the job requeue
+            raise
         raise UserError(
             f"{path}: cannot load {what} ({_one_line(err)}); the checkpoint is damaged or not one of ours: "
             "use another checkpoint"

@@ -21,11 +21,9 @@ ZeRO-3 with a per-rank sampler).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +34,7 @@ from elastic_pretrain.engine.safe_load import load_checkpoint_safely
 from elastic_pretrain.engine.weights import import_deepspeed
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.job import JobConfig
-from elastic_pretrain.parallel.device import to_device
 from elastic_pretrain.parallel.mesh import Mesh
-from elastic_pretrain.tracking import names
-from elastic_pretrain.train.mfu import ghost_time_share
 from elastic_pretrain.train.session import Session
 from elastic_pretrain.train.step import (
     MicroBatch,
@@ -47,8 +42,7 @@ from elastic_pretrain.train.step import (
     _loss_func,
     _moe_aux,
     _reduce_by_loops,
-    depth_counts,
-    reduce_routing,
+    measured_step,
 )
 
 log = logging.getLogger(__name__)
@@ -144,21 +138,7 @@ class DeepSpeedStep:
         self.veto: Any = None  # FaultMonitor.veto(found_inf, grad_norm, loss=...): sees the loss (see _step)
 
     def __call__(self, micro_batches: list[MicroBatch], *, probe_routing: bool = False) -> StepResult:
-        t0 = time.perf_counter()
-        net = self.net
-        micro_batches = [dataclasses.replace(mb, tokens_BT1=to_device(mb.tokens_BT1)) for mb in micro_batches]
-        if probe_routing:
-            net.start_routing_probe()
-        try:
-            result = self._step(micro_batches)
-        finally:
-            probe = net.stop_routing_probe()
-        result.routing = reduce_routing(probe) if probe_routing else {}
-        result.depth = depth_counts(micro_batches)
-        share = ghost_time_share(net.cfg, result.depth, seq_len=self.seq_len)
-        result.aux.update({names.DEPTH_EFFICIENCY: result.depth.efficiency,
-                           names.GHOST_TIME_S: share * (time.perf_counter() - t0)})
-        return result
+        return measured_step(self.net, self._step, micro_batches, probe_routing=probe_routing, seq_len=self.seq_len)
 
     def _step(self, micro_batches: list[MicroBatch]) -> StepResult:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler

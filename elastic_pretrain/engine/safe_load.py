@@ -1,8 +1,8 @@
 """Loading a DeepSpeed-engine checkpoint never unpickles arbitrary objects (docs/security.md).
 
-DeepSpeed writes its checkpoints with ``torch.save`` and reads them back with ``torch.load(...,
-weights_only=False)`` (``TorchCheckpointEngine.load``): a crafted ``*_model_states.pt`` would run code on
-every rank that resumes from it. :func:`load_checkpoint_safely` runs DeepSpeed's ``load_checkpoint`` with
+DeepSpeed writes its checkpoints with ``torch.save`` and its own loader (``TorchCheckpointEngine.load``)
+reads them back with full unpickling switched on: a crafted ``*_model_states.pt`` would run code on every
+rank that resumes from it. :func:`load_checkpoint_safely` runs DeepSpeed's ``load_checkpoint`` with
 ``torch.load`` forced to ``weights_only=True`` and an allowlist of the exact ``(module, name)`` pairs a
 DeepSpeed 0.19.8 ZeRO checkpoint of this project holds (its config enums and loss-scaler record, found by
 ``tests/engine/test_deepspeed_checkpoint.py``, which fails when a new one appears); anything else is

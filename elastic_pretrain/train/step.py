@@ -163,23 +163,8 @@ class TrainStep:
         self.veto: Callable[..., bool] | None = None  # FaultMonitor.veto(found_inf, grad_norm, loss=...)
 
     def __call__(self, micro_batches: list[MicroBatch], *, probe_routing: bool = False) -> StepResult:
-        t0 = time.perf_counter()
-        net: Any = self.model.module
-        # the data loader's batches are host tensors: pinned, copied without blocking (parallel/device.py)
-        micro_batches = [dataclasses.replace(mb, tokens_BT1=to_device(mb.tokens_BT1)) for mb in micro_batches]
-        if probe_routing:
-            net.start_routing_probe()
-        try:
-            result = self._step(micro_batches)
-        finally:
-            probe = net.stop_routing_probe()
-        result.routing = reduce_routing(probe) if probe_routing else {}
-        result.depth = depth_counts(micro_batches)
-        # depth efficiency and the estimated time idled in ghost passes (docs/elastic-depth.md, "Depth efficiency")
-        share = ghost_time_share(net.cfg, result.depth, seq_len=self.seq_len)
-        result.aux.update({names.DEPTH_EFFICIENCY: result.depth.efficiency, names.DEPTH_BALANCE: result.depth.balance,
-                           names.GHOST_TIME_S: share * (time.perf_counter() - t0)})
-        return result
+        return measured_step(self.model.module, self._step, micro_batches, probe_routing=probe_routing,
+                             seq_len=self.seq_len)
 
     def _step(self, micro_batches: list[MicroBatch]) -> StepResult:
         self.model.train()
@@ -207,6 +192,28 @@ class TrainStep:
     def reduce(self, reports: list[dict]) -> tuple[float, dict[int, float], dict[str, float]]:
         """(objective, per-token CE per exit, extra metrics) over micro-batches and DP ranks."""
         return *_reduce_by_loops(reports, self.max_loops), {}
+
+
+def measured_step(net: Any, step: Callable[[list[MicroBatch]], StepResult], micro_batches: list[MicroBatch], *,
+                  probe_routing: bool, seq_len: int) -> StepResult:
+    """One optimizer step through ``step`` (either engine's numerics) with what every engine reports
+    around it: micro-batches on the device, the routing probe, depth counts, depth efficiency and balance,
+    and the estimated time idled in ghost passes (docs/elastic-depth.md, "Depth efficiency")."""
+    t0 = time.perf_counter()
+    # the data loader's batches are host tensors: pinned, copied without blocking (parallel/device.py)
+    micro_batches = [dataclasses.replace(mb, tokens_BT1=to_device(mb.tokens_BT1)) for mb in micro_batches]
+    if probe_routing:
+        net.start_routing_probe()
+    try:
+        result = step(micro_batches)
+    finally:
+        probe = net.stop_routing_probe()
+    result.routing = reduce_routing(probe) if probe_routing else {}
+    result.depth = depth_counts(micro_batches)
+    share = ghost_time_share(net.cfg, result.depth, seq_len=seq_len)
+    result.aux.update({names.DEPTH_EFFICIENCY: result.depth.efficiency, names.DEPTH_BALANCE: result.depth.balance,
+                       names.GHOST_TIME_S: share * (time.perf_counter() - t0)})
+    return result
 
 
 def depth_counts(micro_batches: list[MicroBatch]) -> DepthCounts:

@@ -10,6 +10,9 @@ This module is at the bottom of the package: it imports nothing from it (tests/t
     history.jsonl             one JSON line per trained step, appended (train/trainer.py SummaryWriter)
     summary.json              final validation loss per ℓ, counters, layout, the history (at the end/stop)
     FINISHED                  JSON {step, tokens}: training completed; a run with it is never requeued
+    STOPPED                   JSON {step, tokens, reason}: this start stopped on a stop signal after saving
+                              (removed at the next start); the batch script requeues even when the signal
+                              reached the trainer but not the script
     mlflow_run_id             text: the MLflow run id, written when tracking closes (optional)
     mlflow/                   the local MLflow store and the tracker's files (tracking/: mlflow.db,
                               run.json, artifacts/, staging/, quality_budget/)
@@ -118,6 +121,10 @@ class RunFiles:
     @property
     def finished(self) -> Path:
         return self.run_dir / "FINISHED"
+
+    @property
+    def stopped(self) -> Path:
+        return self.run_dir / "STOPPED"
 
     @property
     def mlflow_run_id(self) -> Path:

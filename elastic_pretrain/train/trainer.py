@@ -258,7 +258,7 @@ class SummaryWriter:
     def __init__(self, run_dir: Path, mesh: Mesh, resumed_step: int = 0, job: JobConfig | None = None) -> None:
         files = RunFiles(run_dir)
         self.path, self.enabled, self.mesh, self.job = files.summary, mesh.is_logging_rank, mesh, job
-        self.history_path = files.history
+        self.history_path, self.stopped_path = files.history, files.stopped
         self.history: list[dict[str, Any]] = []
         if resumed_step and self.history_path.is_file():  # the steps before the checkpoint, from earlier attempts
             for line in self.history_path.read_text().splitlines():
@@ -270,6 +270,7 @@ class SummaryWriter:
                     self.history.append(entry)
         if self.enabled:
             self.history_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
+            self.stopped_path.unlink(missing_ok=True)  # an earlier start's stop speaks for that start only
         self.routing: dict[str, dict[str, float]] = {}
 
     def on_step(self, state: TrainState, result: StepResult, step_s: float) -> None:
@@ -296,6 +297,9 @@ class SummaryWriter:
 
     def on_stop(self, state: TrainState, reason: str) -> None:
         self.on_end(state, {}, stopped=reason)
+        if self.enabled and reason != "stop_at":  # a stop signal: the batch script requeues on it (docs/slurm.md)
+            marker = {"step": state.step, "tokens": state.tokens, "reason": reason}
+            self.stopped_path.write_text(json.dumps(marker) + "\n")
 
     def on_end(self, state: TrainState, val: dict[int, float], stopped: str | None = None) -> None:
         if self.enabled:

@@ -47,6 +47,9 @@ def test_stop_messages_name_the_signal_and_the_rank(tmp_path: Path) -> None:
     assert first.finish() == 0, first.text()
     step = _stopped(first, "SIGTERM on rank 1")
     assert summary()["stopped"] == "SIGTERM on rank 1" and not (run / "FINISHED").exists()
+    # what the batch script reads when the signal did not come through it (docs/slurm.md)
+    marker = json.loads((run / "STOPPED").read_text())
+    assert (marker["step"], marker["reason"]) == (step, "SIGTERM on rank 1"), marker
 
     second = Launch(run, *RUN)
     second.wait_for(rf"resumed from .*step_{step} ")
@@ -63,3 +66,4 @@ def test_stop_messages_name_the_signal_and_the_rank(tmp_path: Path) -> None:
     assert "elastic-pretrain train: got SIGTERM: the trainers save at the next step and exit" in "".join(third.err)
     assert _stopped(third, "SIGTERM") == step + 1  # the first step boundary, not the end of the run
     assert summary()["stopped"] == "SIGTERM" and not (run / "FINISHED").exists()
+    assert json.loads((run / "STOPPED").read_text())["step"] == step + 1  # the second start's, replaced

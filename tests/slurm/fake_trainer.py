@@ -7,7 +7,8 @@ the real trainer (elastic_pretrain/launch/layout.py), with a cheap all-reduce as
   the ranks with those signals blocked, so a signal before the handler waits: unblocked once it is in;
 * rank 0 commits ``checkpoints/step_<N>/`` (written under a temporary name with its ``COMMITTED``
   marker, then renamed) and then replaces ``checkpoints/latest``; a restart resumes from it;
-* ``FINISHED`` (JSON with the final state) once all steps are done.
+* ``FINISHED`` (JSON with the final state) once all steps are done; ``STOPPED`` (JSON with the step)
+  when a stop signal ended it after saving, removed at the next start.
 
 The state update is order-sensitive (``v = v / 2 + sum_r (r+1) * s``), so resuming from the
 wrong step or state changes the final value.
@@ -101,6 +102,8 @@ def main() -> int:
     hosts: list[str | None] = [None] * world
     dist.all_gather_object(hosts, socket.gethostname())
     start, value = _resume(ckpts)
+    if rank == 0:
+        (run_dir / "STOPPED").unlink(missing_ok=True)
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
     if rank == 0:
         entry = {"restart": restart, "start_step": start, "hosts": hosts}
@@ -126,6 +129,8 @@ def main() -> int:
                 _save(ckpts, step, value)
             dist.barrier()
         if stop:
+            if rank == 0:
+                _write_atomic(run_dir / "STOPPED", json.dumps({"step": step, "reason": "stop signal"}))
             print(f"rank {rank}: stop requested, saved step {step}, exiting", flush=True)
             dist.destroy_process_group()
             return 0

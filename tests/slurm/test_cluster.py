@@ -73,6 +73,7 @@ def jobs(slurm_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
         "early": (base / "early", {"hold_at": HOLD_AT, "retries": 1}),
         "capped": (base / "capped", {"hold_at": HOLD_AT, "retries": 0, "signal": "USR1"}),
         "killed": (base / "killed", {"hold_at": HOLD_AT, "retries": 3}),
+        "step_signalled": (base / "step_signalled", {"hold_at": HOLD_AT, "retries": 2}),
         # a trainer that ends cleanly but forgets FINISHED must not be requeued over and over
         "unfinished": (base / "unfinished", {"steps": 2, "retries": 3, "extra": ("--forget-finished",)}),
     }  # fmt: skip
@@ -105,6 +106,11 @@ def jobs(slurm_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
         job_id, run_dir = jobs["capped"]
         wait_holding(job_id, run_dir, timeout=START_TIMEOUT_S)
         subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
+        # a stop signal to the job step only, not to the batch shell (what a returning node's step daemon did
+        # in the dead-node test)
+        job_id, run_dir = jobs["step_signalled"]
+        wait_holding(job_id, run_dir, timeout=START_TIMEOUT_S)
+        subprocess.run(["scancel", "--signal=TERM", job_id], check=True)
         # rank 1 dies mid-run on node2
         job_id, run_dir = jobs["killed"]
         wait_holding(job_id, run_dir, timeout=START_TIMEOUT_S)
@@ -172,6 +178,21 @@ def test_retry_cap_stops_requeueing(jobs: dict[str, Job]) -> None:
     assert not files.finished.exists()
     assert last_committed_step(files) == HOLD_AT, "the signalled trainer should have saved"
     assert "reached the retry cap slurm.retries=0" in files.log.read_text()
+
+
+def test_stop_signal_to_the_step_only_requeues_and_finishes(jobs: dict[str, Job]) -> None:
+    """The trainer got a stop signal the batch shell did not: it saved and wrote STOPPED, so the script
+    requeues it like a preemption (not exit 5, 'exited 0 without being signalled'); the restart resumes."""
+    job_id, run_dir = jobs["step_signalled"]
+    state = wait_job_end(job_id, run_dir, timeout=END_TIMEOUT_S)
+    assert state.state == "COMPLETED" and state.restarts == 1, f"{state}\n{log_tail(run_dir)}"
+    assert [s["start_step"] for s in starts(run_dir)] == [0, HOLD_AT], "the stopped job did not resume"
+    assert finished_value(run_dir) == expected_value()
+    files = RunFiles(run_dir)
+    log = files.log.read_text()
+    assert "the trainer stopped on a signal that did not come through this script" in log, log
+    assert "got SIGTERM" not in log and "requeueing as restart 1 of 2" in log, log
+    assert not files.stopped.exists(), "the restart that finished must clear the earlier start's STOPPED"
 
 
 def test_killed_task_fails_the_job_without_hanging(jobs: dict[str, Job]) -> None:

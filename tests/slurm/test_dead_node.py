@@ -140,7 +140,7 @@ def test_dead_node_requeues_and_resumes_from_the_last_committed_checkpoint(
     print(f"pending after the kill: {pending}\n{log_tail(run_dir, 80)}")
     assert state.state == "COMPLETED" and state.restarts is not None and state.restarts >= 1, f"{state}\n{log}"
     assert f"resumed from {store.step_dir(committed.step)} (step {committed.step}," in log, log[-6000:]
-    assert files.finished.is_file()
+    assert files.finished.is_file() and not files.stopped.exists()
     ours, ref = history(run_dir), history(ref_dir)
     assert [h["step"] for h in ours] == list(range(1, STEPS + 1))  # each step once: the history continues
     assert ours == ref, next(f"step {a['step']}: {a} != {b}" for a, b in zip(ours, ref) if a != b)

@@ -80,6 +80,11 @@ def check_engine(job: Any) -> None:
             f"schedule.exit_axis={job.schedule.exit_axis} (layer exits) is not wired into the DeepSpeed engine: use "
             "schedule.exit_axis=loop or engine=megatron"
         )
+    if job.deepspeed.zero_stage == 3 and can_mix(job) and job.deepspeed.offload_optimizer == "nvme":
+        raise ConfigError(
+            "deepspeed.zero_stage=3 with per-rank loop counts zeroes the gradients of passes no rank ran, which "
+            "offload_optimizer=nvme keeps on disk: use deepspeed.offload_optimizer=cpu (or none), or engine=megatron"
+        )
     if job.deepspeed.zero_stage == 3 and can_mix(job) and job.model.kv_training == "last_loop":
         raise ConfigError(
             "deepspeed.zero_stage=3 with per-rank loop counts runs ghost passes, which model.kv_training=last_loop's "

@@ -29,6 +29,7 @@ order, so ZeRO-3 needs no ordered backward.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -150,7 +151,10 @@ class DeepSpeedStep:
         self.veto: Any = None  # FaultMonitor.veto(found_inf, grad_norm, loss=...): sees the loss (see _step)
 
     def __call__(self, micro_batches: list[MicroBatch], *, probe_routing: bool = False) -> StepResult:
-        return measured_step(self.net, self._step, micro_batches, probe_routing=probe_routing, seq_len=self.seq_len)
+        result = measured_step(self.net, self._step, micro_batches, probe_routing=probe_routing, seq_len=self.seq_len)
+        if self.ghosts and result.depth is not None:  # HFU: a ZeRO-3 ghost pass computes a whole pass
+            result.depth = dataclasses.replace(result.depth, full_ghosts=True)
+        return result
 
     def _step(self, micro_batches: list[MicroBatch]) -> StepResult:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -159,6 +163,8 @@ class DeepSpeedStep:
         engine.train()
         # megatron's schedule scales the MoE aux-loss gradients by 1/micro-batches (its main loss too)
         MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=micro_batches[0].tokens_BT1.device) / n)
+        if self.ghosts:
+            self._zero_grad_partitions()
         reports = []
         for mb in micro_batches:
             inputs, labels = mb.tokens_BT1[:, :-1].contiguous(), mb.tokens_BT1[:, 1:].contiguous()
@@ -188,6 +194,18 @@ class DeepSpeedStep:
         return StepResult(loss=loss_value, loss_by_loops=by_loops, grad_norm=float(grad_norm or 0.0),
                           lr=float(self.optimizer.param_groups[0]["lr"]), skipped=vetoed, aux=_moe_aux(n))
 
+
+    def _zero_grad_partitions(self) -> None:
+        """ZeRO-3 (DeepSpeed 0.19.8) writes a parameter's gradient partition only when that parameter's gradient hook
+        fires, and keeps the partitions in one flat buffer across steps: a parameter no rank used this step (a pass
+        beyond every replica's ℓ) would step on the gradient of the last step that used it. Zeroed before the first
+        micro-batch, it steps on zero, as on the other engine (one pass over 1/DP of the gradients)."""
+        opt = self.optimizer
+        opt.grad_partitions_flat_buffer.zero_()
+        if opt.offload_optimizer:  # the update reads fp32 gradient copies, written only for the parameters used
+            for flat in opt.fp32_partitioned_groups_flat:
+                if flat.grad is not None:
+                    flat.grad.zero_()
 
     def _replayed(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss``'s gradients, computed without hooks, behind one scalar over every parameter in a fixed order."""

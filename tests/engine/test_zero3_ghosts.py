@@ -73,3 +73,20 @@ def test_full_ghost_passes_call_the_deeper_run_and_change_nothing(mesh1: Any, re
     assert ghosted["aux"].keys() == own["aux"].keys()
     for k, v in own["aux"].items():
         assert torch.equal(ghosted["aux"][k], v), k
+
+
+def test_full_ghost_passes_count_as_whole_passes_of_hardware_flops() -> None:
+    """HFU: a ZeRO-3 ghost pass computes a whole pass (expert parallelism's: one token per MoE call); MFU and
+    depth efficiency count it as executed, not useful, either way."""
+    from elastic_pretrain.train.mfu import DepthCounts, step_flops
+
+    cfg, kw = tiny(), dict(seq_len=16, micro_batch_tokens=64)
+    full = DepthCounts(loops=2.0, exits=1.0, ghost_passes=2.0, full_ghosts=True)
+    one_token = DepthCounts(loops=2.0, exits=1.0, ghost_passes=2.0)
+    deep = DepthCounts(loops=4.0, exits=1.0, ghost_passes=0.0)
+    useful = DepthCounts(loops=2.0, exits=1.0, ghost_passes=0.0)
+    assert step_flops(cfg, full, **kw).hardware == pytest.approx(step_flops(cfg, deep, **kw).model)
+    assert step_flops(cfg, useful, **kw).model < step_flops(cfg, one_token, **kw).hardware < step_flops(
+        cfg, full, **kw).hardware
+    assert step_flops(cfg, full, **kw).model == step_flops(cfg, useful, **kw).model
+    assert full.efficiency == one_token.efficiency == 0.5

@@ -58,7 +58,7 @@ def test_both_engines_give_the_same_losses(tmp_path: Path, depth: str) -> None:
     assert (tmp_path / "deepspeed" / "deepspeed_config.json").is_file()
     if "zero3" in runs:  # every replica ran each micro-batch to the deepest ℓ: ghost passes executed, not useful
         for h in runs["zero3"]:  # one micro-batch per replica: useful (ℓ0 + ℓ1) / executed 2 max ℓ
-            drawn = sorted(h["loss_by_loops"])  # the two replicas' ℓ (one key when they drew the same)
+            drawn = sorted(int(k) for k in h["loss_by_loops"])  # the two replicas' ℓ (one key when they drew the same)
             assert h["depth_efficiency"] == pytest.approx((drawn[0] + drawn[-1]) / (2 * drawn[-1])), h
             assert h["depth_balance"] == 1.0, h
         assert any(h["depth_efficiency"] < 1.0 for h in runs["zero3"])

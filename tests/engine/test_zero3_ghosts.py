@@ -24,13 +24,15 @@ def tiny(**kw: Any) -> ModelConfig:
     return ModelConfig(**{**base, **kw})
 
 
-def run(cfg: ModelConfig, *, ghosts: str, loops: int, sync_loops: int | None) -> dict[str, Any]:
+def run(cfg: ModelConfig, *, ghosts: str, loops: int, sync_loops: int | None,
+        exits: tuple[int, ...] = ()) -> dict[str, Any]:
     torch.manual_seed(0)
     net = build_model(cfg, ParallelConfig()).train()
     net.ghosts = ghosts
-    net.conditioning_active = True
-    with torch.no_grad():  # the conditioning head is zero-initialised: give it something to differentiate
-        net.loop_conditioning.out.weight.normal_(0, 0.02)
+    net.conditioning_active = net.loop_conditioning is not None
+    if net.loop_conditioning is not None:
+        with torch.no_grad():  # the conditioning head is zero-initialised: give it something to differentiate
+            net.loop_conditioning.out.weight.normal_(0, 0.02)
     names = {m: n for n, m in net.named_modules()}
     calls: list[str] = []  # modules that own parameters, in call order (what ZeRO-3 gathers for)
     handles = [m.register_forward_pre_hook(lambda m, _: calls.append(names[m]))
@@ -40,8 +42,8 @@ def run(cfg: ModelConfig, *, ghosts: str, loops: int, sync_loops: int | None) ->
                 for n, p in net.named_parameters()]
     tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(3))
     clear_aux_losses_tracker()
-    out = net(tokens[:, :-1], labels=tokens[:, 1:], loops=loops, exits=(loops,), sync_loops=sync_loops)
-    loss = out[loops].mean()
+    out = net(tokens[:, :-1], labels=tokens[:, 1:], loops=loops, exits=exits or (loops,), sync_loops=sync_loops)
+    loss = sum(v.mean() for v in out.values())
     loss.backward()
     for h in handles:
         h.remove()
@@ -73,6 +75,18 @@ def test_full_ghost_passes_call_the_deeper_run_and_change_nothing(mesh1: Any, re
     assert ghosted["aux"].keys() == own["aux"].keys()
     for k, v in own["aux"].items():
         assert torch.equal(ghosted["aux"][k], v), k
+
+
+def test_exits_at_different_passes_call_the_heads_at_the_same_point(mesh1: Any) -> None:
+    """Telescopic training: ranks at one ℓ supervise different prefix exits; under ZeRO-3 the heads run after the
+    last pass, so the module calls and gradient order do not depend on where the exits are."""
+    cfg = tiny(loop_conditioning=False)
+    a = run(cfg, ghosts="full_passes", loops=4, sync_loops=4, exits=(1, 4))
+    b = run(cfg, ghosts="full_passes", loops=4, sync_loops=4, exits=(3, 4))
+    assert a["calls"] == b["calls"] and a["grad_order"] == b["grad_order"]
+    plain = run(cfg, ghosts="moe_calls", loops=4, sync_loops=None, exits=(1, 4))
+    assert plain["calls"] != a["calls"]  # without: the head of exit 1 runs right after pass 0
+    torch.testing.assert_close(a["loss"], plain["loss"], rtol=0, atol=0)
 
 
 def test_full_ghost_passes_count_as_whole_passes_of_hardware_flops() -> None:

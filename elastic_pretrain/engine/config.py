@@ -29,6 +29,10 @@ class DeepSpeedConfig:
     )
     offload_param: Offload = field("none", doc="ZeRO-3 only: where partitioned parameters live between uses.")
     nvme_path: str | None = field(None, doc="Folder for nvme offload (a fast local disk on every node).")
+    param_persistence_threshold: int = field(
+        100_000,
+        doc="ZeRO-3: parameters with fewer elements stay whole on every rank (never gathered); DeepSpeed's default.",
+    )
     reduce_bucket_size: int = field(
         500_000_000,
         doc="Elements per gradient-reduction (and ZeRO-3 gather) bucket, capped at the model's parameter count: "
@@ -43,6 +47,10 @@ class DeepSpeedConfig:
             )
         if "nvme" in (self.offload_optimizer, self.offload_param) and not self.nvme_path:
             raise ConfigError("deepspeed: nvme offload needs a folder: set deepspeed.nvme_path=/local/nvme/dir")
+        if self.param_persistence_threshold < 0:
+            raise ConfigError(
+                f"deepspeed.param_persistence_threshold: must be >= 0, got {self.param_persistence_threshold}"
+            )
         if self.reduce_bucket_size < 1:
             raise ConfigError(f"deepspeed.reduce_bucket_size: must be >= 1, got {self.reduce_bucket_size}")
 
@@ -72,11 +80,15 @@ def check_engine(job: Any) -> None:
             f"schedule.exit_axis={job.schedule.exit_axis} (layer exits) is not wired into the DeepSpeed engine: use "
             "schedule.exit_axis=loop or engine=megatron"
         )
-    if job.deepspeed.zero_stage == 3 and can_mix(job):
+    if job.deepspeed.zero_stage == 3 and can_mix(job) and job.deepspeed.offload_optimizer == "nvme":
         raise ConfigError(
-            "deepspeed.zero_stage=3 gathers each pass's attention parameters with a collective, so every rank must "
-            f"run the same passes, but schedule.sampler={job.schedule.sampler} lets ranks draw their own loop "
-            "counts: use deepspeed.zero_stage=2 (or 1), schedule.switch_at=1.0, or engine=megatron"
+            "deepspeed.zero_stage=3 with per-rank loop counts zeroes the gradients of passes no rank ran, which "
+            "offload_optimizer=nvme keeps on disk: use deepspeed.offload_optimizer=cpu (or none), or engine=megatron"
+        )
+    if job.deepspeed.zero_stage == 3 and can_mix(job) and job.model.kv_training == "last_loop":
+        raise ConfigError(
+            "deepspeed.zero_stage=3 with per-rank loop counts runs ghost passes, which model.kv_training=last_loop's "
+            "no-grad pre-run does not join: use model.kv_training=same_pass, deepspeed.zero_stage=2, or engine=megatron"
         )
 
 
@@ -114,6 +126,7 @@ def ds_config(job: Any, dp_size: int, n_params: int | None = None) -> dict[str, 
         zero["offload_param"] = {"device": d.offload_param, **_nvme(d)}
     if d.zero_stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = False
+        zero["stage3_param_persistence_threshold"] = d.param_persistence_threshold
     return {
         "train_batch_size": t.global_batch_size,
         "train_micro_batch_size_per_gpu": t.micro_batch_size,

@@ -14,13 +14,22 @@ graphs would sum different parameters' gradients into each other. :class:`DeepSp
 computes a micro-batch's gradients with ``torch.autograd.grad`` (no hooks fire) and hands them to
 DeepSpeed through a one-node graph over *every* trainable parameter in a fixed order (zeros for the
 unused ones): every rank then reduces the same parameters in the same order, and a parameter's
-gradient is exactly what the loss gave it. ZeRO-3 also gathers each module's parameters with a
-collective in forward, so it needs every rank to run the same passes (``engine/config.py`` refuses
-ZeRO-3 with a per-rank sampler).
+gradient is exactly what the loss gave it.
+
+ZeRO-3 also gathers each module's parameters with a collective over the data-parallel group when the
+module is called, in forward and again in backward, and reduce-scatters gradients from the same hooks:
+every rank must call the same modules in the same order. There each micro-batch runs for the deepest ℓ
+of its position over every replica (``DepthPlan.group_loops``, computed locally from the other replicas'
+draws: :meth:`DeepSpeedSession.depth_layout`), a rank at a smaller ℓ running the remaining passes as
+*full ghost passes* whose output reaches the loss with a zero gradient (``LoopedMoEModel.ghosts``,
+model/looped.py): the same module calls, so the gathers and reductions pair up, and every parameter's
+gradient is exactly that of the rank's own ℓ. The graphs then touch the same parameters in the same
+order, so ZeRO-3 needs no ordered backward.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -35,6 +44,7 @@ from elastic_pretrain.engine.weights import import_deepspeed
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.job import JobConfig
 from elastic_pretrain.parallel.mesh import Mesh
+from elastic_pretrain.train.schedule import ExpertLayout
 from elastic_pretrain.train.session import Session
 from elastic_pretrain.train.step import (
     MicroBatch,
@@ -42,6 +52,7 @@ from elastic_pretrain.train.step import (
     _loss_func,
     _moe_aux,
     _reduce_by_loops,
+    group_loops,
     measured_step,
 )
 
@@ -131,14 +142,19 @@ class DeepSpeedStep:
     """The numerics of one optimizer step on the DeepSpeed engine: the objective, reductions and result of
     ``train/step.py``'s ``TrainStep`` (same loss function, same per-ℓ reduction), DeepSpeed's backward/step."""
 
-    def __init__(self, engine: Any, net: Any, scheduler: Any, *, seq_len: int, max_loops: int, ordered: bool) -> None:
+    def __init__(self, engine: Any, net: Any, scheduler: Any, *, seq_len: int, max_loops: int, ordered: bool,
+                 ghosts: bool = False) -> None:
         self.model, self.net, self.optimizer, self.scheduler = engine, net, engine.optimizer, scheduler
         self.seq_len, self.max_loops, self.ordered = seq_len, max_loops, ordered
+        self.ghosts = ghosts  # ZeRO-3: run each micro-batch for the deepest ℓ of the replicas (full ghost passes)
         self.params = [p for p in engine.module.parameters() if p.requires_grad]
         self.veto: Any = None  # FaultMonitor.veto(found_inf, grad_norm, loss=...): sees the loss (see _step)
 
     def __call__(self, micro_batches: list[MicroBatch], *, probe_routing: bool = False) -> StepResult:
-        return measured_step(self.net, self._step, micro_batches, probe_routing=probe_routing, seq_len=self.seq_len)
+        result = measured_step(self.net, self._step, micro_batches, probe_routing=probe_routing, seq_len=self.seq_len)
+        if self.ghosts and result.depth is not None:  # HFU: a ZeRO-3 ghost pass computes a whole pass
+            result.depth = dataclasses.replace(result.depth, full_ghosts=True)
+        return result
 
     def _step(self, micro_batches: list[MicroBatch]) -> StepResult:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -147,13 +163,16 @@ class DeepSpeedStep:
         engine.train()
         # megatron's schedule scales the MoE aux-loss gradients by 1/micro-batches (its main loss too)
         MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=micro_batches[0].tokens_BT1.device) / n)
+        if self.ghosts:
+            self._zero_grad_partitions()
         reports = []
         for mb in micro_batches:
             inputs, labels = mb.tokens_BT1[:, :-1].contiguous(), mb.tokens_BT1[:, 1:].contiguous()
             # ordered: the bare module, whose outputs carry no DeepSpeed backward hooks (autograd.grad below
             # would fire them); the hooks go on the replayed scalar instead, as engine.forward would add them
             forward = engine.module if self.ordered else engine
-            losses = forward(inputs, labels=labels, loops=mb.plan.loops, exits=mb.plan.exits)
+            sync = group_loops([mb])[0] if self.ghosts else None
+            losses = forward(inputs, labels=labels, loops=mb.plan.loops, exits=mb.plan.exits, sync_loops=sync)
             objective, num_tokens, report = _loss_func(mb.plan, losses)
             reports.append(report)
             loss = objective / num_tokens / n  # megatron: / tokens / micro-batches; DP averaged by the engine
@@ -175,6 +194,18 @@ class DeepSpeedStep:
         return StepResult(loss=loss_value, loss_by_loops=by_loops, grad_norm=float(grad_norm or 0.0),
                           lr=float(self.optimizer.param_groups[0]["lr"]), skipped=vetoed, aux=_moe_aux(n))
 
+
+    def _zero_grad_partitions(self) -> None:
+        """ZeRO-3 (DeepSpeed 0.19.8) writes a parameter's gradient partition only when that parameter's gradient hook
+        fires, and keeps the partitions in one flat buffer across steps: a parameter no rank used this step (a pass
+        beyond every replica's ℓ) would step on the gradient of the last step that used it. Zeroed before the first
+        micro-batch, it steps on zero, as on the other engine (one pass over 1/DP of the gradients)."""
+        opt = self.optimizer
+        opt.grad_partitions_flat_buffer.zero_()
+        if opt.offload_optimizer:  # the update reads fp32 gradient copies, written only for the parameters used
+            for flat in opt.fp32_partitioned_groups_flat:
+                if flat.grad is not None:
+                    flat.grad.zero_()
 
     def _replayed(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss``'s gradients, computed without hooks, behind one scalar over every parameter in a fixed order."""
@@ -241,16 +272,20 @@ def build_session(job: JobConfig, mesh: Mesh) -> Any:
     val_tokens = val_all[:rows][mesh.dp_rank :: mesh.dp_size].contiguous()
     controller = ScheduleController(job.schedule, max_loops=job.model.max_loops,
                                     total_tokens=job.train.steps * job.tokens_per_step, seed=job.train.seed)
-    ordered = job.deepspeed.zero_stage < 3  # ZeRO-3 runs only where every rank runs the same passes
+    zero3 = job.deepspeed.zero_stage == 3  # every rank calls the same modules: full ghost passes, direct backward
+    net.ghosts = "full_passes" if zero3 else "moe_calls"
+    ordered = not zero3
     step = DeepSpeedStep(engine, net, scheduler, seq_len=job.data.seq_len, max_loops=job.model.max_loops,
-                         ordered=ordered)
+                         ordered=ordered, ghosts=zero3)
     session = DeepSpeedSession(job, net, engine, optimizer, scheduler, batches, val_tokens, controller,
                                step)  # type: ignore[arg-type]  # the same interface as TrainStep
     session.ds_tensors = DeepSpeedTensors(engine)
+    session.replica, session.replicas = mesh.replica, mesh.dp_size
     session.sync_phase()
     if mesh.is_logging_rank:
-        log.info("engine deepspeed: ZeRO-%d, %s backward (mixed depth possible: %s)", job.deepspeed.zero_stage,
-                 "ordered" if ordered else "direct", can_mix(job))
+        log.info("engine deepspeed: ZeRO-%d, %s backward (mixed depth possible: %s%s)", job.deepspeed.zero_stage,
+                 "ordered" if ordered else "direct", can_mix(job),
+                 ", ranks run the deepest ℓ with full ghost passes" if zero3 and can_mix(job) else "")
     return session
 
 
@@ -258,6 +293,16 @@ class DeepSpeedSession(Session):
     """A Session whose switch to mixed depth writes the copied attention through ZeRO's master copies."""
 
     ds_tensors: DeepSpeedTensors | None = None
+    replica: int = 0
+    replicas: int = 1
+
+    def depth_layout(self) -> ExpertLayout:
+        """ZeRO-3: the replicas whose module calls must pair are all of them (its gathers and reduce-scatters run
+        over the whole data-parallel group), so a micro-batch's ``group_loops`` is the max ℓ over every replica,
+        computed locally from their draws; each replica still draws its own ℓ (key: itself). ZeRO-1/2: alone."""
+        if self.job.deepspeed.zero_stage != 3:
+            return ExpertLayout.single(self.replica)
+        return ExpertLayout(group=tuple(range(self.replicas)), key={r: r for r in range(self.replicas)})
 
     def tensors(self) -> Any:  # the Checkpointer's tensors: DeepSpeed's own files, not megatron's sharded ones
         assert self.ds_tensors is not None

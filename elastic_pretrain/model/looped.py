@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from functools import partial
 from typing import Any, Literal
 
@@ -40,6 +40,8 @@ from elastic_pretrain.model.layer_list import LayerList
 from elastic_pretrain.model.recompute import checkpoint_pass
 from elastic_pretrain.model.replay_dispatch import check_replayable, moe_forward
 from elastic_pretrain.model.routing import RoutingProbe
+
+GhostKind = Literal["moe_calls", "full_passes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,6 +305,9 @@ class LoopedMoEModel(LanguageModule):
             for p in self.decider.parameters():
                 p.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
         self.routing_probe: RoutingProbe | None = None
+        # how a rank joins passes its data/expert-parallel partners run beyond its ℓ: moe_calls (one zero token per
+        # MoE call: expert parallelism's all-to-alls) or full_passes (every module call: DeepSpeed ZeRO-3's gathers)
+        self.ghosts: GhostKind = "moe_calls"
         # train.recompute, set by parallel/: 'pass' re-runs each pass (and ghost pass) in backward
         self.recompute: Literal["none", "selective", "pass"] = "none"
         if self.post_process:
@@ -362,6 +367,9 @@ class LoopedMoEModel(LanguageModule):
         rope = self.rotary_pos_emb(input_ids_BT.shape[1])
         h_TBD = self._embed(input_ids_BT, rope, keep)
         out: dict[int, Tensor] = {}
+        if self.ghosts == "full_passes":
+            return self._run_with_full_ghosts(h_TBD, rope, loops=loops, exits=exits, sync_loops=sync_loops or loops,
+                                              keep=keep), None
         kv = self._final_kv(h_TBD, loops, exits, sync_loops, rope) if self.cfg.kv_training == "last_loop" else None
         for j in range(loops):
             h_TBD = self._core_pass(h_TBD, j, loops, rope, kv=kv)
@@ -374,6 +382,35 @@ class LoopedMoEModel(LanguageModule):
             g = self._ghost_pass(h_TBD)
             ghost = g if ghost is None else ghost + g
         return out, ghost
+
+    def _run_with_full_ghosts(self, h_TBD: Tensor, rope: Tensor, *, loops: int, exits: Sequence[int], sync_loops: int,
+                              keep: list[Tensor] | None) -> dict[int, Tensor]:
+        """``ghosts == "full_passes"`` (DeepSpeed ZeRO-3): every module call of ``sync_loops`` passes, in one order.
+
+        ZeRO-3 gathers a module's parameters with a collective over the data-parallel group when the module
+        is called (and again in backward), so every rank must call the same modules in the same order. A
+        micro-batch at ℓ < ``sync_loops`` therefore runs passes ℓ..sync_loops-1 as ghosts on its own hidden
+        state — the same module calls as a real pass (each pass's own attention, the shared MoE MLPs, loop
+        conditioning), no router losses, not seen by the routing probe — and :class:`GhostJoin` hands the head
+        the state after ℓ with the ghosts' output behind it: the head reads exactly h_ℓ, the ghosts' backward
+        runs (its gathers and gradient reductions pair with the deeper ranks') on a zero gradient, so every
+        parameter's gradient is exactly that of ℓ passes. The heads run after the last pass (ranks whose exits
+        differ call the same head modules at the same point), in exit order."""
+        if self.cfg.kv_training == "last_loop":
+            raise ValueError("full ghost passes (ZeRO-3 mixed depth) run with model.kv_training=same_pass")
+        states: dict[int, Tensor] = {}
+        for j in range(loops):
+            h_TBD = self._core_pass(h_TBD, j, loops, rope)
+            if keep is not None:
+                keep.append(h_TBD)
+            if j + 1 in exits:
+                states[j + 1] = h_TBD
+        z_TBD = h_TBD
+        for j in range(loops, sync_loops):
+            z_TBD = self._core_pass(z_TBD, j, loops, rope, ghost=True)
+        if sync_loops > loops:
+            states[loops] = GhostJoin.apply(h_TBD, z_TBD)
+        return {e: self._head_states(states[e], rope) for e in sorted(states)}
 
     def run_layers(self, input_ids_BT: Tensor, *, exits: Sequence[int]) -> dict[int, Tensor]:
         """``schedule.exit_axis: layer`` (TLM's own axis): hidden states after core layer k, then the coda and the
@@ -464,22 +501,25 @@ class LoopedMoEModel(LanguageModule):
         return kv
 
     def _core_pass(self, h_TBD: Tensor, j: int, loops: int, rope: Tensor, key: Hashable = None,
-                   kv: FinalKV | None = None) -> Tensor:
-        """Pass j of a micro-batch that runs ℓ = ``loops`` through this stage's core layers."""
-        body = partial(self._pass_body, j=j, loops=loops, key=key, kv=kv)
+                   kv: FinalKV | None = None, ghost: bool = False) -> Tensor:
+        """Pass j of a micro-batch that runs ℓ = ``loops`` through this stage's core layers (``ghost``: pass
+        j >= ℓ run only for its module calls, see :meth:`_run_with_full_ghosts`)."""
+        body = partial(self._pass_body, j=j, loops=loops, key=key, kv=kv, ghost=ghost)
         if self._recompute_passes():
             return self._checkpointed(body, h_TBD, rope)
         return body(h_TBD, rope, recomputing=False)
 
     def _pass_body(self, h_TBD: Tensor, rope: Tensor, *, j: int, loops: int, key: Hashable,
-                   recomputing: bool, kv: FinalKV | None = None) -> Tensor:
+                   recomputing: bool, kv: FinalKV | None = None, ghost: bool = False) -> Tensor:
         if self.loop_conditioning is not None and self.conditioning_active:
             h_TBD = h_TBD + self.loop_conditioning(loops, j).to(h_TBD.dtype)
-        if self.routing_probe is not None:  # a recomputed pass was observed already
-            self.routing_probe.at(None if recomputing else j, key)
-        for core in self.core:
-            h_TBD = core(h_TBD, pass_idx=j, rotary_pos_emb=rope, replay=self.cfg.route_replay, replay_key=key,
-                         recomputing=recomputing, kv=kv)
+        if self.routing_probe is not None:  # a recomputed pass was observed already; a ghost pass never
+            self.routing_probe.at(None if recomputing or ghost else j, key)
+        routers = [core.shared_mlp.router for core in self.core_layers()] if ghost else []
+        with _without_router_losses(routers):
+            for core in self.core:
+                h_TBD = core(h_TBD, pass_idx=j, rotary_pos_emb=rope, replay=self.cfg.route_replay, replay_key=key,
+                             recomputing=recomputing, kv=kv)
         return h_TBD
 
     def _ghost_pass(self, like_TBD: Tensor) -> Tensor:
@@ -617,6 +657,32 @@ class LoopedMoEModel(LanguageModule):
             for j, h in enumerate(passes[:-1])
         ]
         return losses, torch.stack(logits)
+
+
+class GhostJoin(torch.autograd.Function):
+    """``GhostJoin.apply(h, ghost)``: the value of ``h``; backward hands ``h`` its gradient unchanged and ``ghost``
+    an all-zero one, so the ghost passes behind it run their backward (and its collectives) contributing nothing."""
+
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, ghost: Tensor) -> Tensor:
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        return grad, torch.zeros_like(grad)
+
+
+@contextlib.contextmanager
+def _without_router_losses(routers: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Routers in eval mode (megatron adds no aux/z loss and logs none outside training); restored after."""
+    was = [r.training for r in routers]
+    for r in routers:
+        r.training = False
+    try:
+        yield
+    finally:
+        for r, t in zip(routers, was, strict=True):
+            r.training = t
 
 
 def _layer_number(layer: Any) -> int:

@@ -92,6 +92,9 @@ class DepthCounts:
     # the step the slowest replica keeps the others waiting for at the gradient reduction (depth
     # efficiency does not see it; schedule.balance: compute targets it)
     balance: float = 1.0
+    # ghost passes run every module of a real pass on the micro-batch's tokens (DeepSpeed ZeRO-3's gathers, not
+    # expert parallelism's one-token MoE calls): their hardware FLOPs are a real pass's
+    full_ghosts: bool = False
 
     @property
     def efficiency(self) -> float:
@@ -120,11 +123,11 @@ def step_flops(cfg: ModelConfig, depth: DepthCounts, *, seq_len: int, micro_batc
     head = cfg.coda_layers * edge + 2 * cfg.hidden_size * vocab
     forward = cfg.prelude_layers * edge + depth.loops * core_pass + depth.exits * head
     model = 3.0 * forward
-    # a ghost pass sends one token through every core layer's MoE MLP, forward and backward
-    ghost = 3.0 * depth.ghost_passes * cfg.core_layers_built * moe_mlp_flops(cfg) / micro_batch_tokens
+    # a ghost pass sends one token through every core layer's MoE MLP, forward and backward (full: a whole pass)
+    ghost_pass = core_pass if depth.full_ghosts else cfg.core_layers_built * moe_mlp_flops(cfg) / micro_batch_tokens
+    ghost = 3.0 * depth.ghost_passes * ghost_pass
     if recompute == "pass":
-        extra = depth.loops * core_pass + depth.ghost_passes * cfg.core_layers_built * moe_mlp_flops(
-            cfg) / micro_batch_tokens
+        extra = depth.loops * core_pass + depth.ghost_passes * ghost_pass
     elif recompute == "selective":  # megatron recomputes core attention (QKᵀ, softmax, ·V) of every layer run
         attentions = cfg.prelude_layers + depth.loops * cfg.core_layers_built + depth.exits * cfg.coda_layers
         extra = attentions * 4 * ctx * cfg.hidden_size

@@ -18,10 +18,10 @@ from elastic_pretrain.data.tokenizer import load_tokenizer
 from elastic_pretrain.job import JobConfig
 from elastic_pretrain.model.looped import LoopedMoEModel
 from elastic_pretrain.parallel.megatron import build_model
-from elastic_pretrain.parallel.mesh import Mesh
+from elastic_pretrain.parallel.mesh import Mesh, expert_layout
 from elastic_pretrain.parallel.pipeline import Pipeline, check_micro_batches
 from elastic_pretrain.train.decider import DeciderStep, freeze_backbone
-from elastic_pretrain.train.schedule import ScheduleController
+from elastic_pretrain.train.schedule import ExpertLayout, ScheduleController
 from elastic_pretrain.train.step import TrainStep
 
 log = logging.getLogger(__name__)
@@ -51,6 +51,11 @@ class Session:
             log.info("step %d: pass 0's attention copied into passes %s (never run before the switch)",
                      step, list(unused))
         self.sync_phase()
+
+    def depth_layout(self) -> ExpertLayout:
+        """Whose draws a micro-batch's ``group_loops`` is the max of: this rank's expert-parallel group (the
+        DeepSpeed session: every replica under ZeRO-3). One all_gather, at the start of training."""
+        return expert_layout()
 
     def sync_phase(self) -> None:
         """The conditioning heads are on exactly in the mixed phase (also after a resume)."""

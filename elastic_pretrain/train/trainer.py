@@ -23,7 +23,7 @@ from elastic_pretrain.checkpoint.store import CheckpointStore
 from elastic_pretrain.engine import build_session  # job.engine: megatron or deepspeed
 from elastic_pretrain.eval.loss import loss_by_loops
 from elastic_pretrain.job import JobConfig, write_resolved
-from elastic_pretrain.parallel.mesh import Mesh, describe, every_rank, expert_layout, init_mesh, teardown
+from elastic_pretrain.parallel.mesh import Mesh, describe, every_rank, init_mesh, teardown
 from elastic_pretrain.parallel.strict import enter_strict_devices
 from elastic_pretrain.rundir import RunFiles
 from elastic_pretrain.train.decider import load_base
@@ -96,7 +96,7 @@ class Trainer:
     def fit(self) -> dict[int, float] | None:
         """Train to ``train.steps`` (returns validation loss per ℓ), or save and return None when stopped."""
         job, s, state = self.job, self.s, self.state
-        layout = expert_layout()  # once: then every rank computes its EP group's ℓ locally (train/schedule.py)
+        layout = s.depth_layout()  # once: then every rank computes its group's ℓ locally (train/schedule.py)
         while state.step < job.train.steps:
             if s.controller.update(step=state.step, tokens_seen=state.tokens):
                 s.on_switch_to_mixed(state.step)

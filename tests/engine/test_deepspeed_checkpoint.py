@@ -1,5 +1,5 @@
 """DeepSpeed-engine checkpoints keep the project's guarantees: commit marker, ``latest``, retention, auto-resume,
-and a bitwise resume under ZeRO-3 at world size 1 and 2 (CLI runs of the tiny job on gloo)."""
+and a bitwise resume under ZeRO-3 at mixed depth at world size 1 and 2 (CLI runs of the tiny job on gloo)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ from tests.checkpoint.runs import history, train
 pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-ZERO3 = ["engine=deepspeed", "parallel=single", "deepspeed.zero_stage=3", "schedule.sampler=fixed",
-         "schedule.switch_at=1.0", "train.steps=4", "train.global_batch_size=8", "checkpoint.interval=1",
-         "checkpoint.keep_last=2"]
+# mixed depth from the first step, every parameter partitioned (each module call gathers): at 2 ranks steps 2-4
+# run full ghost passes (the resumed run's steps 3-4 among them)
+ZERO3 = ["engine=deepspeed", "parallel=single", "deepspeed.zero_stage=3", "deepspeed.param_persistence_threshold=0",
+         "schedule.sampler=independent_rank", "schedule.switch_at=0.0", "schedule.one_loop_fraction=0.3",
+         "train.steps=4", "train.global_batch_size=8", "checkpoint.interval=1", "checkpoint.keep_last=2"]
 
 
 def ds_tensors(step: Path) -> dict[str, torch.Tensor]:

@@ -33,12 +33,21 @@ def test_the_cli_prints_the_refusal_as_one_line_with_exit_code_2() -> None:
     assert "parallel=single" in proc.stderr
 
 
-def test_zero3_refuses_ranks_that_draw_their_own_loop_counts() -> None:
-    with pytest.raises(ConfigError, match=r"zero_stage=3 .* use deepspeed.zero_stage=2"):
-        load_job(JOB, ["parallel=single", "engine=deepspeed", "deepspeed.zero_stage=3"])  # independent_rank at 0.75
-    job = load_job(JOB, ["parallel=single", "engine=deepspeed", "deepspeed.zero_stage=3", "schedule.switch_at=1.0",
-                         "schedule.sampler=fixed"])
-    assert job.deepspeed.zero_stage == 3
+def test_zero3_takes_ranks_that_draw_their_own_loop_counts() -> None:
+    """ZeRO-3 runs mixed depth with full ghost passes (engine/deepspeed.py); only kv_training=last_loop's no-grad
+    pre-run, which ghost passes do not join, and nvme optimizer offload (whose gradient copies the step cannot zero)
+    are refused, in one line naming the fix."""
+    job = load_job(JOB, ["parallel=single", "engine=deepspeed", "deepspeed.zero_stage=3"])  # independent_rank at 0.75
+    assert job.deepspeed.zero_stage == 3 and job.schedule.sampler == "independent_rank"
+    with pytest.raises(ConfigError, match=r"zero_stage=3 .* use model.kv_training=same_pass") as err:
+        load_job(JOB, ["parallel=single", "engine=deepspeed", "deepspeed.zero_stage=3", "model.kv_training=last_loop"])
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"offload_optimizer=nvme .* use deepspeed.offload_optimizer=cpu"):
+        load_job(JOB, ["parallel=single", "engine=deepspeed", "deepspeed.zero_stage=3", "deepspeed.nvme_path=/tmp",
+                       "deepspeed.offload_optimizer=nvme"])
+    job = load_job(JOB, ["parallel=single", "engine=deepspeed", "deepspeed.zero_stage=3", "model.kv_training=last_loop",
+                         "schedule.switch_at=1.0", "schedule.sampler=fixed"])
+    assert ds_config(job, dp_size=2)["zero_optimization"]["stage3_param_persistence_threshold"] == 100_000
 
 
 @pytest.mark.parametrize(

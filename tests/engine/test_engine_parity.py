@@ -31,21 +31,34 @@ DEPTH = {
                      "model.route_replay=true"],
 }
 TOLERANCE = 1e-5
+# ZeRO-3 at mixed depth: every parameter partitioned (none kept whole below DeepSpeed's 1e5-element default, which
+# on this model would be all of them), so each module call gathers over the ranks and ghost passes must pair up
+ZERO3 = ["engine=deepspeed", "deepspeed.zero_stage=3", "deepspeed.param_persistence_threshold=0"]
+ENGINES = {"megatron": ["engine=megatron"], "deepspeed": ["engine=deepspeed"]}
 
 
 @pytest.mark.parametrize("depth", ["fixed", "mixed", "mixed-replay"])
 def test_both_engines_give_the_same_losses(tmp_path: Path, depth: str) -> None:
     runs = {}
-    for engine in ("megatron", "deepspeed"):
-        train(tmp_path / engine, 2, f"engine={engine}", *STEPS, *DEPTH[depth])
-        runs[engine] = history(tmp_path / engine)
-    mega, ds = runs["megatron"], runs["deepspeed"]
-    assert len(mega) == len(ds) == 20
-    worst = max(abs(a["loss"] - b["loss"]) for a, b in zip(mega, ds))
-    print(f"{depth}: worst per-step |Δloss| over 20 steps = {worst:.2e}")
-    for a, b in zip(mega, ds):
-        assert b["loss"] == pytest.approx(a["loss"], abs=TOLERANCE), (a["step"], a["loss"], b["loss"])
-        assert a["loss_by_loops"].keys() == b["loss_by_loops"].keys()  # the same ℓ drawn on both engines
-    if depth.startswith("mixed"):  # the ranks really ran different depths inside updates
-        assert any(h.get("depth_efficiency", 1.0) < 1.0 or len(h["loss_by_loops"]) > 1 for h in ds)
+    engines = {**ENGINES, "zero3": ZERO3} if depth == "mixed" else ENGINES
+    for name, engine in engines.items():
+        train(tmp_path / name, 2, *engine, *STEPS, *DEPTH[depth])
+        runs[name] = history(tmp_path / name)
+    mega = runs["megatron"]
+    for name in engines.keys() - {"megatron"}:
+        ds = runs[name]
+        assert len(mega) == len(ds) == 20
+        worst = max(abs(a["loss"] - b["loss"]) for a, b in zip(mega, ds))
+        print(f"{depth} {name}: worst per-step |Δloss| over 20 steps = {worst:.2e}")
+        for a, b in zip(mega, ds):
+            assert b["loss"] == pytest.approx(a["loss"], abs=TOLERANCE), (name, a["step"], a["loss"], b["loss"])
+            assert a["loss_by_loops"].keys() == b["loss_by_loops"].keys()  # the same ℓ drawn on both engines
+        if depth.startswith("mixed"):  # the ranks really ran different depths inside updates
+            assert any(h.get("depth_efficiency", 1.0) < 1.0 or len(h["loss_by_loops"]) > 1 for h in ds)
     assert (tmp_path / "deepspeed" / "deepspeed_config.json").is_file()
+    if "zero3" in runs:  # every replica ran each micro-batch to the deepest ℓ: ghost passes executed, not useful
+        for h in runs["zero3"]:  # one micro-batch per replica: useful (ℓ0 + ℓ1) / executed 2 max ℓ
+            drawn = sorted(int(k) for k in h["loss_by_loops"])  # the two replicas' ℓ (one key when they drew the same)
+            assert h["depth_efficiency"] == pytest.approx((drawn[0] + drawn[-1]) / (2 * drawn[-1])), h
+            assert h["depth_balance"] == 1.0, h
+        assert any(h["depth_efficiency"] < 1.0 for h in runs["zero3"])

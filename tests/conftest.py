@@ -16,6 +16,32 @@ VENV_BIN = Path(sys.executable).parent
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true",
+                     help="also run the tests marked `long` (end-to-end variants beyond CI's time budget)")  # fmt: skip
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the ``long`` tests unless ``--long`` is given (or ``-m`` names the marker): the default run is
+    CI's, which has to fit its time budget (docs/testing.md)."""
+    if config.getoption("--long") or "long" in (config.getoption("-m") or ""):
+        return
+    long = [item for item in items if item.get_closest_marker("long")]
+    if long:
+        config.hook.pytest_deselected(items=long)
+        items[:] = [item for item in items if not item.get_closest_marker("long")]
+        config.stash[_LONG] = len(long)
+
+
+_LONG = pytest.StashKey[int]()
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
+    if n := config.stash.get(_LONG, 0):
+        terminalreporter.write_line(f"{n} long tests deselected: run them with `bash scripts/test.sh --long` "
+                                    "(docs/testing.md)")  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def mesh1():
     """A 1-process megatron mesh (gloo), torn down at the end of the session."""

@@ -16,7 +16,8 @@ import pytest
 from elastic_pretrain.checkpoint.store import COMMIT_FILE, crc32_file
 from tests.checkpoint.runs import train
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prepared"), pytest.mark.timeout(1800)]
+# long: the same launcher and message path is in CI on two Slurm nodes (tests/slurm/test_real_trainer.py)
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.usefixtures("prepared"), pytest.mark.timeout(1800)]
 
 
 def _one_error_line(stderr: str) -> str:

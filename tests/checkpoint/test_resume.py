@@ -15,7 +15,8 @@ from elastic_pretrain.checkpoint.store import FAULT_ENV
 from tests.checkpoint.runs import CLI, differing, history, tensors, train
 from tests.conftest import REPO
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("prepared"), pytest.mark.timeout(1800)]
+# long: bitwise resume is in CI through test_crash.py, test_late_switch.py and the Slurm preemption test
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.usefixtures("prepared"), pytest.mark.timeout(1800)]
 STEPS = 6
 
 

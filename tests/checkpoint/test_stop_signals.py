@@ -35,6 +35,7 @@ def test_stop_reason_words(signums: list[int], reason: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long  # three 2-rank starts; a signalled stop is in CI through tests/slurm/ and test_stopped_marker.py
 @pytest.mark.usefixtures("prepared")
 @pytest.mark.timeout(2400)
 def test_stop_messages_name_the_signal_and_the_rank(tmp_path: Path) -> None:

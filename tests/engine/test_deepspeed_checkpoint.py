@@ -42,7 +42,7 @@ def ds_tensors(step: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.long), 2])  # 2 ranks in CI, 1 with --long
 def test_zero3_resume_is_bitwise(tmp_path: Path, nproc: int) -> None:
     straight, split = tmp_path / "straight", tmp_path / "split"
     train(straight, nproc, *ZERO3)

@@ -37,7 +37,9 @@ ZERO3 = ["engine=deepspeed", "deepspeed.zero_stage=3", "deepspeed.param_persiste
 ENGINES = {"megatron": ["engine=megatron"], "deepspeed": ["engine=deepspeed"]}
 
 
-@pytest.mark.parametrize("depth", ["fixed", "mixed", "mixed-replay"])
+# CI runs mixed depth (megatron, ZeRO-2, ZeRO-3); fixed depth and route replay are --long
+@pytest.mark.parametrize("depth", [pytest.param("fixed", marks=pytest.mark.long), "mixed",
+                                   pytest.param("mixed-replay", marks=pytest.mark.long)])
 def test_both_engines_give_the_same_losses(tmp_path: Path, depth: str) -> None:
     runs = {}
     engines = {**ENGINES, "zero3": ZERO3} if depth == "mixed" else ENGINES

@@ -35,19 +35,28 @@ def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     return proc
 
 
-@pytest.fixture(scope="module")
-def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
-    """{layout: (run directory, export folder)}."""
-    cli("prepare-data", "stdlib-code")
-    root = tmp_path_factory.mktemp("export-runs")
-    out = {}
-    for name, layout in LAYOUTS.items():
-        cli("train", "jobs/tiny-cpu.yaml", "--run-dir", str(root / name), *layout, "train.steps=2",
+class Exported(dict[str, tuple[Path, Path]]):
+    """{layout: (run directory, export folder)}, each trained and exported when first asked for (the
+    ``long`` layouts only run with ``--long``)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    def __missing__(self, name: str) -> tuple[Path, Path]:
+        run, hf = self.root / name, self.root / f"{name}-hf"
+        cli("train", "jobs/tiny-cpu.yaml", "--run-dir", str(run), *LAYOUTS[name], "train.steps=2",
             "train.warmup_steps=1", "train.eval_sequences=4", "train.eval_interval=0",
             "tracking.backend=none")  # fmt: skip
-        cli("export", str(root / name), str(root / f"{name}-hf"), "--format", "hf")
-        out[name] = (root / name, root / f"{name}-hf")
-    return out
+        cli("export", str(run), str(hf), "--format", "hf")
+        self[name] = (run, hf)
+        return run, hf
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
+    cli("prepare-data", "stdlib-code")
+    return Exported(tmp_path_factory.mktemp("export-runs"))
 
 
 def load_hf(path: Path) -> Any:
@@ -59,7 +68,8 @@ def load_hf(path: Path) -> Any:
     return AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=True).eval()
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# TP=2 reshards like EP=2 does (tests/checkpoint/test_reshard.py covers TP on its own): a long test
+@pytest.mark.parametrize("layout", [pytest.param(n, marks=pytest.mark.long) if n == "tp2" else n for n in LAYOUTS])
 def test_export_equals_the_checkpoint(exported, layout: str, mesh1, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
@@ -109,6 +119,7 @@ def test_generate_equals_the_cli(exported) -> None:
         assert proc.stdout.startswith(tok.decode(tokens[0].tolist()) + "\n\n["), proc.stdout[:200]
 
 
+@pytest.mark.long  # lm-eval's scores are checked in-process by tests/export/test_lm_eval.py
 def test_lm_eval_command_on_a_checkpoint(exported, mesh1, tmp_path: Path) -> None:
     """The CLI exports the checkpoint on the fly, runs the local task at ℓ = 1, 2, 4 offline and writes
     one table; its acc equals the project model's own choice of the most likely continuation."""

@@ -104,6 +104,7 @@ def test_train_eval_and_checkpoints_pass_strict_mode_at_world_size_2(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.long  # strict mode at EP=2 (above) stays in CI
 def test_pipeline_passes_strict_mode_at_world_size_2(tmp_path):
     """The same under pipeline parallelism (PP=2): point-to-point activations, the pipeline's evaluation."""
     cli = str(VENV_BIN / "elastic-pretrain")

@@ -38,7 +38,8 @@ from elastic_pretrain.launch.slurm import query_job
 from elastic_pretrain.rundir import RunFiles
 from tests.checkpoint.runs import COMMON, history, train
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(1500)]
+# long: 5-10 min of one scenario (a node kill, Slurm noticing it, the requeue, the revival) beyond the CI budget
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(1500)]
 
 STEPS = 20
 INTERVAL = 4

@@ -286,7 +286,7 @@ class IterationDecider(nn.Module):
 class _Embedding(nn.Module):
     def __init__(self, cfg: ElasticLoopedConfig) -> None:
         super().__init__()
-        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.word_embeddings: nn.Module = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
 
 
 class ElasticLoopedPreTrainedModel(PreTrainedModel):
@@ -448,7 +448,7 @@ class ElasticLoopedForCausalLM(ElasticLoopedPreTrainedModel, GenerationMixin):  
     def __init__(self, config: ElasticLoopedConfig) -> None:
         super().__init__(config)
         self.model = ElasticLoopedModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head: nn.Module = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Module:

@@ -11,8 +11,10 @@ step, an extra exit runs its head mid-pipeline before a last micro-batch without
   stock                       (ep2 only) megatron's own overlap_grad_reduce on the same steps: the evidence
 
 for recompute none and pass. ep2: expert parallel 2 (both replicas one EP group, ghost passes),
-distributed optimizer off, so every reduced gradient is compared; pp2: 2 pipeline stages (virtual
-chunks, one DDP per stage), distributed optimizer on (reduce-scatter). Writes per run the per-step
+distributed optimizer off, so every reduced gradient is compared, and once more with it on
+(``none-*-distopt``: reduce-scatter into shards whose layout follows the buckets, so parameters and
+losses are compared); pp2: 2 pipeline stages (virtual chunks, one DDP per stage), distributed
+optimizer on. Writes per run the per-step
 losses, gradient norms, reduced gradients (ep2), buckets started during backward, final parameters,
 or the error.
 """
@@ -61,16 +63,15 @@ def plans(s: int, replica: int, layout: str) -> list[DepthPlan]:
     return [DepthPlan(ell, exits, group_loops=g) for (ell, exits), g in zip(mine, group)]
 
 
-def run(layout: str, recompute: str, grad_reduce: str, out: Path) -> None:
-    name = f"{recompute}-{grad_reduce}"
+def run(layout: str, recompute: str, grad_reduce: str, out: Path, *, distributed: bool) -> None:
+    name = f"{recompute}-{grad_reduce}" + ("-distopt" if distributed and layout == "ep2" else "")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=f"file://{out}/store_{name}", rank=rank, world_size=world)
     par = LAYOUTS[layout]
     mesh = init_mesh(par, seed=21)
     torch.set_num_threads(1)
     net = build_model(MODEL, par, recompute=recompute)  # type: ignore[arg-type]
-    net.conditioning_active = True  # the loop-count heads: used at ℓ < L_max only
-    distributed = layout == "pp2"
+    net.conditioning_active = True  # the loop-count heads (of the mixed phase)
     if grad_reduce == "stock":  # megatron's overlap_grad_reduce with its own bucket bookkeeping
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -117,6 +118,8 @@ if __name__ == "__main__":
     which, out_dir = sys.argv[1], Path(sys.argv[2])
     for recompute in ("none", "pass"):
         for grad_reduce in ("after_backward", "overlap"):
-            run(which, recompute, grad_reduce, out_dir)
+            run(which, recompute, grad_reduce, out_dir, distributed=which == "pp2")
     if which == "ep2":
-        run(which, "none", "stock", out_dir)
+        for grad_reduce in ("after_backward", "overlap"):  # the default optimizer: reduce-scatter
+            run(which, "none", grad_reduce, out_dir, distributed=True)
+        run(which, "none", "stock", out_dir, distributed=False)

@@ -2,12 +2,13 @@
 
 One 2-process launch per layout (tests/dist/overlap_grads.py): 3 optimizer steps through ``TrainStep``
 with ℓ and exits changing between micro-batches, replicas and steps (the last micro-batch's ℓ included;
-pass 3 unused for a whole step), at ``train.recompute`` none and pass, small buckets so that each process
-group has several and their issue order matters. Losses, gradient norms and final parameters (and at EP
-= 2 every reduced gradient of every step) must equal the after-backward reduction bitwise, and every
-bucket must have started before ``finish_grad_sync`` (the reduction did overlap). At EP = 2 megatron's own
-``overlap_grad_reduce`` runs the same steps and stops at its first-step hook-count assertion: the
-reason for parallel/overlap.py (if a megatron upgrade fixes it, revisit that module).
+pass 3 unused for a whole step), at ``train.recompute`` none and pass, small buckets so that each
+process group has several and their issue order matters. Losses and final parameters must equal the
+after-backward reduction bitwise — at EP = 2 with the distributed optimizer off also the gradient
+norms and every reduced gradient of every step, and once more with it on (reduce-scatter) — and
+every bucket must have started before ``finish_grad_sync`` (the reduction did overlap). At EP = 2
+megatron's own ``overlap_grad_reduce`` runs the same steps and stops at its first-step hook-count
+assertion: the reason for parallel/overlap.py (if a megatron upgrade fixes it, revisit that module).
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from tests.conftest import REPO, torchrun
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def _compare(out, layout: str, rank: int, recompute: str, grads: bool) -> None:
-    off = torch.load(out / f"{layout}_{recompute}-after_backward_rank{rank}.pt", weights_only=True)
-    on = torch.load(out / f"{layout}_{recompute}-overlap_rank{rank}.pt", weights_only=True)
+def _compare(out, layout: str, rank: int, recompute: str, grads: bool, suffix: str = "") -> None:
+    off = torch.load(out / f"{layout}_{recompute}-after_backward{suffix}_rank{rank}.pt", weights_only=True)
+    on = torch.load(out / f"{layout}_{recompute}-overlap{suffix}_rank{rank}.pt", weights_only=True)
     assert off["error"] is None and on["error"] is None, on["error"] or off["error"]
-    assert len(on["loss"]) == 3 and on["loss"] == off["loss"] and on["grad_norm"] == off["grad_norm"]
+    assert len(on["loss"]) == 3 and on["loss"] == off["loss"]
+    # the distributed optimizer's norm sums per-shard fp32 squares, and its shards follow the buckets
+    # (megatron's single bucket without overlap): equal up to fp32 summation order, as is all it logs
+    torch.testing.assert_close(on["grad_norm"], off["grad_norm"], rtol=0 if grads else 1e-6, atol=0)
     assert on["buckets"] > 0 and on["overlapped"] == [on["buckets"]] * 3  # all started during backward
     for name, want in off["params"].items():
         torch.testing.assert_close(on["params"][name], want, rtol=0, atol=0, msg=name)
@@ -40,6 +44,7 @@ def test_overlapped_reduction_equals_the_reduction_after_backward_at_ep2(tmp_pat
     for rank in range(2):
         for recompute in ("none", "pass"):
             _compare(tmp_path, "ep2", rank, recompute, grads=True)
+        _compare(tmp_path, "ep2", rank, "none", grads=False, suffix="-distopt")  # reduce-scatter
         on = torch.load(tmp_path / f"ep2_none-overlap_rank{rank}.pt", weights_only=True)
         assert on["buckets"] >= 8  # several buckets per process group: the issue order was exercised
         stock = torch.load(tmp_path / f"ep2_none-stock_rank{rank}.pt", weights_only=True)

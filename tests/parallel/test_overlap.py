@@ -12,6 +12,7 @@ import re
 
 import pytest
 import torch
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from elastic_pretrain.config import ConfigError
@@ -20,6 +21,7 @@ from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import ParallelConfig
 from elastic_pretrain.parallel.overlap import DepthOverlapDDP, overlapped_step
 from elastic_pretrain.train.schedule import DepthPlan
+from elastic_pretrain.train.session import wrap_ddp
 from elastic_pretrain.train.step import MicroBatch, _forward_step
 from tests.conftest import REPO
 from tests.dist.equivalence import wrap_ddp_for_test
@@ -69,9 +71,11 @@ def test_a_gradient_after_its_bucket_started_is_refused(mesh1):
     model.finish_grad_sync()
 
 
-def test_grad_reduce_option():
+def test_grad_reduce_option(mesh1):
     base = REPO / "jobs" / "tiny-cpu.yaml"
+    for value, ddp_class in (("after_backward", DistributedDataParallel), ("overlap", DepthOverlapDDP)):
+        job = load_job(base, ["parallel=single", f"parallel.grad_reduce={value}"])
+        assert type(wrap_ddp(job, build_model(job.model, job.parallel))) is ddp_class
     assert load_job(base).parallel.grad_reduce == "after_backward"
-    assert load_job(base, ["parallel.grad_reduce=overlap"]).parallel.grad_reduce == "overlap"
     with pytest.raises(ConfigError, match=r"parallel\.grad_reduce=overlap drives megatron's gradient buckets"):
         load_job(base, ["engine=deepspeed", "parallel=single", "parallel.grad_reduce=overlap"])

@@ -8,6 +8,7 @@ already started raises; the job option and its refusal.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -30,9 +31,9 @@ from tests.dist.overlap_grads import MODEL
 PLANS = [[(3, (3,)), (1, (1,)), (2, (1, 2))], [(1, (1,)), (2, (2,)), (1, (1,))]]  # per step: (ℓ, exits)
 
 
-@pytest.mark.parametrize("recompute", ["none", "pass"])
-def test_expected_hooks_equal_the_hooks_that_fire(mesh1, recompute):
-    net = build_model(MODEL, ParallelConfig(), recompute=recompute)
+@pytest.mark.parametrize(("recompute", "replay"), [("none", False), ("pass", False), ("pass", True)])
+def test_expected_hooks_equal_the_hooks_that_fire(mesh1, recompute, replay):
+    net = build_model(dataclasses.replace(MODEL, route_replay=replay), ParallelConfig(), recompute=recompute)
     net.conditioning_active = True
     model = wrap_ddp_for_test(net, grad_reduce="overlap", bucket_size=4000)
     assert isinstance(model, DepthOverlapDDP)

@@ -10,7 +10,7 @@ step, an extra exit runs its head mid-pipeline before a last micro-batch without
   <recompute>-overlap         DepthOverlapDDP, small buckets (many per process group, so issue order matters)
   stock                       (ep2 only) megatron's own overlap_grad_reduce on the same steps: the evidence
 
-for recompute none and pass. ep2: expert parallel 2 (both replicas one EP group, ghost passes),
+for recompute none, and pass with route replay. ep2: expert parallel 2 (both replicas one EP group, ghost passes),
 distributed optimizer off, so every reduced gradient is compared, and once more with it on
 (``none-*-distopt``: reduce-scatter into shards whose layout follows the buckets, so parameters and
 losses are compared); pp2: 2 pipeline stages (virtual chunks, one DDP per stage), distributed
@@ -21,6 +21,7 @@ or the error.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import traceback
@@ -70,7 +71,8 @@ def run(layout: str, recompute: str, grad_reduce: str, out: Path, *, distributed
     par = LAYOUTS[layout]
     mesh = init_mesh(par, seed=21)
     torch.set_num_threads(1)
-    net = build_model(MODEL, par, recompute=recompute)  # type: ignore[arg-type]
+    cfg = dataclasses.replace(MODEL, route_replay=recompute == "pass")  # replay: router weight used functionally
+    net = build_model(cfg, par, recompute=recompute)  # type: ignore[arg-type]
     net.conditioning_active = True  # the loop-count heads (of the mixed phase)
     if grad_reduce == "stock":  # megatron's overlap_grad_reduce with its own bucket bookkeeping
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig

@@ -31,9 +31,11 @@ from tests.dist.overlap_grads import MODEL
 PLANS = [[(3, (3,)), (1, (1,)), (2, (1, 2))], [(1, (1,)), (2, (2,)), (1, (1,))]]  # per step: (ℓ, exits)
 
 
-@pytest.mark.parametrize(("recompute", "replay"), [("none", False), ("pass", False), ("pass", True)])
+@pytest.mark.parametrize(("recompute", "replay"), [("none", None), ("pass", None), ("pass", "dispatch"),
+                                                  ("none", "router")])
 def test_expected_hooks_equal_the_hooks_that_fire(mesh1, recompute, replay):
-    net = build_model(dataclasses.replace(MODEL, route_replay=replay), ParallelConfig(), recompute=recompute)
+    cfg = dataclasses.replace(MODEL, route_replay=replay is not None, route_replay_impl=replay or "dispatch")
+    net = build_model(cfg, ParallelConfig(), recompute=recompute)
     net.conditioning_active = True
     model = wrap_ddp_for_test(net, grad_reduce="overlap", bucket_size=4000)
     assert isinstance(model, DepthOverlapDDP)

@@ -2,7 +2,7 @@
 
 One 2-process launch per layout (tests/dist/overlap_grads.py): 3 optimizer steps through ``TrainStep``
 with ℓ and exits changing between micro-batches, replicas and steps (the last micro-batch's ℓ included;
-pass 3 unused for a whole step), at ``train.recompute`` none and pass, small buckets so that each
+pass 3 unused for a whole step), at ``train.recompute`` none and pass (with route replay), small buckets so that each
 process group has several and their issue order matters. Losses and final parameters must equal the
 after-backward reduction bitwise — at EP = 2 with the distributed optimizer off also the gradient
 norms and every reduced gradient of every step, and once more with it on (reduce-scatter) — and

@@ -27,9 +27,10 @@ starts, with a :class:`GradLedger`:
    is left, in the same order, then waits for all.
 
 Counting may only err late: a use outside a counted context (a parameter read without its module's
-forward) would make a bucket start before its last gradient, so a hook on a bucket already started
-raises instead of reducing a partial gradient. A count too high only delays that bucket (and the ones
-after it) to ``finish_grad_sync``. Applies on CPU and GPU alike (unlike ``parallel/cpu_compat.py``).
+forward) could make a bucket start before its last gradient. A forward precedes its backward, so a
+correct count is never behind the hooks: a hook beyond the count raises (whether or not the bucket
+had started) instead of risking a partial reduction. A count too high only delays that bucket (and the
+ones after it) to ``finish_grad_sync``. Applies on CPU and GPU alike (unlike ``parallel/cpu_compat.py``).
 """
 
 from __future__ import annotations
@@ -123,13 +124,15 @@ class GradLedger:
         if not self.in_step:
             return
         lane, k = self.where[param]
-        if k < self.started[lane]:
+        self.fired[param] += 1
+        # a forward always precedes its backward, so a correct count is never behind the hooks
+        if self.fired[param] > self.expected[param]:
             raise RuntimeError(
-                f"parallel.grad_reduce=overlap: {self.names.get(param, '?')} got a gradient after its bucket's "
-                "reduction started (a use the ledger did not count, parallel/overlap.py); run with "
+                f"parallel.grad_reduce=overlap: {self.names.get(param, '?')} got {self.fired[param]} gradients, "
+                f"more than the {self.expected[param]} uses counted in this step's forwards (its bucket's "
+                "reduction may have started: parallel/overlap.py missed a use); run with "
                 "parallel.grad_reduce=after_backward and report it"
             )
-        self.fired[param] += 1
         if self.armed and self.fired[param] == self.expected[param]:
             self.open[lane][k] -= 1
             self._start_ready(lane)

@@ -108,7 +108,9 @@ def run(layout: str, recompute: str, grad_reduce: str, out: Path, *, distributed
                 result["grads"].append({n: p.main_grad.detach().clone() for n, p in net.named_parameters()})
             if isinstance(model, DepthOverlapDDP):
                 result["overlapped"].append(model.ledger.overlapped)
-    except Exception:  # the evidence of the stock path; any other run must not get here
+    except Exception:  # the evidence of the stock path (both ranks stop at zero_grad_buffer, no collective)
+        if grad_reduce != "stock":
+            raise  # this rank dies, torchrun ends its peer (which may be waiting in a collective)
         result["error"] = traceback.format_exc(limit=4)
     result["params"] = {n: p.detach().clone() for n, p in net.named_parameters()}
     torch.save(result, out / f"{layout}_{name}_rank{mesh.rank}.pt")

@@ -59,7 +59,8 @@ class IterationDecider(torch.nn.Module):
         if not 0 <= pass_idx < self.max_loops:
             raise ValueError(f"pass_idx {pass_idx} outside [0, {self.max_loops})")
         z = torch.cat([self.norm_h(h_SBD.float()), self.norm_e(emb_SBD.float())], dim=-1)
-        z = F.silu(self.fc1(z) + self.pass_emb.weight[pass_idx])
+        # a call of pass_emb, not an index into its weight: parallel/overlap.py counts uses by module calls
+        z = F.silu(self.fc1(z) + self.pass_emb(torch.tensor(pass_idx, device=z.device)))
         return self.fc2(z)[..., 0]
 
     def continue_prob(self, h_SBD: Tensor, emb_SBD: Tensor, pass_idx: int) -> Tensor:

@@ -37,7 +37,7 @@ from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.model.decider import DeciderConfig, IterationDecider, PerTokenRun, run_per_token
 from elastic_pretrain.model.kv_training import FinalKV, mixed_attention, project_kv
 from elastic_pretrain.model.layer_list import LayerList
-from elastic_pretrain.model.recompute import checkpoint_pass
+from elastic_pretrain.model.recompute import checkpoint_pass, checkpoint_scope
 from elastic_pretrain.model.replay_dispatch import check_replayable, moe_forward
 from elastic_pretrain.model.routing import RoutingProbe
 
@@ -559,11 +559,12 @@ class LoopedMoEModel(LanguageModule):
             calls += 1
             return body(*args, recomputing=calls > 1)
 
-        if self.config.fp8:
-            from megatron.core.extensions.transformer_engine import te_checkpoint
+        with checkpoint_scope():  # its backward is a backward call of its own (parallel/overlap.py counts them)
+            if self.config.fp8:
+                from megatron.core.extensions.transformer_engine import te_checkpoint
 
-            return te_checkpoint(run, False, tensor_parallel.get_cuda_rng_tracker, None, *tensors)
-        return checkpoint_pass(run, *tensors)
+                return te_checkpoint(run, False, tensor_parallel.get_cuda_rng_tracker, None, *tensors)
+            return checkpoint_pass(run, *tensors)
 
     def _head_states(self, h_TBD: Tensor, rope: Tensor, kv: FinalKV | None = None) -> Tensor:
         """Coda and final norm. ``kv`` (``kv_training: last_loop``): while capturing, keep each coda layer's

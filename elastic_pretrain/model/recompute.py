@@ -11,7 +11,8 @@ expert-parallel group, ghosts included.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -62,3 +63,25 @@ class PassCheckpoint(torch.autograd.Function):
 
 def checkpoint_pass(run: Callable[..., Tensor], *tensors: Tensor) -> Tensor:
     return PassCheckpoint.apply(run, *tensors)
+
+
+_scope: list[int] = [0, 0]  # [the scope now open (0: none), the last scope number handed out]
+
+
+@contextlib.contextmanager
+def checkpoint_scope() -> Iterator[None]:
+    """Marks the forward of one checkpointed (reentrant) pass: its backward re-runs it in a backward call
+    of its own, so each parameter it uses gets one more gradient-ready hook than the outer graph gives.
+    ``parallel/overlap.py`` counts the uses inside a scope per scope (:func:`current_scope`)."""
+    outer = _scope[0]
+    _scope[1] += 1
+    _scope[0] = _scope[1]
+    try:
+        yield
+    finally:
+        _scope[0] = outer
+
+
+def current_scope() -> int:
+    """The checkpoint scope whose forward is running (0: none)."""
+    return _scope[0]

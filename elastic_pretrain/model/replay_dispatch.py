@@ -140,6 +140,8 @@ def _replay_preprocess(moe: Any, x_TBD: Tensor, rec: RouteRecord, *, exchange_co
     if x_ND.shape[0] != rec.topk_NK.shape[0]:
         raise RuntimeError(f"route replay: {x_ND.shape[0]} tokens, but pass 0 routed {rec.topk_NK.shape[0]}")
     x_ND = router.apply_input_jitter(x_ND)
+    for pre_hook in list(router._forward_pre_hooks.values()):  # a router call for them: the gradient
+        pre_hook(router, (x_ND,))  # ledger (parallel/overlap.py) counts the router weight's uses by these
     logits_NE = router.gating(x_ND)
     if router_losses:  # pass 0 re-run in backward: its z-loss and load-balancing loss, as megatron's routing
         logits_NE = router.apply_z_loss(logits_NE)

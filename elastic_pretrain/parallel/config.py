@@ -21,6 +21,12 @@ class ParallelConfig:
     backend: Literal["auto", "gloo", "nccl"] = field(
         "auto", doc="torch.distributed backend; 'auto' = nccl with CUDA, gloo without."
     )
+    grad_reduce: Literal["after_backward", "overlap"] = field(
+        "after_backward",
+        doc="Data-parallel gradient reduction: one reduction after backward, or 'overlap' — each bucket's "
+        "reduction starts during backward once its gradients are final, under any mix of loop counts "
+        "(megatron engine; docs/elastic-depth.md).",
+    )
     timeout_minutes: int = field(10, doc="Collective timeout; a hang fails after this long instead of forever.")
 
     def __post_init__(self) -> None:

@@ -19,6 +19,7 @@ from elastic_pretrain.job import JobConfig
 from elastic_pretrain.model.looped import LoopedMoEModel
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import Mesh, expert_layout
+from elastic_pretrain.parallel.overlap import DepthOverlapDDP
 from elastic_pretrain.parallel.pipeline import Pipeline, check_micro_batches
 from elastic_pretrain.train.decider import DeciderStep, freeze_backbone
 from elastic_pretrain.train.schedule import ExpertLayout, ScheduleController
@@ -159,16 +160,19 @@ def per_token_loss(net: LoopedMoEModel) -> None:
             module.calculate_per_token_loss = True
 
 
-def wrap_ddp(job: JobConfig, net: LoopedMoEModel) -> DistributedDataParallel:
+def wrap_ddp(job: JobConfig, net: LoopedMoEModel, *, bucket_size: int | None = None) -> DistributedDataParallel:
+    """megatron's DDP over ``net`` (``bucket_size``: parameters per bucket, megatron's default when None)."""
     if job.schedule.balance == "compute":  # replicas run different micro-batch counts
         per_token_loss(net)
-    # overlap_grad_reduce stays off: megatron fires a bucket's reduction when the last micro-batch's
-    # hook counts equal the first step's, and mixed depth changes which parameters get a gradient
-    # (tests/train/test_overlap_grad_reduce.py; docs/elastic-depth.md, "Gradient-reduction overlap")
+    # parallel.grad_reduce=overlap: megatron's overlapped reduction with buckets started by our ledger, not by
+    # megatron's first-step hook counts, which mixed depth breaks (parallel/overlap.py; docs/elastic-depth.md)
+    overlap = job.parallel.grad_reduce == "overlap"
     ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=job.train.distributed_optimizer,
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap, bucket_size=bucket_size,
+        use_distributed_optimizer=job.train.distributed_optimizer,
     )
-    model = DistributedDataParallel(config=net.config, ddp_config=ddp_cfg, module=net)
+    ddp_class = DepthOverlapDDP if overlap else DistributedDataParallel
+    model = ddp_class(config=net.config, ddp_config=ddp_cfg, module=net)
     net.config.finalize_model_grads_func = finalize_model_grads
     net.config.no_sync_func = model.no_sync
     return model

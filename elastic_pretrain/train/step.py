@@ -28,6 +28,7 @@ from elastic_pretrain.parallel.mesh import (
     expert_group_max_each,
     pipeline_group,
 )
+from elastic_pretrain.parallel.overlap import overlapped_step
 from elastic_pretrain.parallel.pipeline import AttachLoss, PassChunk, Pipeline
 from elastic_pretrain.tracking import names
 from elastic_pretrain.train.faults import guarded_step
@@ -171,11 +172,12 @@ class TrainStep:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         if self.pipeline is None:
-            reports = self.forward_backward(
-                forward_step_func=self.forward_step, data_iterator=iter(micro_batches), model=[self.model],
-                num_microbatches=len(micro_batches), seq_length=self.seq_len, micro_batch_size=self.micro_batch_size,
-                forward_only=False,
-            )
+            with overlapped_step(self.model, self.forward_step, len(micro_batches)) as forward_step:
+                reports = self.forward_backward(
+                    forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
+                    num_microbatches=len(micro_batches), seq_length=self.seq_len,
+                    micro_batch_size=self.micro_batch_size, forward_only=False,
+                )
         else:
             reports = run_pipeline(self.pipeline, micro_batches, seq_len=self.seq_len, training=True)
         loss, by_loops, extra = self.reduce(reports)
@@ -246,5 +248,9 @@ def run_pipeline(pipeline: Pipeline, micro_batches: list[MicroBatch], *, seq_len
     grad_scale = pipeline.config.grad_scale_func
     loss_scale = float(grad_scale(torch.ones(1, device=device()))) if grad_scale is not None and training else 1.0
     forward = _ChunkForward(sync, loss_scale=loss_scale / len(micro_batches), training=training)
-    return pipeline.run(forward, micro_batches, seq_length=seq_len,
-                        micro_batch_size=micro_batches[0].tokens_BT1.shape[0], forward_only=not training)
+    if not training:
+        return pipeline.run(forward, micro_batches, seq_length=seq_len,
+                            micro_batch_size=micro_batches[0].tokens_BT1.shape[0], forward_only=True)
+    with overlapped_step(pipeline.ddp, forward, len(micro_batches) * len(pipeline.chunks)) as forward_step:
+        return pipeline.run(forward_step, micro_batches, seq_length=seq_len,
+                            micro_batch_size=micro_batches[0].tokens_BT1.shape[0], forward_only=False)

@@ -90,17 +90,23 @@ def main(mode: str, out: Path) -> None:
     teardown()
 
 
-def wrap_ddp_for_test(net, balance: str = "off"):
+def wrap_ddp_for_test(net, balance: str = "off", grad_reduce: str = "after_backward", bucket_size=None,
+                      distributed_optimizer: bool = False):
     class _Job:  # wrap_ddp reads only these
         class train:
-            distributed_optimizer = False
+            pass
 
         class schedule:
             pass
 
-    _Job.schedule.balance = balance  # type: ignore[attr-defined]
+        class parallel:
+            pass
 
-    return wrap_ddp(_Job, net)
+    _Job.train.distributed_optimizer = distributed_optimizer  # type: ignore[attr-defined]
+    _Job.schedule.balance = balance  # type: ignore[attr-defined]
+    _Job.parallel.grad_reduce = grad_reduce  # type: ignore[attr-defined]
+
+    return wrap_ddp(_Job, net, bucket_size=bucket_size)
 
 
 REF: dict[str, torch.Tensor] = {}

@@ -29,7 +29,7 @@ def _decider_tensors(step: Path, out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-@pytest.mark.long  # decider jobs train in CI through tests/experiments/test_decider_analysis.py and the 2-rank test below
+@pytest.mark.long  # decider jobs train in CI: tests/experiments/test_decider_analysis.py, the 2-rank test below
 def test_decider_job_trains_resumes_and_drives_eval_and_generate(run_dir: Path, tmp_path: Path, mesh1) -> None:
     run = tmp_path / "decider"
     first = cli("train", str(JOB), "--nproc-per-node", "2", "--run-dir", str(run), f"decider.init_from={run_dir}",

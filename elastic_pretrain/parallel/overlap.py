@@ -1,0 +1,203 @@
+"""Gradient reduction overlapped with backward under a changing loop count (``parallel.grad_reduce: overlap``).
+
+megatron-core 0.16.1's ``overlap_grad_reduce`` starts a bucket's all-reduce / reduce-scatter from the
+gradient-ready hooks of the step's *last* micro-batch, once every parameter of the bucket has had as
+many hooks as on the *first* step (its "golden" counts). Mixed depth breaks both assumptions: which
+parameters get a gradient, and how often, follows the micro-batch's ℓ (passes beyond ℓ leave their
+attention unused; ``train.recompute: pass`` re-runs each pass in a backward call of its own, one hook
+per pass for the shared experts and routers; an EP group's ghost passes touch the experts). It either
+stops at its first-step assertion or, worse, leaves one rank's bucket un-issued while its peers wait
+(tests/train/test_overlap_grad_reduce.py shows the stock behaviour).
+
+:class:`DepthOverlapDDP` keeps megatron's buffers, buckets and collectives and replaces *when* a bucket
+starts, with a :class:`GradLedger`:
+
+1. **Expected hooks, counted in the step's own forwards.** A hook fires once per parameter per backward
+   call that reaches it: one backward call per micro-batch (per pipeline chunk), plus one per
+   checkpointed pass (``model/recompute.py``, reentrant). A forward pre-hook on every module that owns
+   parameters records, per forward context (each ``forward_step`` call, each checkpoint scope), which
+   of them it used: a parameter's expected hooks are the number of contexts it was used in.
+2. **Armed after the step's last forward.** Only then is every context known (the pipeline schedule
+   interleaves forwards and backwards). A parameter is final once its hooks equal its expected count;
+   one never used this step is final at once.
+3. **A fixed issue order.** Collectives on a process group pair up by issue order, and ranks at
+   different ℓ finish buckets in different orders. Buckets of one group (dense; expert-parallel) start
+   strictly in megatron's bucket order (the reverse of the parameters, as backward reaches them):
+   bucket k starts when it and every bucket before it are final. ``finish_grad_sync`` starts whatever
+   is left, in the same order, then waits for all.
+
+Counting may only err late: a use outside a counted context (a parameter read without its module's
+forward) could make a bucket start before its last gradient. A forward precedes its backward, so a
+correct count is never behind the hooks: a hook beyond the count raises (whether or not the bucket
+had started) instead of risking a partial reduction. A count too high only delays that bucket (and the
+ones after it) to ``finish_grad_sync``. Applies on CPU and GPU alike (unlike ``parallel/cpu_compat.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+from elastic_pretrain.model.recompute import current_scope
+
+
+class GradLedger:
+    """Expected and received gradient-ready hooks of one step, and which buckets have started."""
+
+    def __init__(self, ddp: DistributedDataParallel) -> None:
+        self.ddp = ddp
+        # one lane per process group: the dense buckets and the expert-parallel ones, each in megatron's order
+        self.lanes: list[list[_ParamAndGradBucketGroup]] = [list(ddp.bucket_groups),
+                                                            list(ddp.expert_parallel_bucket_groups)]
+        self.where: dict[torch.nn.Parameter, tuple[int, int]] = {}
+        for lane, groups in enumerate(self.lanes):
+            for k, group in enumerate(groups):
+                for p in group.params:
+                    self.where[p] = (lane, k)
+        self.names = {p: n for n, p in ddp.module.named_parameters()}
+        self.in_step = False
+        self.overlapped = 0
+        self._reset(calls=0)
+        self._hooks = [m.register_forward_pre_hook(self._make_use_hook(owned))
+                       for m in ddp.module.modules()
+                       if (owned := tuple(p for p in m.parameters(recurse=False) if p in self.where))]
+
+    def _reset(self, calls: int) -> None:
+        self.calls_left = calls
+        self.armed = False
+        self.context = 0  # the forward_step call now running (0: none)
+        self.seen: set[tuple[int, int, int]] = set()  # (outer context, checkpoint scope, id(param))
+        self.expected: dict[torch.nn.Parameter, int] = dict.fromkeys(self.where, 0)
+        self.fired: dict[torch.nn.Parameter, int] = dict.fromkeys(self.where, 0)
+        self.open: list[list[int]] = [[0] * len(groups) for groups in self.lanes]  # params not final yet
+        self.started = [0] * len(self.lanes)  # buckets started, per lane (a prefix of its order)
+
+    def begin(self, calls: int) -> None:
+        """A new step whose schedule will call ``forward_step`` ``calls`` times (micro-batches × chunks)."""
+        self._reset(calls)
+        self.in_step = True
+
+    def watch(self, forward_step: Callable[..., Any]) -> Callable[..., Any]:
+        """``forward_step`` marking each call as a context of its own, arming after the last call."""
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.context += 1
+            try:
+                return forward_step(*args, **kwargs)
+            finally:
+                self.calls_left -= 1
+                if self.in_step and self.calls_left == 0:
+                    self.arm()
+
+        return counted
+
+    def _make_use_hook(self, owned: tuple[torch.nn.Parameter, ...]) -> Callable[..., None]:
+        def used(module: torch.nn.Module, args: Any) -> None:
+            if not self.in_step or self.armed or torch._C._current_graph_task_id() != -1:
+                return  # outside a step, or a checkpoint's re-run inside backward (counted at its forward)
+            scope = current_scope()
+            if scope == 0 and not torch.is_grad_enabled():
+                return  # a no-grad computation (routing probe, KV capture): builds no graph
+            for p in owned:
+                key = (self.context, scope, id(p))
+                if key not in self.seen:
+                    self.seen.add(key)
+                    self.expected[p] += 1
+
+        return used
+
+    def arm(self) -> None:
+        """Every context of the step is known: find the final parameters and start what may start."""
+        self.armed = True
+        for p, (lane, k) in self.where.items():
+            self.open[lane][k] += int(self.fired[p] < self.expected[p])
+        for lane in range(len(self.lanes)):
+            self._start_ready(lane)
+
+    def grad_ready(self, param: torch.nn.Parameter) -> None:
+        """Called from the gradient-ready hook, after the gradient went into ``main_grad``."""
+        if not self.in_step:
+            return
+        lane, k = self.where[param]
+        self.fired[param] += 1
+        # a forward always precedes its backward, so a correct count is never behind the hooks
+        if self.fired[param] > self.expected[param]:
+            raise RuntimeError(
+                f"parallel.grad_reduce=overlap: {self.names.get(param, '?')} got {self.fired[param]} gradients, "
+                f"more than the {self.expected[param]} uses counted in this step's forwards (its bucket's "
+                "reduction may have started: parallel/overlap.py missed a use); run with "
+                "parallel.grad_reduce=after_backward and report it"
+            )
+        if self.armed and self.fired[param] == self.expected[param]:
+            self.open[lane][k] -= 1
+            self._start_ready(lane)
+
+    def _start_ready(self, lane: int) -> None:
+        groups, open_ = self.lanes[lane], self.open[lane]
+        while self.started[lane] < len(groups) and open_[self.started[lane]] == 0:
+            groups[self.started[lane]].start_grad_sync(force_all_reduce=self.ddp.force_all_reduce)
+            self.started[lane] += 1
+
+    def finish(self, force_all_reduce: bool | None) -> None:
+        """Start every bucket not started yet (same order on every rank), then wait for all of them."""
+        self.overlapped = sum(self.started)  # started during backward (tests check that overlap happened)
+        for lane, groups in enumerate(self.lanes):
+            for group in groups[self.started[lane]:]:
+                group.start_grad_sync(force_all_reduce=force_all_reduce)
+            self.started[lane] = len(groups)
+        for groups in self.lanes:
+            for group in groups:
+                group.param_gather_dispatched = False
+                if group.grad_reduce_handle is not None:
+                    group.grad_reduce_handle.wait()
+                    group.grad_reduce_handle = None
+        self.in_step = False
+
+
+class DepthOverlapDDP(DistributedDataParallel):
+    """megatron's DDP with ``overlap_grad_reduce`` whose buckets start from a :class:`GradLedger`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not self.ddp_config.overlap_grad_reduce or self.ddp_config.num_distributed_optimizer_instances != 1:
+            raise ValueError("DepthOverlapDDP needs overlap_grad_reduce=True and one distributed-optimizer instance")
+        self.ledger = GradLedger(self)
+
+    def _make_backward_post_hook(self, param: torch.nn.Parameter) -> Callable[..., None]:
+        """megatron's hook (gradient into ``main_grad``), reporting to the ledger instead of the bucket's
+        golden counts."""
+
+        p: Any = param  # megatron's attributes: main_grad, grad_added_to_main_grad
+
+        def hook(*unused: Any) -> None:
+            if p not in self.param_to_bucket_group:
+                return
+            assert p.grad is not None, "param.grad being None is not safe when overlap_grad_reduce is True"
+            if not p.grad_added_to_main_grad or getattr(p, "zero_out_wgrad", False):
+                p.main_grad.add_(p.grad.data)
+            p.grad = None
+            self.ledger.grad_ready(p)
+
+        return hook
+
+    def start_grad_sync(self, *unused: Any) -> None:
+        raise RuntimeError("DepthOverlapDDP starts its buckets itself: leave config.grad_sync_func unset")
+
+    def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
+        self.ledger.finish(force_all_reduce)
+
+
+@contextlib.contextmanager
+def overlapped_step(model: Any, forward_step: Callable[..., Any], calls: int) -> Iterator[Callable[..., Any]]:
+    """The ``forward_step`` to hand the schedule: counted by ``model``'s ledger when it overlaps gradient
+    reduction (``calls``: forward_step calls of the step, micro-batches × pipeline chunks), else as is."""
+    if not isinstance(model, DepthOverlapDDP):
+        yield forward_step
+        return
+    model.ledger.begin(calls)
+    yield model.ledger.watch(forward_step)

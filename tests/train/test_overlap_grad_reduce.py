@@ -53,6 +53,7 @@ def test_overlapped_reduction_equals_the_reduction_after_backward_at_ep2(tmp_pat
         assert "AssertionError" in stock["error"] and "zero_grad_buffer" in stock["error"]
 
 
+@pytest.mark.long  # DP=1 here: the bucket schedule, not a reduction's arithmetic (EP=2 above is in CI)
 def test_overlapped_reduction_equals_the_reduction_after_backward_at_pp2(tmp_path):
     torchrun(REPO / "tests" / "dist" / "overlap_grads.py", "pp2", str(tmp_path), nproc=2, timeout=500,
              env={"PYTHONPATH": str(REPO)})

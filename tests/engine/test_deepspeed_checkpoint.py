@@ -1,13 +1,18 @@
 """DeepSpeed-engine checkpoints keep the project's guarantees: commit marker, ``latest``, retention, auto-resume,
-and a bitwise resume under ZeRO-3 at mixed depth at world size 1 and 2 (CLI runs of the tiny job on gloo)."""
+and a bitwise resume under ZeRO-3 at mixed depth at world size 1 and 2 (CLI runs of the tiny job on gloo); at
+world size 2 the first run is stopped by SIGTERM to one rank (the preemption path: save, exit 0, ``STOPPED``)."""
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
+from elastic_pretrain.rundir import RunFiles
+from tests.checkpoint.launch import Launch
 from tests.checkpoint.runs import history, train
 
 pytest.importorskip("deepspeed")
@@ -46,10 +51,22 @@ def ds_tensors(step: Path) -> dict[str, torch.Tensor]:
 def test_zero3_resume_is_bitwise(tmp_path: Path, nproc: int) -> None:
     straight, split = tmp_path / "straight", tmp_path / "split"
     train(straight, nproc, *ZERO3)
-    stopped = train(split, nproc, *ZERO3, "checkpoint.stop_at=2")
-    assert "stopped (stop_at) at step 2/4" in stopped.stdout
+    if nproc == 1:
+        stopped = train(split, nproc, *ZERO3, "checkpoint.stop_at=2")
+        assert "stopped (stop_at) at step 2/4" in stopped.stdout
+        step = 2
+    else:  # a real stop signal to one rank, as a preemption reaches the job: save, exit 0, STOPPED, resume
+        first = Launch(split, *ZERO3)
+        first.wait_for(r"step +1/4")
+        first.signal(first.rank_pid(1))
+        assert first.finish() == 0, first.text()
+        found = re.search(r"stopped \(SIGTERM on rank 1\) at step (\d)/4: checkpoint saved", "".join(first.out))
+        assert found, first.text()
+        step = int(found.group(1))
+        assert json.loads(RunFiles(split).stopped.read_text())["step"] == step
     resumed = train(split, nproc, *ZERO3)
-    assert "resumed from" in resumed.stdout and "step 2" in resumed.stdout
+    assert "resumed from" in resumed.stdout and f"step {step}" in resumed.stdout
+    assert not RunFiles(split).stopped.exists() and RunFiles(split).finished.is_file()
     assert history(split) == history(straight)
     ckpts = split / "checkpoints"
     # retention keeps the last two committed steps; latest names the newest; each has its commit marker

@@ -8,8 +8,4 @@ bash scripts/setup.sh
 export OMP_NUM_THREADS=1 MLFLOW_DISABLE_TELEMETRY=true
 .venv/bin/ruff check --quiet .   # lint first: a second, not a 20-minute run
 .venv/bin/mypy                   # types of elastic_pretrain/ (pyproject [tool.mypy]); a failure stops the run
-# Two pytest workers (pytest-xdist), one test file at a time each (tests/conftest.py groups them; every Slurm
-# test in one group): single-process tests and the Slurm tests' waiting leave a core idle otherwise. The
-# default corpus is prepared first, once: tests in both workers read it. ELASTIC_TEST_WORKERS=0: one process.
-.venv/bin/elastic-pretrain prepare-data stdlib-code --quiet
-exec .venv/bin/python -m pytest -n "${ELASTIC_TEST_WORKERS:-2}" --dist loadgroup "$@"
+exec .venv/bin/python -m pytest "$@"

@@ -23,15 +23,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Deselect the ``long`` tests unless ``--long`` is given (or ``-m`` names the marker): the default run is
-    CI's, which has to fit its time budget (docs/testing.md).
-
-    Under pytest-xdist (``scripts/test.sh``: ``-n 2 --dist loadgroup``) every test file is one group, so a
-    module's fixtures are built once, in one worker; every Slurm test is in one group, so only one worker
-    brings up (and tears down) the local test cluster."""
-    for item in items:
-        if not item.get_closest_marker("xdist_group"):
-            path = Path(str(item.path)).relative_to(REPO).as_posix()
-            item.add_marker(pytest.mark.xdist_group("slurm" if path.startswith("tests/slurm/") else path))
+    CI's, which has to fit its time budget (docs/testing.md)."""
     if config.getoption("--long") or "long" in (config.getoption("-m") or ""):
         return
     long = [item for item in items if item.get_closest_marker("long")]

@@ -194,7 +194,6 @@ class DeepSpeedStep:
         return StepResult(loss=loss_value, loss_by_loops=by_loops, grad_norm=float(grad_norm or 0.0),
                           lr=float(self.optimizer.param_groups[0]["lr"]), skipped=vetoed, aux=_moe_aux(n))
 
-
     def _zero_grad_partitions(self) -> None:
         """ZeRO-3 (DeepSpeed 0.19.8) writes a parameter's gradient partition only when that parameter's gradient hook
         fires, and keeps the partitions in one flat buffer across steps: a parameter no rank used this step (a pass

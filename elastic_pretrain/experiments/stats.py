@@ -139,6 +139,10 @@ class Claim:
     value: Callable[[Metrics], float]  # that quantity from one seed's metrics (KeyError: an arm is missing)
     expect: Direction
     margin: float = 0.0  # for expect="equal": the band that counts as "matches"
+    # A claim this one presupposes, e.g. a share of an improvement presupposes the improvement: unless the
+    # premise resolves "yes", this claim is "not resolved at this scale" whatever its own interval says
+    # (a ratio over an improvement that is absent or negative has no meaning to compare with the paper's).
+    premise: Claim | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,5 +170,13 @@ def evaluate(claim: Claim, by_seed: dict[int, Metrics]) -> ClaimResult:
     if not all(math.isfinite(v) for v in values):  # e.g. a share of an improvement that is 0 at some seed
         return ClaimResult(claim, values, None, "no", "undefined at some seed (a ratio over 0)")
     iv = t_interval(values)
+    if claim.premise is not None:
+        base = evaluate(claim.premise, by_seed)
+        if base.verdict != "yes":
+            shown = base.interval.text() if base.interval else "not measured"
+            return ClaimResult(
+                claim, values, iv, "not resolved at this scale",
+                f"its premise is not established here ({claim.premise.measure}: {shown}, {base.verdict})",
+            )  # fmt: skip
     verdict, reason = decide(iv, claim.expect, margin=claim.margin)
     return ClaimResult(claim, values, iv, verdict, reason)

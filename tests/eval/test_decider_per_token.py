@@ -92,6 +92,31 @@ def test_per_token_training_equals_adaptive_serving(model, seed):
     assert mean.mean_passes == pytest.approx(float(passes_BT.double().mean()), abs=1e-9)
 
 
+def test_per_token_gradients_are_the_served_functions(model):
+    """The LM gradient of per-token training is the gradient of the served computation: the per-loop decoder's
+    step run with autograd on (its no-grad wrapper bypassed) gives the same parameter gradients of the summed CE,
+    including the paths through a stopped token's K/V into the pass that made them."""
+    dec = make_decider(model, spread=2.0, backbone="per_token")
+    with torch.no_grad():
+        dec.fc2.bias.fill_(0.3)
+    x = ids(2, 12, 31)
+    params = [p for p in model.parameters() if p.requires_grad]
+    run = run_per_token(model, dec, x[:, :-1], _ce(model, x[:, 1:]))
+    assert bool((run.active_L_BT.sum(0) < 4).any())
+    grads = torch.autograd.grad(run.exit_ce_BT.sum(), params, allow_unused=True)
+    served = LoopedDecoder(model, kv_cache="per-loop", stop=dec.stopper())._chunk(x[:, :-1])
+    ce = F.cross_entropy(served.logits_BSV.float().transpose(1, 2), x[:, 1:], reduction="sum")
+    want = torch.autograd.grad(ce, params, allow_unused=True)
+    assert torch.equal(served.passes_BS, run.active_L_BT.sum(0))
+    compared = 0
+    for got, ref in zip(grads, want, strict=True):
+        assert (got is None) == (ref is None)
+        if got is not None:
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+            compared += 1
+    assert compared > 10
+
+
 def test_per_token_refuses_per_pass_recompute(model):
     """``train.recompute: pass`` would recompute a pass without the K/V state carried into it: a clear error."""
     dec = make_decider(model, spread=2.0, backbone="per_token")

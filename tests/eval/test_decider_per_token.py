@@ -117,8 +117,21 @@ def test_per_token_gradients_are_the_served_functions(model):
     assert compared > 10
 
 
-def test_per_token_refuses_per_pass_recompute(model):
-    """``train.recompute: pass`` would recompute a pass without the K/V state carried into it: a clear error."""
+def test_per_token_refuses_per_pass_recompute(model, tmp_path):
+    """``train.recompute: pass`` would recompute a pass without the K/V state carried into it: a clear one-line
+    error, from the job before it starts and from the model."""
+    from elastic_pretrain.config import to_dict
+    from elastic_pretrain.job import load_job
+
+    base = tmp_path / "step_2"  # a stand-in base checkpoint: load_job reads only its trainer.json
+    base.mkdir()
+    meta = {"config": to_dict(load_job(REPO / "jobs" / "tiny-cpu.yaml")), "controller": {"phase": "fixed"}}
+    (base / "trainer.json").write_text(json.dumps(meta))
+    job = REPO / "jobs" / "tiny-decider.yaml"
+    load_job(job, [f"decider.init_from={base}", "decider.backbone=per_token", "train.recompute=selective"])
+    with pytest.raises(ConfigError, match=r"use train\.recompute=none or selective") as err:
+        load_job(job, [f"decider.init_from={base}", "decider.backbone=per_token", "train.recompute=pass"])
+    assert "\n" not in str(err.value)
     dec = make_decider(model, spread=2.0, backbone="per_token")
     x = ids(1, 6, 3)
     model.recompute = "pass"

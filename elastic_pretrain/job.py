@@ -95,6 +95,11 @@ class JobConfig:
             raise ConfigError(
                 f"decider: the base model runs L_max = {self.model.max_loops} pass; a decider needs L_max >= 2"
             )
+        if self.decider is not None and self.decider.backbone == "per_token" and self.train.recompute == "pass":
+            raise ConfigError(  # model/decider.py run_per_token: the K/V of stopped tokens carry from pass to pass
+                "decider.backbone=per_token carries each token's frozen K/V from pass to pass, which a recomputed "
+                "pass would not see: use train.recompute=none or selective"
+            )
         if self.decider is not None and self.parallel.pipeline > 1:
             raise ConfigError(
                 f"decider: a decider job runs without pipeline parallelism (parallel.pipeline="

@@ -25,6 +25,7 @@ ANALYSES = (  # modules of elastic_pretrain.experiments.analyses, in the order `
     "kv_cache",
     "seed_noise",
     "decider",
+    "decider_depths",
     "samplers",
 )
 

@@ -29,8 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from elastic_pretrain.config import ConfigError
 from elastic_pretrain.model.config import DeciderConfig  # re-exported: the config lives with ModelConfig
 from elastic_pretrain.model.inference import StopFn
+from elastic_pretrain.model.kv_training import StoppedKV
 from elastic_pretrain.model.losses import token_ce
 
 if TYPE_CHECKING:
@@ -216,14 +218,21 @@ def run_per_token(
 
     After pass j (j < L_max − 1) the decider's continue probability, read from the live state, decides
     (stop below ``threshold``, as served). A stopped token's hidden state is copied through every later
-    pass, so its exit state reaches the head; it still runs through each later pass (masked), so other
-    tokens keep attending to its K/V (the pass's own projection of its frozen state) and every rank of
-    an expert-parallel group runs the same MoE calls. That masked pass is also the token's lookahead:
-    its input is the state it stopped with, so its CE is "one more pass" for the label (the coda, which
-    attends across tokens, then sees every token one pass further: ``ahead_L_BT``).
-    ``ce`` maps final-norm states ``[T, B, D]`` to per-token CE ``[B, T]``. TP = 1, no sequence parallel.
+    pass, so its exit state reaches the head. Attention is the served one (``model/kv_training.py``:
+    :class:`StoppedKV` through :func:`mixed_attention`): at pass j a later token reads a stopped token's
+    K/V of the last pass it ran (what the per-loop decoder keeps for it), an active token's pass-j K/V,
+    so each exit CE equals teacher-forced adaptive decoding's (``eval/adaptive.py``). A stopped token
+    still runs each later pass (masked: every rank of an expert-parallel group runs the same MoE calls),
+    attending to the others' served K/V and to its own pass-j K/V, which no other token sees: that pass
+    is exactly its lookahead, "one more pass" for the label (the coda, which attends across tokens,
+    then sees every token one pass further: ``ahead_L_BT``).
+    ``ce`` maps final-norm states ``[T, B, D]`` to per-token CE ``[B, T]``. TP = 1, no sequence parallel,
+    no per-pass recompute (the K/V state of the passes is carried from pass to pass).
     ``keep``: a list that receives the hidden state after each pass (stopped tokens frozen).
     """
+    if model._recompute_passes():
+        raise ConfigError("decider.backbone=per_token carries each token's frozen K/V from pass to pass, which a "
+                          "recomputed pass would not see: use train.recompute=none or selective")
     cfg = decider.cfg
     loops = model.cfg.max_loops
     rope = model.rotary_pos_emb(ids_BT.shape[1])
@@ -235,8 +244,10 @@ def run_per_token(
     ahead_rows: list[Tensor] = []
     active_rows: list[Tensor] = []
     logits: list[Tensor] = []
+    kv = StoppedKV()
     for j in range(loops):
-        x_TBD = model._core_pass(h_TBD, j, loops, rope)
+        kv.stopped_TB = ~active_TB
+        x_TBD = model._core_pass(h_TBD, j, loops, rope, kv=kv)
         active_rows.append(active_TB.t())
         h_TBD = torch.where(active_TB[..., None], x_TBD, h_TBD)  # stopped tokens stay frozen
         with torch.no_grad():  # the coda attends across tokens: the served states and the lookahead differ

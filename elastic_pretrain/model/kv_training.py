@@ -17,6 +17,9 @@ Per token, step 2 equals last-loop inference after a parallel prefill of the tok
 the prefill's K/V of a token depend only on the tokens before it, so they are the no-grad run's.
 Sequential last-loop decoding of a *generated* continuation differs in one respect: a generated
 token's cached K/V come from its own last-loop run, not a same-pass one (docs/kv-training.md).
+The same attention serves per-token depth (``decider.backbone: per_token``, :class:`StoppedKV`): at
+pass j a token that stopped after pass s < j presents the K/V it had at pass s (what the per-loop
+decoder serves for it, ``model/inference.py``), an active token its pass-j K/V.
 Shape legend: T tokens, B batch, H query heads, G key/value groups, d head width, D hidden.
 """
 
@@ -37,6 +40,30 @@ class FinalKV:
     kv: dict[int, tuple[Tensor, Tensor]] = dataclasses.field(default_factory=dict)
     capture: bool = True
 
+    def past(self, number: int, k_TBGd: Tensor, v_TBGd: Tensor) -> tuple[Tensor, Tensor]:
+        """The K/V the tokens present to later queries at layer ``number``, given this pass's own K/V."""
+        return self.kv[number]
+
+
+@dataclasses.dataclass
+class StoppedKV(FinalKV):
+    """Per-token depth (``decider.backbone: per_token``): ``kv`` holds, per core layer, each token's K/V of
+    the last pass it ran; ``stopped_TB`` marks the tokens that stopped before the current pass. At each
+    pass the stopped tokens keep their entries and the active ones take this pass's K/V (graded tensors:
+    the loss of a later token differentiates through a stopped token's K/V into the pass that made them).
+    Mutated pass by pass, so a pass cannot be recomputed in backward (``train.recompute: pass`` is refused)."""
+
+    capture: bool = False
+    stopped_TB: Tensor | None = None
+
+    def past(self, number: int, k_TBGd: Tensor, v_TBGd: Tensor) -> tuple[Tensor, Tensor]:
+        prev = self.kv.get(number)
+        if prev is not None and self.stopped_TB is not None:
+            mask = self.stopped_TB[:, :, None, None]
+            k_TBGd, v_TBGd = torch.where(mask, prev[0], k_TBGd), torch.where(mask, prev[1], v_TBGd)
+        self.kv[number] = (k_TBGd, v_TBGd)
+        return k_TBGd, v_TBGd
+
 
 def project_kv(layer: Any, h_TBD: Tensor, rope: Tensor) -> tuple[Tensor, Tensor]:
     """The K/V (after RoPE) the attention half of ``layer`` computes from hidden states ``h_TBD``."""
@@ -45,16 +72,18 @@ def project_kv(layer: Any, h_TBD: Tensor, rope: Tensor) -> tuple[Tensor, Tensor]
     return apply_rotary_pos_emb(k_TBGd, rope, config=attn.config, cp_group=attn.pg_collection.cp), v_TBGd
 
 
-def mixed_attention(layer: Any, h_TBD: Tensor, rope: Tensor, final: tuple[Tensor, Tensor]) -> Tensor:
+def mixed_attention(layer: Any, h_TBD: Tensor, rope: Tensor, kv: FinalKV, number: int) -> Tensor:
     """The attention half of a megatron ``TransformerLayer`` (norm, QKV, RoPE, scores, projection,
-    residual) where query t sees the final K/V of tokens s < t and its own K/V. → hidden ``[T, B, D]``."""
+    residual) where query t sees the K/V ``kv.past`` gives for tokens s < t (their final-pass K/V; under
+    per-token depth a stopped token's frozen K/V) and its own K/V. → hidden ``[T, B, D]``."""
     attn = layer.self_attention
     residual = h_TBD
     q_TBHd, k_TBGd, v_TBGd = attn.get_query_key_value_tensors(layer.input_layernorm(h_TBD), None)
     cp = attn.pg_collection.cp
     q_TBHd = apply_rotary_pos_emb(q_TBHd, rope, config=attn.config, cp_group=cp)
     k_TBGd = apply_rotary_pos_emb(k_TBGd, rope, config=attn.config, cp_group=cp)
-    ctx_TBD = _past_and_self_attention(q_TBHd, k_TBGd, v_TBGd, final[0], final[1],
+    kf_TBGd, vf_TBGd = kv.past(number, k_TBGd, v_TBGd)
+    ctx_TBD = _past_and_self_attention(q_TBHd, k_TBGd, v_TBGd, kf_TBGd, vf_TBGd,
                                        scale=attn.core_attention.softmax_scale)
     out_with_bias = attn.linear_proj(ctx_TBD)
     with layer.bias_dropout_add_exec_handler():

@@ -128,7 +128,7 @@ class CoreLayer(MegatronModule):
             number = self.full_layer.layer_number
             if kv is not None and not kv.capture:
                 assert rotary_pos_emb is not None, "kv_training: last_loop needs the rotary embedding"
-                h_TBD = mixed_attention(attention, h_TBD, rotary_pos_emb, kv.kv[number])
+                h_TBD = mixed_attention(attention, h_TBD, rotary_pos_emb, kv, number)
             else:
                 if kv is not None:  # capturing: this pass's K/V are the layer's final K/V
                     assert rotary_pos_emb is not None, "kv_training: last_loop needs the rotary embedding"
@@ -576,7 +576,7 @@ class LoopedMoEModel(LanguageModule):
                 if kv is not None and kv.capture:
                     kv.kv[number] = project_kv(layer, h_TBD, rope)
                 if kv is not None and not kv.capture:
-                    h_TBD = layer._forward_mlp(mixed_attention(layer, h_TBD, rope, kv.kv[number]))
+                    h_TBD = layer._forward_mlp(mixed_attention(layer, h_TBD, rope, kv, number))
                 else:
                     h_TBD, _ = layer(h_TBD, attention_mask=None, rotary_pos_emb=rope)
         return self.final_layernorm(h_TBD)

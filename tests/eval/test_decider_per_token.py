@@ -7,8 +7,12 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from elastic_pretrain.config import ConfigError
+from elastic_pretrain.eval.adaptive import adaptive_eval
 from elastic_pretrain.model.decider import decider_loss, lookahead_labels, run_per_token
+from elastic_pretrain.model.inference import LoopedDecoder
 from elastic_pretrain.model.losses import token_ce
 from tests.conftest import REPO, torchrun
 from tests.eval.test_decider import ids, make_decider
@@ -60,6 +64,84 @@ def test_stopped_tokens_frozen_and_loss_at_exit(model, seed):
         assert float(run.exit_ce_BT[b, 0]) == pytest.approx(float(own[p][b, 0]), abs=1e-5)
     stopped_early = passes_BT < 4
     assert not torch.allclose(run.exit_ce_BT[stopped_early], own[4][stopped_early])  # not L_max's loss
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_per_token_training_equals_adaptive_serving(model, seed):
+    """For a fixed decider and threshold, each token's exit CE in per-token training equals teacher-forced
+    adaptive decoding with the per-loop cache (the serving path of ``eval/adaptive.py``), token by token, and
+    so do the passes each token runs: a later token reads a stopped token's K/V of the last pass it ran (not
+    this pass's projection of its frozen state), and the coda sees the same exit states."""
+    dec = make_decider(model, spread=2.0, backbone="per_token")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        dec.fc2.bias.normal_(0.0, 1.0)
+    x = ids(3, 16, 20 + seed)
+    with torch.no_grad():
+        run = run_per_token(model, dec, x[:, :-1], _ce(model, x[:, 1:]))
+        served = LoopedDecoder(model, kv_cache="per-loop", stop=dec.stopper()).step(x[:, :-1])
+    passes_BT = run.active_L_BT.sum(0)
+    assert torch.equal(served.passes_BS, passes_BT)
+    stopped_early = passes_BT < 4
+    assert bool(stopped_early.any()) and bool((~stopped_early).any()), "the test needs mixed depths"
+    assert bool(stopped_early[:, :-1].any()), "the test needs a stopped token with later tokens reading it"
+    ce_BT = F.cross_entropy(served.logits_BSV.float().transpose(1, 2), x[:, 1:], reduction="none")
+    torch.testing.assert_close(run.exit_ce_BT, ce_BT, rtol=0, atol=1e-5)
+    mean = adaptive_eval(model, dec, x, dec.cfg.threshold)  # the experiment's evaluation, batch by batch
+    assert mean.loss == pytest.approx(float(ce_BT.mean()), abs=1e-5)
+    assert mean.mean_passes == pytest.approx(float(passes_BT.double().mean()), abs=1e-9)
+
+
+def test_per_token_gradients_are_the_served_functions(model):
+    """The LM gradient of per-token training is the gradient of the served computation: the per-loop decoder's
+    step run with autograd on (its no-grad wrapper bypassed) gives the same parameter gradients of the summed CE,
+    including the paths through a stopped token's K/V into the pass that made them."""
+    dec = make_decider(model, spread=2.0, backbone="per_token")
+    with torch.no_grad():
+        dec.fc2.bias.fill_(0.3)
+    x = ids(2, 12, 31)
+    params = [p for p in model.parameters() if p.requires_grad]
+    run = run_per_token(model, dec, x[:, :-1], _ce(model, x[:, 1:]))
+    assert bool((run.active_L_BT.sum(0) < 4).any())
+    grads = torch.autograd.grad(run.exit_ce_BT.sum(), params, allow_unused=True)
+    served = LoopedDecoder(model, kv_cache="per-loop", stop=dec.stopper())._chunk(x[:, :-1])
+    ce = F.cross_entropy(served.logits_BSV.float().transpose(1, 2), x[:, 1:], reduction="sum")
+    want = torch.autograd.grad(ce, params, allow_unused=True)
+    assert torch.equal(served.passes_BS, run.active_L_BT.sum(0))
+    compared = 0
+    for got, ref in zip(grads, want, strict=True):
+        assert (got is None) == (ref is None)
+        if got is not None:
+            torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)
+            compared += 1
+    assert compared > 10
+
+
+def test_per_token_refuses_per_pass_recompute(model, tmp_path):
+    """``train.recompute: pass`` would recompute a pass without the K/V state carried into it: a clear one-line
+    error, from the job before it starts and from the model."""
+    from elastic_pretrain.config import to_dict
+    from elastic_pretrain.job import load_job
+
+    base = tmp_path / "step_2"  # a stand-in base checkpoint: load_job reads only its trainer.json
+    base.mkdir()
+    meta = {"config": to_dict(load_job(REPO / "jobs" / "tiny-cpu.yaml")), "controller": {"phase": "fixed"}}
+    (base / "trainer.json").write_text(json.dumps(meta))
+    job = REPO / "jobs" / "tiny-decider.yaml"
+    load_job(job, [f"decider.init_from={base}", "decider.backbone=per_token", "train.recompute=selective"])
+    with pytest.raises(ConfigError, match=r"use train\.recompute=none or selective") as err:
+        load_job(job, [f"decider.init_from={base}", "decider.backbone=per_token", "train.recompute=pass"])
+    assert "\n" not in str(err.value)
+    dec = make_decider(model, spread=2.0, backbone="per_token")
+    x = ids(1, 6, 3)
+    model.recompute = "pass"
+    model.train()
+    try:
+        with pytest.raises(ConfigError, match=r"train\.recompute=none or selective"):
+            run_per_token(model, dec, x[:, :-1], _ce(model, x[:, 1:]))
+    finally:
+        model.recompute = "none"
+        model.eval()
 
 
 def test_per_token_extremes_equal_fixed_depth(model):

@@ -1,0 +1,186 @@
+"""decider-depths: TaH2's L_max sweep — the joint per-token decider (``decider.backbone: per_token``) post-trained on
+bases of L_max = 2, 4, 8 (``jobs/experiments/decider-depths/``), and TaH2's measure at each: accuracy (and loss)
+gained per doubling of decode compute, adaptive vs fixed depth. Each decider run is measured as in ``decider``
+(``decider_measure.measure``: threshold sweep, fixed depth ℓ = 1..L_max, random stopping)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from elastic_pretrain.eval.adaptive import accuracy_per_doubling
+from elastic_pretrain.experiments.analyses.decider_measure import decider_runs, measure, run_metrics
+from elastic_pretrain.experiments.measure import run_flops
+from elastic_pretrain.experiments.present import figure, table
+from elastic_pretrain.experiments.runner import Context, Experiment, Findings
+from elastic_pretrain.experiments.stats import Claim, Metrics
+
+TAH2 = "seeds/000 (TaH2)"
+DEPTHS = (2, 4, 8)  # L_max of the job set's arms: decider-L<k>.yaml on base-L<k>.yaml
+
+
+def arm(depth: int) -> str:
+    return f"decider-L{depth}"
+
+
+def slopes(m: dict[str, Any]) -> dict[str, float]:
+    """TaH2's measure on one decider run's sweep: per doubling of decode compute (least-squares slope against
+    log2 of relative compute, ``eval/adaptive.py: accuracy_per_doubling``), accuracy (points: × 100) and loss
+    (nats; negative = gained) of fixed depth ℓ = 1..L_max and of the adaptive threshold sweep, and their
+    differences (adaptive minus fixed)."""
+    sweep = m["sweep"]
+    fixed_x = [p.relative_compute for p in sweep.fixed]
+    ada_x = [r.relative_compute for r in sweep.adaptive]
+    acc_fixed, acc_ada = (100 * s for s in sweep.slopes())
+    loss_fixed = accuracy_per_doubling(fixed_x, [p.loss for p in sweep.fixed])
+    loss_ada = accuracy_per_doubling(ada_x, [r.loss for r in sweep.adaptive])
+    return {
+        "acc_per_doubling_fixed": acc_fixed,
+        "acc_per_doubling_adaptive": acc_ada,
+        "acc_per_doubling_gain": acc_ada - acc_fixed,
+        "loss_per_doubling_fixed": loss_fixed,
+        "loss_per_doubling_adaptive": loss_ada,
+        "loss_per_doubling_gain": loss_ada - loss_fixed,
+    }
+
+
+def depth_metrics(m: dict[str, Any]) -> dict[str, float]:
+    """One decider run's per-seed metrics: TaH2's slopes, the ``decider`` AUC/random-stop metrics, and the
+    fixed-depth loss at L_max (does uniform depth plateau as L_max grows?)."""
+    top = m["top"]
+    return {**slopes(m), **run_metrics(m), "l_max": float(top), "fixed_loss_at_l_max": m["sweep"].fixed[-1].loss,
+            "adaptive_best_loss": min(r.loss for r in m["sweep"].adaptive)}  # fmt: skip
+
+
+def _gain_growth(metrics: Metrics) -> float:
+    """Adaptive minus fixed-depth AUC of loss at the deepest L_max of the set minus that at L_max = 2 (KeyError, "not
+    measured", without L_max = 2 and a deeper arm)."""
+    deeper = [d for d in DEPTHS[1:] if arm(d) in metrics]
+    if not deeper:
+        raise KeyError(arm(DEPTHS[-1]))
+    return metrics[arm(deeper[-1])]["auc_vs_fixed"] - metrics[arm(DEPTHS[0])]["auc_vs_fixed"]
+
+
+def _depth_table(ms: list[dict[str, Any]], per: dict[str, dict[str, float]]) -> str:
+    header = ("L_max", "decider run", "base run", "FLOPs/token at L_max", "fixed loss at L_max",
+              "best adaptive loss", "accuracy/doubling fixed (points)", "adaptive", "Δ", "loss/doubling fixed (nats)",
+              "adaptive", "Δ", "AUC adaptive − fixed (nats)", "minus random (nats)")  # fmt: skip
+    rows = []
+    for m in ms:
+        v = per[m["run"].name]
+        rand = v.get("minus_random", math.nan)
+        rows.append((m["top"], m["run"].name, m["base"].name, f"{run_flops(m['run'], m['top']):,.0f}",
+                     f"{v['fixed_loss_at_l_max']:.4f}", f"{v['adaptive_best_loss']:.4f}",
+                     f"{v['acc_per_doubling_fixed']:+.2f}", f"{v['acc_per_doubling_adaptive']:+.2f}",
+                     f"{v['acc_per_doubling_gain']:+.2f}", f"{v['loss_per_doubling_fixed']:+.4f}",
+                     f"{v['loss_per_doubling_adaptive']:+.4f}", f"{v['loss_per_doubling_gain']:+.4f}",
+                     f"{v['auc_vs_fixed']:+.4f}", f"{rand:+.4f}"))  # fmt: skip
+    return table(header, rows)
+
+
+def _draw(ms: list[dict[str, Any]], axes: Any) -> None:
+    """Accuracy and loss against decode FLOPs per token (log2 axis: a doubling is one step), per L_max."""
+    for m in ms:
+        full = run_flops(m["run"], m["top"])
+        fixed = sorted((p.relative_compute * full, p.loss, p.accuracy) for p in m["sweep"].fixed)
+        ada = sorted((r.relative_compute * full, r.loss, r.accuracy) for r in m["sweep"].adaptive)
+        for ax, k in zip(axes, (2, 1), strict=True):
+            line = ax.plot([p[0] for p in fixed], [p[k] for p in fixed], "--o", ms=3, label=f"fixed L_max={m['top']}")
+            ax.plot([p[0] for p in ada], [p[k] for p in ada], "-s", ms=3, color=line[0].get_color(),
+                    label=f"adaptive L_max={m['top']}")  # fmt: skip
+    for ax, label in zip(axes, ("next-token accuracy", "held-out loss (nats/token)"), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="decode FLOPs per token (log2)", ylabel=label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+
+
+def _reading(ms: list[dict[str, Any]], per: dict[str, dict[str, float]]) -> list[str]:
+    out = []
+    for m in ms:
+        v = per[m["run"].name]
+        out.append(
+            f"L_max = {m['top']} ({m['run'].name}): accuracy per doubling of decode compute "
+            f"{v['acc_per_doubling_adaptive']:+.2f} points adaptive vs {v['acc_per_doubling_fixed']:+.2f} fixed depth "
+            f"(Δ {v['acc_per_doubling_gain']:+.2f}); loss per doubling {v['loss_per_doubling_adaptive']:+.4f} vs "
+            f"{v['loss_per_doubling_fixed']:+.4f} nats; adaptive minus fixed-depth AUC {v['auc_vs_fixed']:+.4f} nats; "
+            f"fixed depth at L_max {v['fixed_loss_at_l_max']:.4f}."
+        )
+    if len(ms) > 1:
+        first, last = per[ms[0]["run"].name], per[ms[-1]["run"].name]
+        out.append(
+            f"From L_max = {ms[0]['top']} to {ms[-1]['top']}: fixed-depth loss at L_max "
+            f"{first['fixed_loss_at_l_max']:.4f} → {last['fixed_loss_at_l_max']:.4f}, best adaptive loss "
+            f"{first['adaptive_best_loss']:.4f} → {last['adaptive_best_loss']:.4f}, adaptive minus fixed AUC "
+            f"{first['auc_vs_fixed']:+.4f} → {last['auc_vs_fixed']:+.4f} nats."
+        )
+    return out
+
+
+def _method(ms: list[dict[str, Any]]) -> list[str]:
+    return [
+        "Each base-L<k> job is the `decider` set's late-switch base with model.loops = k/2 (flatten 2: L_max = k "
+        "passes of one core layer of 8 experts; one attention per pass); each decider-L<k> job post-trains TaH2's "
+        "decider jointly with that base under per-token depth (`decider.backbone: per_token`, the `decider` set's "
+        f"decider-per-token.yaml), on the base's {ms[0]['run'].tokens:,} tokens in the same order.",
+        "Each decider checkpoint is measured as in the `decider` experiment (teacher-forced, per-loop KV: a threshold "
+        "sweep, fixed depth ℓ = 1..L_max on the same checkpoint, random stopping). TaH2's measure, \"the "
+        'accuracy-compute slope ... as test-time decoding FLOPs double": the least-squares slope of next-token '
+        "accuracy (points) and of loss (nats) against log2 of decode compute, for fixed depth (ℓ = 1..L_max) and "
+        "for the adaptive sweep (its ends are ℓ = 1 and ℓ = L_max), and adaptive minus fixed.",
+        "The decider's own FLOPs are not counted (as in `decider`). L_max = 8 is the largest depth in the set; a "
+        "set without it decides the depth-growth claim on its deepest arm.",
+    ]
+
+
+def analyse(ctx: Context) -> Findings:
+    ms = sorted((measure(ctx, r) for r in decider_runs(ctx)), key=lambda m: m["top"])
+    per = {m["run"].name: depth_metrics(m) for m in ms}
+    return Findings(
+        tables=[
+            _depth_table(ms, per),
+            *(f"**{m['run'].name}** (L_max = {m['top']})\n\n{m['sweep'].markdown()}" for m in ms),
+        ],
+        reading=_reading(ms, per),
+        numbers={
+            "depths": {m["run"].name: {"l_max": m["top"], "base": m["base"].name, **per[m["run"].name]} for m in ms}
+        },
+        metrics=per,
+        plot=lambda path: figure(path, lambda axes: _draw(ms, axes), panels=2),
+        method=_method(ms),
+    )
+
+
+def _slope_claim(depth: int) -> Claim:
+    return Claim(
+        paper='"TaH2 improves the accuracy-compute slope by 53% over the non-looped baseline"; '
+        f'"every doubling of test-time compute buys roughly half again as much accuracy" (L_max = {depth})',
+        source=TAH2,
+        magnitude="slope 2.74 vs 1.79 points per doubling on AIME",
+        measure=f"L_max = {depth}: adaptive minus fixed-depth accuracy per doubling of decode compute (points)",
+        value=lambda ms: ms[arm(depth)]["acc_per_doubling_gain"],
+        expect="positive",
+    )
+
+
+EXPERIMENT = Experiment(
+    name="decider-depths",
+    title="TaH2's L_max sweep: the joint per-token decider at L_max 2, 4, 8, accuracy per doubling of decode compute",
+    question="TaH2 post-trains its decider jointly with looped backbones of growing maximum depth. Here the joint "
+    "per-token decider is post-trained on ELR late-switch bases of L_max = 2, 4 and 8 (same width, data and "
+    "tokens). At each L_max: does adaptive depth buy more accuracy (less loss) per doubling of decode compute than "
+    "fixed depth, and does its advantage over fixed depth grow with L_max while fixed depth plateaus?",
+    analyse=analyse,
+    claims=(
+        *(_slope_claim(d) for d in DEPTHS),
+        Claim(
+            paper='"As the maximum allowed iteration depth grows, existing looped models mostly plateau. TaH2 keeps '
+            'gaining"',
+            source=TAH2,
+            magnitude="+2.8 points over the baseline at depth 2, +3.9 at depth 8 (AIME)",
+            measure="adaptive minus fixed-depth AUC of loss at the deepest L_max minus the same at L_max = 2 (nats)",
+            value=_gain_growth,
+            expect="negative",
+        ),
+    ),
+)

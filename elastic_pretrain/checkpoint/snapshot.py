@@ -28,6 +28,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,6 +41,8 @@ from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
+
+from elastic_pretrain.checkpoint.store import write_writer_records
 
 WriteBucket = tuple[Any, str, tuple[list[Any], list[Any]]]  # filesystem_async.WriteBucket: one file's writes
 
@@ -68,6 +71,10 @@ def _write_snapshot(parent_pid: int, transform_list: list[Any], use_msc: bool, r
     filesystem_async.FileSystemWriterAsync.write_preloaded_data_multiproc(
         transform_list, use_msc, rank, compact(buckets), results_queue
     )  # fmt: skip
+    # the commit's records of these files, computed here rather than on the training thread; after a failed
+    # write (megatron reports it) there are none, and the commit reads the files itself
+    with contextlib.suppress(OSError):
+        write_writer_records([Path(path) for path, _, _ in buckets], rank)
 
 
 class SnapshotWriter(filesystem_async.FileSystemWriterAsync):

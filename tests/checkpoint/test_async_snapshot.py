@@ -134,3 +134,33 @@ def test_a_changed_structure_is_validated_and_planned_again(parts) -> None:
     assert saves.for_state(moved) == (2, True)
     assert saves.for_state({**sd, "extra": 1}) == (3, True)  # a new entry
     assert saves.rebuilt == 3
+
+
+def test_the_commit_takes_the_writers_checksums_instead_of_reading_the_tensors(parts, monkeypatch) -> None:
+    """The writer process checksums the tensor files it wrote; the commit (on the training thread) reads
+    only the small files, and the committed checkpoint verifies."""
+    from elastic_pretrain.checkpoint import store
+
+    job, mesh, run_dir, net, optimizer = parts
+    read: list[Path] = []
+    crc32 = store.crc32_file
+    monkeypatch.setattr(store, "crc32_file", lambda p, durable=False: read.append(p) or crc32(p, durable))
+    ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
+    ckpt.save(1)
+    ckpt.close()  # the writer (a forked process: its reads are its own) finishes, then the commit
+    step_dir = RunFiles(run_dir).step_dir(1)
+    assert read and not [p for p in read if p.suffix == ".distcp"], read
+    marker = store.verify(step_dir)
+    assert any(k.endswith(".distcp") for k in marker["files"])
+    assert not list(step_dir.rglob("*records*"))  # removed before the commit
+
+
+def test_a_writer_record_that_does_not_match_the_file_is_not_taken(tmp_path: Path) -> None:
+    from elastic_pretrain.checkpoint.store import crc32_file, file_records
+
+    f = tmp_path / "__0_0.distcp"
+    f.write_bytes(b"tensor bytes")
+    size, crc = f.stat().st_size, crc32_file(f)
+    assert file_records(tmp_path, [f], {f.name: [size, 7]}) == {f.name: [size, 7]}  # taken as the writer's
+    assert file_records(tmp_path, [f], {f.name: [size + 1, 7]}) == {f.name: [size, crc]}  # another size
+    assert file_records(tmp_path, [f], {f.name: "junk"}) == {f.name: [size, crc]}  # type: ignore[dict-item]

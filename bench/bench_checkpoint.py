@@ -19,6 +19,8 @@ writer still shares is copied then), against the same writes with no writer aliv
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 import statistics
 import tempfile
@@ -61,7 +63,7 @@ def instrument() -> None:
     timed_phase(serialization, "save_preprocess", "megatron validation + factories")
     timed_phase(mcore_torch, "mcore_to_pyt_state_dict", "translation to torch DCP")
     timed_phase(mcore_torch, "save_state_dict_async_plan", "planning + write buckets")
-    timed_phase(snapshot.SnapshotWriter, "prepare_write_data", "  of which write buckets")
+    timed_phase(snapshot.SnapshotWriter, "prepare_write_data", "planning: of which write buckets")
 
 
 def leaf_tensors(sd: Any, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -85,6 +87,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--hidden", type=int, default=384)
+    parser.add_argument("--json", type=Path, help="also write every round's timings here (to pool several runs)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -141,15 +144,16 @@ def main() -> None:
 
     def async_save(saves: Any) -> dict[str, float]:
         PHASES.clear()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         request, _ = save_tensors(net, optimizer, fresh(), saves, use_async=True)
         t1 = time.perf_counter()
         queue.schedule_async_request(request)
-        t2 = time.perf_counter()  # training continues here
+        t2, c2 = time.perf_counter(), time.thread_time()  # training continues here
         cow = touch()
         queue.maybe_finalize_async_calls(blocking=True)
         t3 = time.perf_counter()
-        return {**PHASES, "fork": t2 - t1, "stall": t2 - t0, "written": t3 - t0, "cow": cow, "touch": touch()}
+        times = {"fork": t2 - t1, "stall": t2 - t0, "stall_cpu": c2 - c0, "written": t3 - t0}
+        return {**PHASES, **times, "cow": cow, "touch": touch()}
 
     saves = parallel_io.trainer_saves()
     first = async_save(parallel_io.trainer_saves())  # a new structure: validated and planned
@@ -158,6 +162,12 @@ def main() -> None:
         t0 = time.perf_counter()
         fn()
         return time.perf_counter() - t0
+
+    def cpu(fn: Callable[[], Any]) -> tuple[float, float]:
+        """(wall, CPU) seconds of ``fn``: CPU of this process and of the children it waited for (the writer)."""
+        c0, t = os.times(), clock(fn)
+        c1 = os.times()
+        return t, sum(getattr(c1, k) - getattr(c0, k) for k in ("user", "system", "children_user", "children_system"))
 
     def raw_save() -> None:
         last["raw"] = fresh() / "all.pt"
@@ -169,7 +179,9 @@ def main() -> None:
 
     rounds: list[dict[str, Any]] = []
     for r in range(args.repeats + 1):  # round 0: warm-up (the structure validated and its plan cached)
-        row: dict[str, Any] = {"raw": clock(raw_save), "sync": clock(sync_save), "async": async_save(saves)}
+        row: dict[str, Any] = {"raw": clock(raw_save)}
+        row["sync"], row["sync_cpu"] = cpu(sync_save)
+        row["async"] = async_save(saves)
         row["raw_in"] = clock(lambda: torch.load(last["raw"], weights_only=True))
         row["sync_in"] = clock(lambda: load_tensors(net, optimizer, last["sync"], adam_step=1.0))
         if r:
@@ -180,6 +192,8 @@ def main() -> None:
     shutil.rmtree(root, ignore_errors=True)
     teardown()
 
+    if args.json:
+        args.json.write_text(json.dumps({"nbytes": nbytes, "first": first, "rounds": rounds}, indent=1))
     gib = nbytes / 2**30
     col = [[row[k] for row in rounds] for k in ("raw", "sync", "raw_in", "sync_in")]
     stall = [row["async"]["stall"] for row in rounds]
@@ -190,18 +204,22 @@ def main() -> None:
     print(f"  raw torch.load            {spread(col[2])} s   {statistics.median(col[2]) / gib:.2f} s/GiB")
     print(f"  load (load_tensors)       {spread(col[3])} s   {statistics.median(col[3]) / gib:.2f} s/GiB")
     print(f"  async save: stall         {spread(stall)} s")
+    stall_cpu, sync_cpu = [row["async"]["stall_cpu"] for row in rounds], [row["sync_cpu"] for row in rounds]
+    print(f"  stall, CPU time           {spread(stall_cpu)} s   (sync save, CPU time with its writer: "
+          f"{spread(sync_cpu)} s)")  # fmt: skip
     print(f"  async save until written  {spread([row['async']['written'] for row in rounds])} s")
     print("ratios, per round (min / median / max)")
     print(f"  sync save throughput vs torch.save   {spread([r / s for r, s in zip(col[0], col[1])], '{:.2f}')}x")
     print(f"  load throughput vs torch.load        {spread([r / s for r, s in zip(col[2], col[3])], '{:.2f}')}x")
     print(f"  async stall vs sync save             {spread([a / s for a, s in zip(stall, col[1])], '{:.3f}')}x")
+    print(f"  the same, CPU times                  {spread([a / s for a, s in zip(stall_cpu, sync_cpu)], '{:.3f}')}x")
     print(f"the async stall by phase, ms (min / median / max); the first save of a structure: {first['stall']:.3f} s")
-    labels = [k for k in rounds[0]["async"] if k not in ("stall", "written", "cow", "touch")]
-    for k in labels:
+    labels = [k for k in rounds[0]["async"] if k not in ("stall", "stall_cpu", "written", "cow", "touch")]
+    for k in labels:  # (the write buckets are part of planning)
         ms = [row["async"].get(k, 0.0) * 1000 for row in rounds]
         print(f"  {k:44s} {spread(ms, '{:.1f}')}   (first save {first.get(k, 0.0) * 1000:.1f})")
-    rest = [(row["async"]["stall"] - sum(row["async"].get(k, 0.0) for k in labels if not k.startswith(" "))) * 1000
-            for row in rounds]  # fmt: skip
+    outer = [k for k in labels if not k.startswith("planning:")]
+    rest = [(row["async"]["stall"] - sum(row["async"].get(k, 0.0) for k in outer)) * 1000 for row in rounds]
     print(f"  {'the rest (model state dict, megatron glue)':44s} {spread(rest, '{:.1f}')}")
     extra = [(row["async"]["cow"] - row["async"]["touch"]) * 1000 for row in rounds]
     print(f"copy-on-write: the first write to every saved tensor after the fork costs {spread(extra, '{:.1f}')} ms "

@@ -1,30 +1,69 @@
 """Checkpoint cost: a synchronous save and a load against a raw ``torch.save``/``torch.load`` of the same
-tensors (seconds per GiB), and the time training is blocked by an async save against a sync one.
+tensors, and the time training is blocked by an async save against a sync one, phase by phase.
 
-    .venv/bin/python bench/bench_checkpoint.py [--repeats 5] [--hidden 384]
+    nice -n 10 .venv/bin/python bench/bench_checkpoint.py [--repeats 7] [--hidden 384]
 
-One process, CPU, 1 thread; the default job's shape widened by ``--hidden`` (model + Adam moments).
-The sync save is what the trainer does (model + Adam state in model space through megatron-core
-dist_checkpointing, torch_dist format). The async save blocks training only while it builds the
-state dict and forks the writer; the writer then competes with training for the CPU (on a 2-core
-machine, noticeably). Prints medians and ratios against the baselines measured in the same run (no
-asserts).
+One process, CPU, 1 thread; the default job's shape widened by ``--hidden`` (model + Adam moments). The
+saves are the trainer's (``checkpoint/parallel_io.py:trainer_saves``: model + Adam state in model space
+through megatron-core dist_checkpointing, torch_dist format, the structure validated and planned once;
+``checkpoint/snapshot.py``). Each round runs raw save, sync save, async save, raw load, load back to back,
+so that every ratio compares neighbours in time (the development machine is shared: its load moves
+between rounds); a warm-up round first. Prints min/median/max over the rounds (no asserts).
+
+The async save's stall is split into phases (timers around the functions it calls): the state dicts,
+the structure check, megatron's validation and translation, planning, preparing the writes and the fork;
+"copy-on-write" is what the first write to every saved tensor costs right after the fork (each page the
+writer still shares is copied then), against the same writes with no writer alive.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 import statistics
 import tempfile
 import time
 import warnings
+from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 warnings.filterwarnings("ignore")
+
+PHASES: dict[str, float] = defaultdict(float)
+
+
+def timed_phase(owner: Any, name: str, label: str) -> None:
+    """Wrap ``owner.name`` so that its time adds to ``PHASES[label]``."""
+    fn = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            PHASES[label] += time.perf_counter() - t0
+
+    setattr(owner, name, wrapper)
+
+
+def instrument() -> None:
+    from megatron.core.dist_checkpointing import serialization
+    from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+
+    from elastic_pretrain.checkpoint import optim_state, snapshot
+
+    timed_phase(optim_state, "sharded_optimizer_state", "Adam state dict (boxes, step all-reduce)")
+    timed_phase(snapshot.SaveStrategies, "for_state", "structure check (fingerprint, agreement)")
+    timed_phase(serialization, "save_preprocess", "megatron validation + factories")
+    timed_phase(mcore_torch, "mcore_to_pyt_state_dict", "translation to torch DCP")
+    timed_phase(mcore_torch, "save_state_dict_async_plan", "planning + write buckets")
+    timed_phase(snapshot.SnapshotWriter, "prepare_write_data", "planning: of which write buckets")
 
 
 def leaf_tensors(sd: Any, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -40,16 +79,21 @@ def leaf_tensors(sd: Any, out: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
+def spread(xs: list[float], fmt: str = "{:.3f}") -> str:
+    return " / ".join(fmt.format(v) for v in (min(xs), statistics.median(xs), max(xs)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--hidden", type=int, default=384)
+    parser.add_argument("--json", type=Path, help="also write every round's timings here (to pool several runs)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     from elastic_pretrain.checkpoint import optim_state, parallel_io
-    from elastic_pretrain.checkpoint.manager import load_tensors, save_tensors
+    from elastic_pretrain.checkpoint.manager import load_tensors, save_tensors, start_write_results_queue
     from elastic_pretrain.job import load_job
     from elastic_pretrain.parallel.megatron import build_model
     from elastic_pretrain.parallel.mesh import init_mesh, teardown
@@ -66,10 +110,11 @@ def main() -> None:
         ],
     )
     init_mesh(job.parallel, seed=0)
+    start_write_results_queue()  # as the Checkpointer does (the writers report through it)
     net = build_model(job.model, job.parallel)
     optimizer, _ = build_optimizer(job, wrap_ddp(job, net))
     optim_state.ensure_state(optimizer)
-    strategy = parallel_io.save_strategy()  # the trainer's (checkpoint/parallel_io.py)
+    instrument()
     root = Path(tempfile.mkdtemp(prefix="bench_ckpt_"))
     n = 0
 
@@ -80,69 +125,105 @@ def main() -> None:
         d.mkdir()
         return d
 
-    last: dict[str, Path] = {}
-
-    def sync_save() -> None:
-        last["sync"] = fresh()
-        save_tensors(net, optimizer, last["sync"], strategy)
-
-    def sync_load() -> None:
-        load_tensors(net, optimizer, last["sync"], adam_step=1.0)
-
     model_sd = net.sharded_state_dict()
     tensors = leaf_tensors(
         {"model": model_sd, "optim": optim_state.sharded_optimizer_state(optimizer, model_sd)[0]}, {}
     )
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    live = list(net.parameters()) + [t.data for t in tensors.values()]
+    queue = AsyncCallsQueue()
+    last: dict[str, Path] = {}
+
+    def touch() -> float:
+        """Write every saved tensor in place (as a training step does), timed."""
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            for t in live:
+                t.mul_(1.0)
+        return time.perf_counter() - t0
+
+    def async_save(saves: Any) -> dict[str, float]:
+        PHASES.clear()
+        t0, c0 = time.perf_counter(), time.thread_time()
+        request, _ = save_tensors(net, optimizer, fresh(), saves, use_async=True)
+        t1 = time.perf_counter()
+        queue.schedule_async_request(request)
+        t2, c2 = time.perf_counter(), time.thread_time()  # training continues here
+        cow = touch()
+        queue.maybe_finalize_async_calls(blocking=True)
+        t3 = time.perf_counter()
+        times = {"fork": t2 - t1, "stall": t2 - t0, "stall_cpu": c2 - c0, "written": t3 - t0}
+        return {**PHASES, **times, "cow": cow, "touch": touch()}
+
+    saves = parallel_io.trainer_saves()
+    first = async_save(parallel_io.trainer_saves())  # a new structure: validated and planned
+
+    def clock(fn: Callable[[], Any]) -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def cpu(fn: Callable[[], Any]) -> tuple[float, float]:
+        """(wall, CPU) seconds of ``fn``: CPU of this process and of the children it waited for (the writer)."""
+        c0, t = os.times(), clock(fn)
+        c1 = os.times()
+        return t, sum(getattr(c1, k) - getattr(c0, k) for k in ("user", "system", "children_user", "children_system"))
 
     def raw_save() -> None:
         last["raw"] = fresh() / "all.pt"
         torch.save(tensors, last["raw"])
 
-    def raw_load() -> None:
-        torch.load(last["raw"], weights_only=True)
+    def sync_save() -> None:
+        last["sync"] = fresh()
+        save_tensors(net, optimizer, last["sync"], saves)
 
-    queue = AsyncCallsQueue()
-    stalls, totals = [], []
-
-    def async_save() -> None:
-        t0 = time.perf_counter()
-        request, _ = save_tensors(net, optimizer, fresh(), strategy, use_async=True)
-        queue.schedule_async_request(request)
-        stalls.append(time.perf_counter() - t0)  # what a training step waits for
-        queue.maybe_finalize_async_calls(blocking=True)
-        totals.append(time.perf_counter() - t0)
-
-    def timed(fn) -> float:
-        fn()  # warm-up
-        samples = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-        return statistics.median(samples)
-
-    raw = timed(raw_save)
-    raw_in = timed(raw_load)
-    sync = timed(sync_save)
-    sync_in = timed(sync_load)
-    timed(async_save)
-    stall, total = statistics.median(stalls[1:]), statistics.median(totals[1:])
-    print(
-        f"model + Adam state: {nbytes / 2**20:.1f} MiB in {len(tensors)} tensors (hidden {h}), median of {args.repeats}"
-    )
-    gib = nbytes / 2**30
-    print(f"  raw torch.save                      {raw:8.3f} s  {raw / gib:7.2f} s/GiB  1.00x")
-    print(f"  sync save (dist_checkpointing)      {sync:8.3f} s  {sync / gib:7.2f} s/GiB  {sync / raw:.2f}x raw")
-    print(f"  raw torch.load                      {raw_in:8.3f} s  {raw_in / gib:7.2f} s/GiB  1.00x")
-    print(f"  load (load_tensors)                 {sync_in:8.3f} s  {sync_in / gib:7.2f} s/GiB {sync_in / raw_in:.2f}x")
-    print("training blocked by one save")
-    print(f"  sync save                           {sync:8.3f} s  1.00x")
-    print(f"  async save (state dict + fork)      {stall:8.3f} s  {stall / sync:.2f}x sync")
-    print(f"  async save until written            {total:8.3f} s  {total / sync:.2f}x sync (in the background)")
+    rounds: list[dict[str, Any]] = []
+    for r in range(args.repeats + 1):  # round 0: warm-up (the structure validated and its plan cached)
+        row: dict[str, Any] = {"raw": clock(raw_save)}
+        row["sync"], row["sync_cpu"] = cpu(sync_save)
+        row["async"] = async_save(saves)
+        row["raw_in"] = clock(lambda: torch.load(last["raw"], weights_only=True))
+        row["sync_in"] = clock(lambda: load_tensors(net, optimizer, last["sync"], adam_step=1.0))
+        if r:
+            rounds.append(row)
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir()
     queue.close()
     shutil.rmtree(root, ignore_errors=True)
     teardown()
+
+    if args.json:
+        args.json.write_text(json.dumps({"nbytes": nbytes, "first": first, "rounds": rounds}, indent=1))
+    gib = nbytes / 2**30
+    col = [[row[k] for row in rounds] for k in ("raw", "sync", "raw_in", "sync_in")]
+    stall = [row["async"]["stall"] for row in rounds]
+    print(f"model + Adam state: {nbytes / 2**20:.1f} MiB in {len(tensors)} tensors (hidden {h}); "
+          f"min / median / max of {len(rounds)} interleaved rounds")  # fmt: skip
+    print(f"  raw torch.save            {spread(col[0])} s   {statistics.median(col[0]) / gib:.2f} s/GiB")
+    print(f"  sync save                 {spread(col[1])} s   {statistics.median(col[1]) / gib:.2f} s/GiB")
+    print(f"  raw torch.load            {spread(col[2])} s   {statistics.median(col[2]) / gib:.2f} s/GiB")
+    print(f"  load (load_tensors)       {spread(col[3])} s   {statistics.median(col[3]) / gib:.2f} s/GiB")
+    print(f"  async save: stall         {spread(stall)} s")
+    stall_cpu, sync_cpu = [row["async"]["stall_cpu"] for row in rounds], [row["sync_cpu"] for row in rounds]
+    print(f"  stall, CPU time           {spread(stall_cpu)} s   (sync save, CPU time with its writer: "
+          f"{spread(sync_cpu)} s)")  # fmt: skip
+    print(f"  async save until written  {spread([row['async']['written'] for row in rounds])} s")
+    print("ratios, per round (min / median / max)")
+    print(f"  sync save throughput vs torch.save   {spread([r / s for r, s in zip(col[0], col[1])], '{:.2f}')}x")
+    print(f"  load throughput vs torch.load        {spread([r / s for r, s in zip(col[2], col[3])], '{:.2f}')}x")
+    print(f"  async stall vs sync save             {spread([a / s for a, s in zip(stall, col[1])], '{:.3f}')}x")
+    print(f"  the same, CPU times                  {spread([a / s for a, s in zip(stall_cpu, sync_cpu)], '{:.3f}')}x")
+    print(f"the async stall by phase, ms (min / median / max); the first save of a structure: {first['stall']:.3f} s")
+    labels = [k for k in rounds[0]["async"] if k not in ("stall", "stall_cpu", "written", "cow", "touch")]
+    for k in labels:  # (the write buckets are part of planning)
+        ms = [row["async"].get(k, 0.0) * 1000 for row in rounds]
+        print(f"  {k:44s} {spread(ms, '{:.1f}')}   (first save {first.get(k, 0.0) * 1000:.1f})")
+    outer = [k for k in labels if not k.startswith("planning:")]
+    rest = [(row["async"]["stall"] - sum(row["async"].get(k, 0.0) for k in outer)) * 1000 for row in rounds]
+    print(f"  {'the rest (model state dict, megatron glue)':44s} {spread(rest, '{:.1f}')}")
+    extra = [(row["async"]["cow"] - row["async"]["touch"]) * 1000 for row in rounds]
+    print(f"copy-on-write: the first write to every saved tensor after the fork costs {spread(extra, '{:.1f}')} ms "
+          f"more than with no writer alive (paid by the next training step)")  # fmt: skip
 
 
 if __name__ == "__main__":

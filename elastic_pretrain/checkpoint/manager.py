@@ -147,7 +147,7 @@ class Checkpointer:
         self.job, self.mesh, self.cfg, self.tensors = job, mesh, job.checkpoint, tensors
         self.state: dict[str, Stateful] = dict(state)
         self.store = CheckpointStore(RunFiles(run_dir).checkpoints)
-        self.strategy = parallel_io.save_strategy()
+        self.strategy = parallel_io.trainer_saves(self.cfg.io_timeout_minutes)  # checkpoint/snapshot.py
         self.queue = AsyncCallsQueue() if self.cfg.async_save else None
         self.pending: int | None = None  # step of the async save in flight
         self.last_saved: int | None = None

@@ -33,6 +33,7 @@ from megatron.core.dist_checkpointing.strategies.torch import (
     TorchDistSaveShardedStrategy,
 )
 
+from elastic_pretrain.checkpoint.snapshot import SaveStrategies, SnapshotSaveStrategy
 from elastic_pretrain.checkpoint.store import verify
 from elastic_pretrain.errors import UserError
 
@@ -63,13 +64,28 @@ def _dp_group() -> Any:
     return data_parallel_group()
 
 
-def save_strategy(base: Any = None) -> Any:
-    """``base`` (default: the trainer's torch_dist strategy) with its writes spread over the DP group."""
+def save_strategy(base: Any = None, cached: bool = False) -> Any:
+    """``base`` (default: the trainer's torch_dist strategy) with its writes spread over the DP group.
+
+    ``cached``: the trainer's strategy for one state-dict structure (checkpoint/snapshot.py): its write
+    distribution and save plan are computed on the first save and reused by the next ones."""
     if base is None:
         base = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
     if not dist.is_initialized() or dist.get_world_size(_dp_group()) == 1:
         return base
-    return FullyParallelSaveStrategyWrapper(base, _dp_group())
+    return FullyParallelSaveStrategyWrapper(base, _dp_group(), do_cache_distribution=cached)
+
+
+def trainer_saves(timeout_minutes: float = 30.0) -> SaveStrategies:
+    """The save strategies of a run's checkpoints: the torch_dist format written through
+    :class:`~elastic_pretrain.checkpoint.snapshot.SnapshotWriter`, one strategy per state-dict structure,
+    reuse agreed over the checkpoint I/O group."""
+
+    def make() -> Any:
+        base = SnapshotSaveStrategy("torch_dist", 1, thread_count=1, cached_metadata=True)
+        return save_strategy(base, cached=True)
+
+    return SaveStrategies(make, group=lambda: io_group(timeout_minutes))
 
 
 def load_strategy() -> Any:

@@ -73,12 +73,38 @@ def fault_point(point: str, rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def crc32_file(path: Path) -> int:
+def crc32_file(path: Path, durable: bool = False) -> int:
+    """CRC32 of ``path``'s bytes; ``durable``: fsync it too (the commit records only files on disk)."""
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
             crc = zlib.crc32(chunk, crc)
+        if durable:
+            os.fsync(f.fileno())
     return crc
+
+
+# The tensor writer's records of the files it wrote (checkpoint/snapshot.py), beside them: the commit takes
+# them instead of reading every tensor file again on the training thread. Removed before the commit.
+WRITER_RECORDS = "__{rank}.records.json"
+
+
+def write_writer_records(paths: list[Path], rank: int) -> None:
+    """In the writer, after its (fsynced) files are complete: ``{file name: [size, crc32]}`` beside them."""
+    if paths:
+        records = {p.name: [p.stat().st_size, crc32_file(p)] for p in paths}
+        write_atomic(paths[0].parent / WRITER_RECORDS.format(rank=rank), json.dumps(records))
+
+
+def take_writer_records(folder: Path, rank: int) -> dict[str, list[int]]:
+    """The records :func:`write_writer_records` left in ``folder`` for ``rank`` (removing them), or {}."""
+    path = folder / WRITER_RECORDS.format(rank=rank)
+    try:
+        records = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    path.unlink(missing_ok=True)
+    return records if isinstance(records, dict) else {}
 
 
 def _is_count(v: Any) -> bool:
@@ -111,9 +137,16 @@ def check_marker(marker: Any, ckpt: Path) -> dict[str, Any]:
 _NOT_OURS = "it was not written by elastic-pretrain: use another checkpoint"
 
 
-def file_records(root: Path, paths: list[Path]) -> dict[str, list[int]]:
-    """``{relative path: [size, crc32]}`` for the given files under ``root``."""
-    return {str(p.relative_to(root)): [p.stat().st_size, crc32_file(p)] for p in sorted(paths)}
+def file_records(root: Path, paths: list[Path], known: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
+    """``{relative path: [size, crc32]}`` for the given files under ``root``, each fsynced. ``known``: records
+    by file name that the writer computed (taken when the size still matches; the writer fsynced them)."""
+    known = known or {}
+    out = {}
+    for p in sorted(paths):
+        size, record = p.stat().st_size, known.get(p.name)
+        ok = isinstance(record, list) and len(record) == 2 and record[0] == size and _is_count(record[1])
+        out[str(p.relative_to(root))] = [size, record[1] if ok and record else crc32_file(p, durable=True)]
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,7 +293,7 @@ def rank_records(tmp: Path, rank: int) -> dict[str, list[int]]:
     mine = [*files.tensors.glob(f"__{rank}_*.distcp"), files.rng(rank),
             *files.tensors.glob(f"zero_pp_rank_{rank}_*.pt"),  # engine=deepspeed (engine/deepspeed.py)
             *(files.tensors.glob("mp_rank_*.pt") if rank == 0 else [])]
-    return file_records(tmp, [p for p in mine if p.is_file()])
+    return file_records(tmp, [p for p in mine if p.is_file()], take_writer_records(files.tensors, rank))
 
 
 def verify_share(files: dict[str, Any], rank: int, world: int) -> set[str]:

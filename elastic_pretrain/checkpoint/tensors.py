@@ -18,6 +18,7 @@ from megatron.core import dist_checkpointing
 
 from elastic_pretrain.checkpoint import optim_state, parallel_io
 from elastic_pretrain.checkpoint.safe_load import load_sharded
+from elastic_pretrain.checkpoint.snapshot import SaveStrategies
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.rundir import CheckpointFiles
 
@@ -26,11 +27,18 @@ def save_tensors(
     net: Any, optimizer: Any, path: Path, strategy: Any, use_async: bool = False
 ) -> tuple[Any, float]:
     """Model + Adam state (model space) to ``path`` through dist_checkpointing; returns (the async request,
-    or None when synchronous; Adam's step count). Collective."""
+    or None when synchronous; Adam's step count). Collective.
+
+    ``strategy``: a megatron save strategy, or the trainer's :class:`SaveStrategies` (which skips the
+    sharding validation and reuses the save plan while the state dict's structure is unchanged)."""
     model_sd = net.sharded_state_dict()
     optim_sd, adam_step = optim_state.sharded_optimizer_state(optimizer, model_sd)
+    state = {"model": model_sd, "optimizer": optim_sd}
+    validate = True
+    if isinstance(strategy, SaveStrategies):
+        strategy, validate = strategy.for_state(state)
     request = dist_checkpointing.save(
-        {"model": model_sd, "optimizer": optim_sd}, str(path), sharded_strategy=strategy, async_sharded_save=use_async
+        state, str(path), sharded_strategy=strategy, async_sharded_save=use_async, validate_access_integrity=validate
     )
     return request, adam_step
 

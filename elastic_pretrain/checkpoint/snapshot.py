@@ -1,0 +1,191 @@
+"""What an asynchronous save blocks training for, and what keeps that small (docs/checkpoints.md, "Async save").
+
+An async save (megatron-core ``AsyncCallsQueue``) runs on the training thread until it forks the writer
+process; the fork is the snapshot — the writer sees the tensors as they were at that instant, whatever
+training does to them afterwards (copy-on-write). Two things used to run before the fork and no longer do
+on every save:
+
+* **Copies.** megatron's ``FileSystemWriterAsync`` clones every CPU tensor that is a view before the fork
+  (``torch.save`` of a view writes its whole storage, and every parameter is a view of DDP's contiguous
+  buffer; every Adam box a view of the optimizer's flat state). :class:`SnapshotWriter` hands the views to
+  the writer as they are and compacts them *in* the writer process, from its snapshot: the same bytes on
+  disk, no copy on the training thread. (A GPU tensor is still copied to the host before the fork, as
+  megatron does: the fork cannot snapshot device memory.)
+* **Structure work.** Validating the sharding (an all-gather of every shard's metadata), spreading the
+  writes over the data-parallel group (another all-gather) and planning the save (a gather of every rank's
+  plan) depend only on the state dict's *structure* — keys, shapes, dtypes, offsets, replica ids — not on
+  its values. :class:`SaveStrategies` keeps one strategy (megatron's cached distribution and cached save
+  plan) for as long as the structure is the one it was built for, checked on every save by comparing a
+  fingerprint and agreeing on it over all ranks (one integer all-reduce); a changed structure on any rank
+  starts over with a fresh strategy and full validation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import os
+from collections.abc import Callable, Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.dist_checkpointing.mapping import ShardedBase
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from elastic_pretrain.checkpoint.store import write_writer_records
+
+WriteBucket = tuple[Any, str, tuple[list[Any], list[Any]]]  # filesystem_async.WriteBucket: one file's writes
+
+
+def is_view(t: torch.Tensor) -> bool:
+    """A CPU tensor that does not own its whole storage (``torch.save`` would write all of it)."""
+    return t.untyped_storage().nbytes() != t.numel() * t.element_size()
+
+
+def compact(buckets: list[WriteBucket]) -> list[WriteBucket]:
+    """``buckets`` with every CPU view replaced by a copy of just its elements (what the file holds)."""
+    out = []
+    for path, storage_key, (bytes_data, tensor_data) in buckets:
+        tensors = [(item, t.clone() if t.device.type == "cpu" and is_view(t) else t) for item, t in tensor_data]
+        out.append((path, storage_key, (bytes_data, tensors)))
+    return out
+
+
+def _write_snapshot(parent_pid: int, transform_list: list[Any], use_msc: bool, rank: int,
+                    buckets: list[WriteBucket], results_queue: Any) -> None:
+    """The writer: compact the views (in the forked writer: from its copy-on-write snapshot), then megatron's
+    write. In the forked writer torch gets one thread: a copy there must not enter an OpenMP pool that the
+    fork left behind (a synchronous save runs this in the trainer itself, whose threads stay as they are)."""
+    if os.getpid() != parent_pid:
+        torch.set_num_threads(1)
+    filesystem_async.FileSystemWriterAsync.write_preloaded_data_multiproc(
+        transform_list, use_msc, rank, compact(buckets), results_queue
+    )  # fmt: skip
+    # the commit's records of these files, computed here rather than on the training thread; after a failed
+    # write (megatron reports it) there are none, and the commit reads the files itself
+    with contextlib.suppress(OSError):
+        write_writer_records([Path(path) for path, _, _ in buckets], rank)
+
+
+class SnapshotWriter(filesystem_async.FileSystemWriterAsync):
+    """megatron-core 0.16.1's ``FileSystemWriterAsync`` without the clone of CPU views before the fork; the
+    writer compacts them instead (:func:`_write_snapshot`)."""
+
+    def prepare_write_data(self, plan: SavePlan, planner: SavePlanner) -> None:
+        # megatron's prepare_write_data (filesystem_async.py), with ``ten.detach()`` for ``_clone_if_needed``
+        bins = self.thread_count // 2 if self.separation_hint is not None else self.thread_count
+        item_buckets = filesystem_async._split_by_size_and_type(bins, plan.items)
+        prefix = plan.storage_data.prefix
+        self.write_buckets: list[WriteBucket] = []  # type: ignore[misc]
+        for group_name, group_buckets in filesystem_async._split_by_separation_hint(
+            item_buckets, self.separation_hint
+        ).items():
+            for bucket in group_buckets:
+                bytes_data = [(i, planner.resolve_data(i)) for i in bucket if i.type == WriteItemType.BYTE_IO]
+                tensor_data = [(i, planner.resolve_data(i).detach()) for i in bucket if i.type != WriteItemType.BYTE_IO]
+                if bytes_data or tensor_data:
+                    name = f"{group_name}{prefix}{len(self.write_buckets)}{DEFAULT_SUFFIX}"
+                    path = os.path.join(self.checkpoint_dir, name)
+                    self.write_buckets.append((path, name, (bytes_data, tensor_data)))
+        assert len(self.write_buckets) <= self.thread_count, (len(self.write_buckets), self.thread_count)
+        self.results_queue = filesystem_async._get_write_results_queue() if self.write_buckets else None
+
+    def get_save_function_and_args(self) -> tuple[Any, Any, list[Any]]:
+        save_fn, preload_fn, args = super().get_save_function_and_args()
+        if save_fn is None:
+            return save_fn, preload_fn, args
+        transform_list = [self.transforms] if hasattr(self, "transforms") else []
+        return partial(_write_snapshot, os.getpid(), transform_list, self.use_msc), preload_fn, args
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Write ``.metadata`` as the first save of a structure does. megatron keeps every rank's local plan
+        in it (``all_local_plans``); a cached plan has been through the writer and carries its file prefix
+        (``_StoragePrefix``), which our loader's unpickler does not admit (checkpoint/safe_load.py) and no
+        reader needs: the plans are written without it."""
+        plans = getattr(metadata, "all_local_plans", None)
+        if plans:
+            metadata = copy.copy(metadata)
+            metadata.all_local_plans = [dataclasses.replace(p, storage_data=None) for p in plans]  # type: ignore[attr-defined]
+        super().finish(metadata, results)
+
+
+@contextlib.contextmanager
+def _writer(cls: type) -> Iterator[None]:
+    """megatron's ``TorchDistSaveShardedStrategy.async_save`` builds its writer from the module's
+    ``FileSystemWriterAsync``: that name is ``cls`` for the duration (saves run on the training thread only)."""
+    if getattr(mcore_torch, "FileSystemWriterAsync", None) is not filesystem_async.FileSystemWriterAsync:
+        raise RuntimeError("megatron-core's torch strategy no longer builds FileSystemWriterAsync: update snapshot.py")
+    mcore_torch.FileSystemWriterAsync = cls  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        mcore_torch.FileSystemWriterAsync = filesystem_async.FileSystemWriterAsync  # type: ignore[misc]
+
+
+class SnapshotSaveStrategy(TorchDistSaveShardedStrategy):
+    """The torch_dist save strategy with :class:`SnapshotWriter` (a synchronous save is the same request,
+    executed at once)."""
+
+    def async_save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> Any:
+        with _writer(SnapshotWriter):
+            return super().async_save(sharded_state_dict, checkpoint_dir)
+
+
+def fingerprint(state: Any, path: str = "") -> list[tuple[Any, ...]]:
+    """Everything about ``state`` (a sharded state dict) that validation, distribution and planning read:
+    the nesting, every sharded entry's metadata and its data's shape and dtype — not the values."""
+    if isinstance(state, dict):
+        return [row for k in sorted(state, key=str) for row in fingerprint(state[k], f"{path}/{k}")]
+    if isinstance(state, list):
+        return [row for i, v in enumerate(state) for row in fingerprint(v, f"{path}/{i}")]
+    if isinstance(state, ShardedBase):
+        meta = tuple(
+            (f.name, repr(v))
+            for f in dataclasses.fields(state)  # type: ignore[arg-type]
+            if f.name != "data" and not callable(v := getattr(state, f.name))
+        )
+        data = getattr(state, "data", None)
+        shape = (tuple(data.shape), data.dtype) if isinstance(data, torch.Tensor) else None
+        return [(path, type(state).__name__, meta, shape)]
+    return [(path, type(state).__name__)]
+
+
+def _everywhere(flag: bool, group: Any) -> bool:
+    """True when ``flag`` is True on every rank (one integer all-reduce). Collective."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item())
+
+
+class SaveStrategies:
+    """One save strategy per state-dict structure: reused (with megatron's cached write distribution and save
+    plan, without re-validating the sharding) while every rank's structure is the one it was built for.
+
+    ``make(cached)``: a fresh strategy; ``group``: the gloo group that agrees on reuse (every rank)."""
+
+    def __init__(self, make: Callable[[], Any], group: Callable[[], Any] = lambda: None) -> None:
+        self.make, self.group = make, group
+        self.strategy: Any = None
+        self.structure: list[tuple[Any, ...]] | None = None
+        self.rebuilt = 0  # how many times the structure was (re)validated: the first save, and every change
+
+    def for_state(self, sharded_state_dict: Any) -> tuple[Any, bool]:
+        """(the strategy to save ``sharded_state_dict`` with, whether to validate its sharding). Collective."""
+        structure = fingerprint(sharded_state_dict)
+        if _everywhere(self.strategy is not None and structure == self.structure, self.group()):
+            return self.strategy, False
+        self.strategy, self.structure = self.make(), structure
+        self.rebuilt += 1
+        return self.strategy, True

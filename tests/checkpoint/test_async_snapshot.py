@@ -1,0 +1,166 @@
+"""An async save writes the state of the instant it started (checkpoint/snapshot.py, docs/checkpoints.md
+"Async save"): training changes every parameter and Adam moment right after the save returns, and the
+checkpoint holds the values from before; the training thread hands the writer views, not copies, and the
+writer compacts them (files of the state's size); the save plan is reused while the structure is unchanged
+and rebuilt when it changes; async and sync checkpoints of one state are bitwise equal."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from elastic_pretrain.checkpoint import optim_state, parallel_io
+from elastic_pretrain.checkpoint.manager import Checkpointer
+from elastic_pretrain.checkpoint.snapshot import SaveStrategies, is_view
+from elastic_pretrain.checkpoint.store import read_trainer_state
+from elastic_pretrain.checkpoint.tensors import ModelTensors, save_tensors
+from elastic_pretrain.job import load_job
+from elastic_pretrain.parallel.megatron import build_model
+from elastic_pretrain.rundir import CheckpointFiles, RunFiles
+from elastic_pretrain.train.session import build_optimizer, wrap_ddp
+from tests.checkpoint.runs import differing, tensors
+from tests.conftest import REPO
+from tests.dist.ckpt_reshard import owned_slices
+
+STATES = ("exp_avg", "exp_avg_sq")
+
+
+@pytest.fixture
+def parts(mesh1, tmp_path: Path):
+    """A real one-process model and optimizer of the tiny job (Adam state filled), async saves on."""
+    job = load_job(REPO / "jobs" / "tiny-cpu.yaml", ["parallel=single", "tracking.backend=none",
+                   "checkpoint.async_save=true", "checkpoint.keep_last=10"],
+                   values={"run_dir": str(tmp_path / "run")})  # fmt: skip
+    net = build_model(job.model, job.parallel)
+    optimizer, _ = build_optimizer(job, wrap_ddp(job, net))
+    optim_state.ensure_state(optimizer)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, _, _, _, t in owned_slices(optimizer, net):
+            for state in STATES:
+                t[state].copy_(torch.rand(t[state].shape, generator=g))
+    return job, mesh1, job.run_path, net, optimizer
+
+
+def snapshot(net: Any, optimizer: Any) -> dict[str, torch.Tensor]:
+    out = {f"param {n}": p.detach().clone() for n, p in net.named_parameters()}
+    for name, _, _, _, t in owned_slices(optimizer, net):
+        out.update({f"{s} {name}": t[s].detach().clone() for s in STATES})
+    return out
+
+
+@torch.no_grad()
+def train_a_little(net: Any, optimizer: Any, by: float) -> None:
+    """What training does while the writer runs: every parameter and Adam moment changes, in place."""
+    for p in net.parameters():
+        p.add_(by)
+    for _, _, _, _, t in owned_slices(optimizer, net):
+        for s in STATES:
+            t[s].mul_(-1.0).add_(by)
+
+
+def test_async_checkpoints_hold_the_values_from_before_training_changed_them(parts) -> None:
+    job, mesh, run_dir, net, optimizer = parts
+    ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
+    want = {}
+    for step in (1, 2, 3, 4):  # the first builds the plan, the second validates it, the rest reuse it
+        want[step] = snapshot(net, optimizer)
+        ckpt.save(step)
+        assert ckpt.pending == step  # the writer is running...
+        train_a_little(net, optimizer, by=float(step))  # ...while the trainer changes everything it saves
+    ckpt.close()
+    assert ckpt.strategy.rebuilt == 1  # one structure: validated and planned once, reused three times
+    after = snapshot(net, optimizer)
+    for step in (1, 2, 3, 4):
+        step_dir = RunFiles(run_dir).step_dir(step)
+        ckpt.restore(step_dir, read_trainer_state(step_dir))
+        got = snapshot(net, optimizer)
+        assert not differing(got, want[step]), f"step {step}: {differing(got, want[step])[:3]}"
+        assert differing(got, after)  # the modification was real: the checkpoint is not today's state
+
+
+def test_async_and_sync_checkpoints_of_one_state_are_bitwise_equal(parts, tmp_path: Path) -> None:
+    job, mesh, run_dir, net, optimizer = parts
+    ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
+    for step in (1, 2, 3):
+        ckpt.save(step)  # async; the third reuses the cached plan
+    ckpt.save(4, blocking=True)
+    ckpt.close()
+    files = [CheckpointFiles(RunFiles(run_dir).step_dir(s)) for s in (3, 4)]
+    async_t, sync_t = (tensors(f.path, tmp_path / f"{f.step}.pt") for f in files)
+    assert async_t and not differing(async_t, sync_t)
+
+
+def test_the_training_thread_hands_the_writer_views_and_the_writer_compacts_them(parts, tmp_path: Path) -> None:
+    """No copy before the fork: the request's tensors share the parameters' and Adam state's memory; the
+    files hold just the saved elements (a view written as such would write its whole buffer)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    _, _, _, net, optimizer = parts
+    live = {p.untyped_storage().data_ptr() for p in net.parameters()}
+    for _, _, _, _, t in owned_slices(optimizer, net):
+        live |= {t[s].untyped_storage().data_ptr() for s in STATES}
+    queue = AsyncCallsQueue()
+    saves = parallel_io.trainer_saves()
+    for i in range(3):
+        out = tmp_path / f"c{i}"
+        out.mkdir()
+        request, _ = save_tensors(net, optimizer, out, saves, use_async=True)
+        handed = [t for _, _, (_, items) in request.async_fn_args[1] for _, t in items]
+        assert handed and all(t.untyped_storage().data_ptr() in live for t in handed)
+        assert sum(is_view(t) for t in handed) > len(handed) // 2  # the parameters: views of DDP's buffer
+        queue.schedule_async_request(request)
+        queue.maybe_finalize_async_calls(blocking=True)
+        nbytes = sum(t.numel() * t.element_size() for t in handed)
+        written = sum(f.stat().st_size for f in out.glob("*.distcp"))
+        assert nbytes <= written <= nbytes + 4096 * len(handed), (written, nbytes)
+    queue.close()
+
+
+def test_a_changed_structure_is_validated_and_planned_again(parts) -> None:
+    _, _, _, net, _ = parts
+    made: list[int] = []
+    saves = SaveStrategies(lambda: made.append(len(made)) or len(made))
+    sd = net.sharded_state_dict()
+    assert saves.for_state(sd) == (1, True)
+    assert saves.for_state(net.sharded_state_dict()) == (1, False)  # same structure, new tensors: reused
+    key = next(k for k, v in sd.items() if hasattr(v, "global_offset") and v.global_shape)
+    shape = sd[key].global_shape
+    moved = {**sd, key: dataclasses.replace(sd[key], global_shape=(shape[0] + 1, *shape[1:]))}
+    assert saves.for_state(moved) == (2, True)
+    assert saves.for_state({**sd, "extra": 1}) == (3, True)  # a new entry
+    assert saves.rebuilt == 3
+
+
+def test_the_commit_takes_the_writers_checksums_instead_of_reading_the_tensors(parts, monkeypatch) -> None:
+    """The writer process checksums the tensor files it wrote; the commit (on the training thread) reads
+    only the small files, and the committed checkpoint verifies."""
+    from elastic_pretrain.checkpoint import store
+
+    job, mesh, run_dir, net, optimizer = parts
+    read: list[Path] = []
+    crc32 = store.crc32_file
+    monkeypatch.setattr(store, "crc32_file", lambda p, durable=False: read.append(p) or crc32(p, durable))
+    ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
+    ckpt.save(1)
+    ckpt.close()  # the writer (a forked process: its reads are its own) finishes, then the commit
+    step_dir = RunFiles(run_dir).step_dir(1)
+    assert read and not [p for p in read if p.suffix == ".distcp"], read
+    marker = store.verify(step_dir)
+    assert any(k.endswith(".distcp") for k in marker["files"])
+    assert not list(step_dir.rglob("*records*"))  # removed before the commit
+
+
+def test_a_writer_record_that_does_not_match_the_file_is_not_taken(tmp_path: Path) -> None:
+    from elastic_pretrain.checkpoint.store import crc32_file, file_records
+
+    f = tmp_path / "__0_0.distcp"
+    f.write_bytes(b"tensor bytes")
+    size, crc = f.stat().st_size, crc32_file(f)
+    assert file_records(tmp_path, [f], {f.name: [size, 7]}) == {f.name: [size, 7]}  # taken as the writer's
+    assert file_records(tmp_path, [f], {f.name: [size + 1, 7]}) == {f.name: [size, crc]}  # another size
+    assert file_records(tmp_path, [f], {f.name: "junk"}) == {f.name: [size, crc]}  # type: ignore[dict-item]

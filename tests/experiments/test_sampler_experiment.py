@@ -28,7 +28,8 @@ def test_quick_run_reports_every_sampler(tmp_path):
         "per-step": "per_step" + over,
     }
     layouts = {job: (lay["world_size"], lay["dp"], lay["ep"]) for job, lay in numbers["layouts"].items()}
-    assert layouts == {"balanced": (2, 2, 1), "independent-rank-dp2": (2, 2, 1), "expert-group": (2, 2, 2), "independent-rank": (2, 2, 2), "per-step": (2, 2, 2)}
+    assert layouts == {"balanced": (2, 2, 1), "independent-rank-dp2": (2, 2, 1), "expert-group": (2, 2, 2),
+                       "independent-rank": (2, 2, 2), "per-step": (2, 2, 2)}
     assert numbers["depth_efficiency"]["expert-group"] == 1.0 == numbers["depth_efficiency"]["balanced"]
     assert [c["verdict"] for c in numbers["claims"]] == ["no"] * 5  # one seed: no interval
     report = (tmp_path / "results" / "samplers.md").read_text()

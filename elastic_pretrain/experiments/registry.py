@@ -26,6 +26,7 @@ ANALYSES = (  # modules of elastic_pretrain.experiments.analyses, in the order `
     "seed_noise",
     "decider",
     "samplers",
+    "samplers_ep2",
 )
 
 

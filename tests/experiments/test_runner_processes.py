@@ -27,7 +27,7 @@ JOBS = REPO / "jobs/experiments"
 @pytest.mark.timeout(900)
 def test_a_job_with_nproc_2_trains_in_two_processes_and_is_reused(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(REPO)  # the data preset's cache/ and parallel/ presets
-    jobs = load_jobs("samplers", tmp_path, [*QUICK_OVERRIDES], jobs_dir=JOBS, seeds="1")
+    jobs = load_jobs("samplers-ep2", tmp_path, [*QUICK_OVERRIDES], jobs_dir=JOBS, seeds="1")
     path, _, job = next(j for j in jobs if j[0].stem == "expert-group")
     assert job is not None and processes(job) == 2 and job.parallel.expert == 2
     run = ensure_trained(path, job, tmp_path)
@@ -47,7 +47,7 @@ def test_a_layout_that_does_not_fit_its_processes_is_refused_in_one_line(tmp_pat
     monkeypatch.chdir(REPO)
     folder = tmp_path / "jobs" / "bad"
     folder.mkdir(parents=True)
-    text = (JOBS / "samplers/expert-group.yaml").read_text()
+    text = (JOBS / "samplers-ep2/expert-group.yaml").read_text()
     (folder / "one.yaml").write_text(text.replace("nproc_per_node: 2", "nproc_per_node: 3"))
     with pytest.raises(ConfigError, match=r"one\.yaml: at 3 process\(es\) \(slurm\.nproc_per_node: 3\): .*expert"):
         load_jobs("bad", tmp_path, [], jobs_dir=tmp_path / "jobs")

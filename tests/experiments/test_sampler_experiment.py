@@ -1,6 +1,6 @@
 """The sampler experiment (issue 19): a ``--quick`` run of the whole job set (2 steps per job, one seed, every
-job in 2 processes, data-parallel 2) that writes the report with every sampler, the layouts the runs trained with and the
-claim rows (undecided with one seed)."""
+job in 2 processes, data-parallel 2) that writes the report with every sampler, the layouts the runs trained
+with and the claim rows (undecided with one seed)."""
 
 from __future__ import annotations
 

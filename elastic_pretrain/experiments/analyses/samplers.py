@@ -103,10 +103,19 @@ def analyse(ctx: Context) -> Findings:
         ax.legend(fontsize=7)
 
     reading = [
-        f"{n}: ℓ=1 {loss[n][1]:.4f}, ℓ={top} {loss[n][top]:.4f}; depth efficiency {eff[n]:.3f}, balance {bal[n]:.3f}, "
+        f"{n}: ℓ=1 {loss[n][1]:.4f}, ℓ={top} {loss[n][top]:.4f} (one-loop gap ℓ=1 − ℓ={top}: "
+        f"{loss[n][1] - loss[n][top]:+.4f}); depth efficiency {eff[n]:.3f}, balance {bal[n]:.3f}, "
         f"{ms[n]:.2f} ms per 1k tokens"
         for n in loss
     ]
+    gaps = [abs(loss[n][1] - loss[n][top]) for n in loss]
+    diffs = [abs(loss[n][1] - loss[REFERENCE][1]) for n in loss if REFERENCE in loss and n != REFERENCE]
+    if diffs and max(gaps) < min(diffs):
+        reading.append(
+            f"Every arm's one-loop gap (at most {max(gaps):.4f}) is smaller than every arm's difference from "
+            f"{REFERENCE} at ℓ = 1 (at least {min(diffs):.4f}): the arms differ at every depth alike, so at this "
+            "scale the samplers change how fast the model learns, not what ℓ = 1 keeps relative to L_max."
+        )
     return Findings(
         tables=[table(header, rows)],
         reading=reading,
@@ -123,6 +132,7 @@ def analyse(ctx: Context) -> Findings:
             n: {
                 "loss@1": loss[n][1],
                 "loss@max": loss[n][top],
+                "gap@1-max": loss[n][1] - loss[n][top],
                 "depth_efficiency": eff[n],
                 "depth_balance": bal[n],
                 "ms_per_1k_tokens": ms[n],

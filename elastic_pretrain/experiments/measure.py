@@ -35,13 +35,20 @@ def parameters(ctx: Context, run: Run) -> int:
 def training_compute(run: Run) -> tuple[float, float]:
     """(mean passes per training micro-batch, training FLOPs = 3 x forward FLOPs summed over the tokens).
 
-    Replays the run's depth plans (a pure function of seed, step and micro-batch; train/schedule.py); an
-    extra supervised exit costs one more coda + output layer."""
-    from elastic_pretrain.train.schedule import ScheduleController
+    Replays the run's depth plans (a pure function of seed, step, micro-batch and replica; train/schedule.py)
+    for every data-parallel replica of the layout the run trained with (``summary.json``; expert-parallel
+    groups of consecutive replicas, as megatron builds them at TP = 1); an extra supervised exit costs one
+    more coda + output layer."""
+    from elastic_pretrain.train.schedule import ExpertLayout, ScheduleController
 
     job = run.job
     cfg, seq = job.model, job.data.seq_len
-    micro = job.train.micro_batches(1)
+    layout = run.summary.get("layout") or {}
+    dp, ep = int(layout.get("dp", 1)), int(layout.get("ep", 1))
+    group = ep if int(layout.get("tp", 1)) == 1 and dp % ep == 0 else 1  # replicas per EP group
+    key = {r: r - r % group for r in range(dp)}
+    layouts = [ExpertLayout(group=tuple(range(key[r], key[r] + group)), key=key) for r in range(dp)]
+    micro = job.train.micro_batches(dp)
     tokens_per_micro = job.train.micro_batch_size * seq
     ctl = ScheduleController(
         job.schedule,
@@ -53,11 +60,15 @@ def training_compute(run: Run) -> tuple[float, float]:
     passes, flops, n = 0.0, 0.0, 0
     for step in range(run.steps):
         ctl.update(step=step, tokens_seen=step * job.tokens_per_step)
-        plans = (
-            [p for _, p in ctl.balanced_plans(step=step, micro_batches=micro, replica=0, replicas=1)]
-            if ctl.balanced
-            else [ctl.plan(step=step, micro=i, replica=0) for i in range(micro)]
-        )
+        plans = [
+            p
+            for r in range(dp)
+            for _, p in (
+                ctl.balanced_plans(step=step, micro_batches=micro, replica=r, replicas=dp, layout=layouts[r])
+                if ctl.balanced
+                else ctl.step_plans(step=step, micro_batches=micro, replica=r, layout=layouts[r])
+            )
+        ]
         for plan in plans:
             b = flops_breakdown(cfg, plan.loops, seq_len=seq)
             per_exit = b.edges * cfg.coda_layers / max(1, cfg.prelude_layers + cfg.coda_layers) + b.output

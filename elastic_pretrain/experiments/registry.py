@@ -27,6 +27,7 @@ ANALYSES = (  # modules of elastic_pretrain.experiments.analyses, in the order `
     "decider",
     "decider_depths",
     "samplers",
+    "samplers_ep2",
 )
 
 

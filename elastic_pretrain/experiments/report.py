@@ -23,6 +23,7 @@ from elastic_pretrain.experiments.runner import (
     job_diff,
     load_jobs,
     load_post_training,
+    processes,
     seeds_of,
 )
 from elastic_pretrain.experiments.stats import ClaimResult, evaluate
@@ -165,10 +166,38 @@ def _how(o: Outcome, png: str) -> list[str]:
         f"- **Seeds** {', '.join(map(str, o.seeds))} for every arm (initialisation, data order, depth draws): the "
         "arms of one seed are paired.",
         f"- Reproduce with the command above from the repository root (after `elastic-pretrain prepare-data "
-        f"stdlib-code`). It trains every job of `jobs/experiments/{e.name}/` once per seed in one process, one "
-        f"after the other (a finished run whose config is unchanged is reused, also from another experiment), "
+        f"stdlib-code`). It trains every job of `jobs/experiments/{e.name}/` once per seed, one after the other, "
+        f"{_processes(o.runs)} (a finished run whose config is unchanged is reused, also from another experiment), "
         f"evaluates the final checkpoints and rewrites this page, `{png}` and `{e.name}.json` (all numbers).",
     ]
+
+
+def _layouts(runs: list[Run]) -> str:
+    """The layouts the runs trained with (``summary.json``), e.g. ``one process (`parallel: single`)``."""
+    seen: dict[str, list[str]] = {}
+    for r in runs:
+        lay = r.summary.get("layout") or {"world_size": 1}
+        text = (
+            "one process (`parallel: single`)"
+            if int(lay["world_size"]) == 1
+            else f"{lay['world_size']} processes (TP {lay['tp']} x PP {lay['pp']} x DP {lay['dp']}, EP {lay['ep']})"
+        )
+        seen.setdefault(text, [])
+        if r.name not in seen[text]:
+            seen[text].append(r.name)
+    if len(seen) == 1:
+        return next(iter(seen))
+    return "; ".join(f"{text}: {', '.join(names)}" for text, names in seen.items())
+
+
+def _processes(runs: list[Run]) -> str:
+    n = sorted({processes(r.job) for r in runs})
+    if n == [1]:
+        return "in one process"
+    return (
+        "each in the processes its `slurm.nproc_per_node` names "
+        f"({', '.join(map(str, n))}; `elastic-pretrain train --nproc-per-node`'s launcher)"
+    )
 
 
 def _setup(ctx: Context, o: Outcome) -> list[str]:
@@ -180,7 +209,7 @@ def _setup(ctx: Context, o: Outcome) -> list[str]:
         "",
         f"- **Training tokens** {', '.join(f'{t:,}' for t in tokens)} per run ({runs[0].steps} steps x "
         f"{first.train.global_batch_size} sequences x {first.data.seq_len} tokens), byte-level CPython standard "
-        f"library (`data: stdlib-code`), one process (`parallel: single`).",
+        f"library (`data: stdlib-code`), {_layouts(runs)}.",
         "- **Held-out tokens**: "
         + (
             o.findings[o.seeds[0]].held_out

@@ -1,11 +1,13 @@
 """Run an experiment: train (or reuse) each job of its set once per seed, evaluate, write the report.
 
-An experiment is a job set ``jobs/experiments/<name>/*.yaml`` (single-process jobs, the same data,
-tokens and seed) plus an analysis, one file under ``experiments/analyses/`` registered in
+An experiment is a job set ``jobs/experiments/<name>/*.yaml`` (the same data, tokens and seed) plus an
+analysis, one file under ``experiments/analyses/`` registered in
 :mod:`elastic_pretrain.experiments.registry`. Each job is an *arm*; every arm trains with every seed of
 ``--seeds`` (``train.seed`` set, the same seeds for every arm, so that a seed's arms are paired: same
-initialisation, data order and depth draws), in this process, one after the other, into
-``<runs>/<name>/<job>-seed<seed>``. ``--scale k`` multiplies the widths and the steps of every job
+initialisation, data order and depth draws), one after the other, into ``<runs>/<name>/<job>-seed<seed>``:
+in this process, or — a job with ``slurm.nproc_per_node: N`` (N > 1; e.g. ``parallel: cpu-ep2``, N = 2) —
+in N local processes through the launcher of ``elastic-pretrain train --nproc-per-node N``
+(:func:`train_processes`). ``--scale k`` multiplies the widths and the steps of every job
 (:func:`scale_overrides`; for a GPU). A finished run is **reused** when its resolved config
 (``config.yaml``, name and run directory left out) equals the job's — also a run of another experiment
 with the same config — so a rerun that changes nothing only evaluates. A run whose config changed is
@@ -267,9 +269,31 @@ def _load(
     job = load_job(path, overrides, values=values)
     if scale != 1:  # after the other overrides: --scale multiplies what they set
         job = load_job(path, [*overrides, *scale_overrides(job, scale)], values=values)
-    if job.parallel.tensor * job.parallel.expert * job.parallel.pipeline != 1:
-        raise ConfigError(f"{path}: experiments train in one process; set 'parallel: single'")
+    check_processes(path, job)
     return job
+
+
+def processes(job: JobConfig) -> int:
+    """Processes the runner trains ``job`` with: ``slurm.nproc_per_node`` (default 1 on CPU nodes), all on
+    this machine — the count ``elastic-pretrain submit`` starts on each node."""
+    return job.slurm.procs_per_node
+
+
+def check_processes(path: Path, job: JobConfig) -> None:
+    """The job's layout at :func:`processes` ranks, before anything trains (one line naming the fix)."""
+    from elastic_pretrain.parallel.validate import check_layout
+
+    if job.slurm.nodes != 1:
+        raise ConfigError(
+            f"{path}: slurm.nodes={job.slurm.nodes}: experiments train on this machine; set slurm.nodes: 1"
+        )
+    n = processes(job)
+    try:
+        check_layout(job, n)
+    except ConfigError as e:
+        raise ConfigError(
+            f"{path}: at {n} process(es) (slurm.nproc_per_node: {job.slurm.nproc_per_node}): {e}"
+        ) from None
 
 
 def fingerprint(config: dict[str, Any]) -> str:
@@ -329,15 +353,43 @@ def ensure_trained(path: Path, job: JobConfig, runs_root: Path) -> Run:
                 log.info("%s: config changed, training again from scratch", own)
                 shutil.rmtree(own)
         t0 = time.perf_counter()
-        forget_moe_aux_losses()
-        if train(job) is None:
-            raise UserError(f"{path.stem}: training stopped before the end; rerun the experiment to continue it")
-        print(f"{path.stem}: {status} in {time.perf_counter() - t0:.0f}s -> {own}", flush=True)
+        nproc = processes(job)
+        if nproc > 1:
+            train_processes(path, job, nproc)
+        else:
+            forget_moe_aux_losses()
+            if train(job) is None:
+                raise UserError(f"{path.stem}: training stopped before the end; rerun the experiment to continue it")
+        where = f" ({nproc} processes)" if nproc > 1 else ""
+        print(f"{path.stem}: {status} in {time.perf_counter() - t0:.0f}s{where} -> {own}", flush=True)
         found = own
     else:
         print(f"{path.stem}: reused {found} (same config)", flush=True)
     summary = json.loads(RunFiles(found).summary.read_text())
     return Run(name=path.stem, job=job, job_path=path, run_dir=found, summary=summary, status=status)
+
+
+def train_processes(path: Path, job: JobConfig, nproc: int) -> None:
+    """Train ``job`` in ``nproc`` local ranks: the resolved job (overrides, seed and run directory applied;
+    secrets kept: a private 0600 file, deleted afterwards) through ``elastic-pretrain train
+    --nproc-per-node``'s launcher (``train/commands.py``), so a rank's user error prints here once, and
+    Ctrl-C or SIGTERM reach every rank, which save and stop (rerun the experiment to resume)."""
+    import argparse
+    import tempfile
+
+    from elastic_pretrain.tracking.config import write_private
+    from elastic_pretrain.train.commands import _launch
+
+    with tempfile.TemporaryDirectory(prefix="elastic-pretrain-experiment-") as folder:
+        resolved = Path(folder) / f"{path.stem}.yaml"
+        write_private(resolved, yaml.safe_dump(to_dict(job), sort_keys=False))
+        code = _launch(argparse.Namespace(job=str(resolved), nproc_per_node=nproc), [])
+    if code != 0:
+        raise UserError(
+            f"{path.stem}: the {nproc} training processes exited with status {code} (their output is above)"
+        )
+    if not is_finished(job.run_path):
+        raise UserError(f"{path.stem}: training stopped before the end; rerun the experiment to continue it")
 
 
 def forget_moe_aux_losses() -> None:

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from elastic_pretrain.config import ConfigError, load_yaml
-from elastic_pretrain.experiments.runner import base_job, fingerprint, job_diff, load_jobs
+from elastic_pretrain.experiments.runner import base_job, check_processes, fingerprint, job_diff, load_jobs
 from elastic_pretrain.job import dump_job, load_job
 from tests.conftest import REPO
 
@@ -135,7 +135,8 @@ def test_experiment_job_files_parse(path: Path) -> None:
         path = path.with_name(f"{base}.yaml")
         assert base_job(path) is None
     job = load_job(path)
-    assert job.parallel.tensor == job.parallel.expert == 1 and job.tracking.backend == "none"
+    check_processes(path, job)  # the layout fits the processes the runner starts (slurm.nproc_per_node)
+    assert job.tracking.backend == "none"
 
 
 def test_registry_matches_job_sets_and_jobs_of_a_set_share_tokens_and_seed() -> None:

@@ -45,7 +45,7 @@ from elastic_pretrain.data.manifest import (
     sha256_file,
     verify_shard,
 )
-from elastic_pretrain.data.streaming_compat import import_streaming
+from elastic_pretrain.data.streaming_compat import import_streaming_lean
 from elastic_pretrain.data.tokenizer import Tokenizer
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import inside, is_plain_name
@@ -62,7 +62,7 @@ class MDSSink:
     """Fixed-size token rows into MDS shards of exactly ``samples_per_shard`` rows (the last may be short)."""
 
     def __init__(self, directory: Path, *, sample_tokens: int, dtype: np.dtype[Any], samples_per_shard: int) -> None:
-        import_streaming()
+        import_streaming_lean()  # not import_streaming: its transformers import costs ~6 s per rank
         from streaming.base.format.mds.writer import MDSWriter
 
         self.directory = directory
@@ -174,7 +174,7 @@ def fetch(remote: str, local: Path, *, timeout: float = 120.0) -> Path:
     """Download ``remote`` to ``local`` once (streaming's downloader; tmp + rename inside, lock outside)."""
     if local.is_file():
         return local
-    import_streaming()
+    import_streaming_lean()
     from streaming.base.storage import CloudDownloader
 
     with _file_lock(local):
@@ -312,7 +312,7 @@ class SplitReader:
         name = self.shards[k].name
         if name not in self._mds:
             path = self._shard(k)
-            import_streaming()
+            import_streaming_lean()
             from streaming.base.format import reader_from_json
 
             # the entry built from the manifest (checked against index.json), not index.json's own

@@ -7,6 +7,12 @@ torchvision pip can install beside ``torch==2.13.0+cpu`` is a CUDA build whose i
 We never use the vision datasets, so before importing ``streaming`` we register a minimal module
 providing just those two names — only when a real torchvision is not importable. Everything else of
 streaming (MDS writer/reader, StreamingDataset, remote download + local cache) is the real library.
+
+The package ``__init__``s of ``streaming`` and ``streaming.base`` also import transformers (and with it
+scikit-learn, pandas, accelerate): ~6 s of CPU in every process that reads a shard, i.e. in every
+training rank, more than torch itself. What training and ``prepare-data`` use (the MDS reader and
+writer, the downloader) are submodules that need none of it: :func:`import_streaming_lean` lets them
+be imported without those two ``__init__``s, which run only when a package-level name is first used.
 """
 
 from __future__ import annotations
@@ -68,9 +74,48 @@ def install_torchvision_standin() -> bool:
     return True
 
 
+_EAGER_PACKAGES = ("streaming", "streaming.base")  # their __init__ re-exports everything (transformers included)
+
+
+def _deferred_package(name: str) -> types.ModuleType:
+    """The real package ``name`` (its spec, ``__path__``) with its ``__init__`` not run yet: submodules
+    import from its path; the first package-level name looked up runs the ``__init__`` (PEP 562)."""
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.loader is None or spec.submodule_search_locations is None:
+        raise ModuleNotFoundError(f"no package {name!r}: install mosaicml-streaming (scripts/setup.sh)", name=name)
+    module = importlib.util.module_from_spec(spec)
+    loader = spec.loader
+
+    def run_init(attr: str) -> Any:
+        if attr.startswith("__"):  # dunders (``__all__``, ``__wrapped__`` probes) never trigger the import
+            raise AttributeError(f"module {name!r} has no attribute {attr!r}")
+        del module.__dict__["__getattr__"]
+        install_torchvision_standin()  # streaming/__init__ imports streaming.vision
+        loader.exec_module(module)
+        return getattr(module, attr)
+
+    module.__dict__["__getattr__"] = run_init
+    return module
+
+
+def import_streaming_lean() -> None:
+    """Make ``streaming``'s submodules (``streaming.base.format``, ``.storage``, ...) importable without
+    running the ``__init__`` of ``streaming`` and ``streaming.base``. Use it before importing a submodule;
+    a later ``import streaming`` (or :func:`import_streaming`) still gets the whole package."""
+    for name in _EAGER_PACKAGES:
+        if name in sys.modules:
+            continue
+        module = _deferred_package(name)
+        sys.modules[name] = module
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, module)
+
+
 def import_streaming() -> types.ModuleType:
     """``import streaming`` that works on the CPU-only stack. Use this, never a bare import."""
     install_torchvision_standin()
     import streaming
 
+    streaming.StreamingDataset  # noqa: B018  (runs the __init__s if import_streaming_lean deferred them)
     return streaming

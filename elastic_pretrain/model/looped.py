@@ -294,7 +294,10 @@ class LoopedMoEModel(LanguageModule):
             if self.post_process else []
         )
         with_conditioning = cfg.loop_conditioning and self.pre_process
-        self.loop_conditioning = LoopConditioning(config, cfg.max_loops) if with_conditioning else None
+        # The head draws from a forked RNG, so building it leaves every later draw (the coda, the output
+        # layer) as without it: runs with and without heads are paired in initialisation, not only in data.
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            self.loop_conditioning = LoopConditioning(config, cfg.max_loops) if with_conditioning else None
         self.conditioning_active = False  # switched on by the schedule controller (mixed phase)
         # TaH2 iteration decider (a decider job): a submodule, so DDP, the optimizer and checkpoints
         # treat it like any parameter. Replicated over TP; under sequence parallelism each TP rank sees

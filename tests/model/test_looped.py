@@ -119,3 +119,16 @@ def test_exits_share_one_forward(mesh1):
         alone = model(tokens[:, :-1], labels=tokens[:, 1:], loops=2)
     assert sorted(both) == [1, 2, 3]
     torch.testing.assert_close(both[2], alone[2], rtol=0, atol=0)
+
+
+def test_conditioning_head_leaves_the_rest_of_the_initialisation_unchanged(mesh1):
+    """With and without the ELR heads, one seed gives the same value to every other parameter (experiments
+    compare arms with and without heads as paired runs)."""
+    models = {}
+    for heads in (False, True):
+        torch.manual_seed(1234)
+        models[heads] = build_model(tiny(loops=3, prelude_layers=1, coda_layers=1, loop_conditioning=heads), PAR)
+    without, with_heads = (dict(models[h].named_parameters()) for h in (False, True))
+    assert set(with_heads) - set(without) and all(k.startswith("loop_conditioning.") for k in set(with_heads) - set(without))
+    for name, p in without.items():
+        assert torch.equal(p, with_heads[name]), name

@@ -7,8 +7,9 @@ non-recurrent model "matched in parameters, data, and training horizon" (seeds/0
 model's passes 1..3 have their own attention, which the baseline never runs — the parameters that run are
 exactly one core pass's. Its compute per token is one loop's, which is what ELR's compute arithmetic
 (0.75 x 1 + 0.25 x 1.62 ≈ 1.16) takes the baseline to be, and the ``-noheads`` arms' fixed phase is exactly
-this run's first steps (same initialisation, tokens, ℓ = 1), so a paired difference isolates the mixed phase
-(arms with heads draw the heads' embeddings before the output layer, so that layer starts elsewhere).
+this run's first steps (same initialisation, tokens, ℓ = 1), so a paired difference isolates the mixed phase.
+The heads draw from a forked RNG (model/looped.py), so arms with heads start from the same values for every
+other parameter: with vs without heads is paired too.
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def analyse(ctx: Context) -> Findings:
             "so its non-recurrent baseline \"matched in parameters, data, and training horizon\" is its one-loop "
             "model; here passes 1..3 have their own (flattened) attention, which the baseline never runs. The "
             "`-noheads` arms' one-loop phase is this run's first steps (same initialisation, tokens and ℓ); arms with "
-            "heads share the tokens and ℓ, not the output layer's initial draw (the heads draw from the RNG first).",
+            "heads share the tokens, ℓ and every other parameter's initial value (the heads draw from a forked RNG).",
             "L_max improvement retained = (baseline at ℓ = 1 − arm at ℓ = L_max) / (baseline at ℓ = 1 − "
             "mixed-scratch at ℓ = L_max). ELR's 97/90/84% are for switches without conditioning (with it, the 75% "
             "switch beats mixed-scratch), so those claims read the `-noheads` arms; mixed-scratch has the heads.",

@@ -179,7 +179,8 @@ EXPERIMENT = Experiment(
     question="ELR's design: a non-recurrent baseline matched at ℓ = 1 (the model's one core pass, same tokens), "
     "mixed depth from scratch, and switches from one loop to mixed depth at 25/50/75% of the tokens with and "
     "without zero-init loop-count conditioning heads. The one-loop gap to the baseline, the share of the "
-    "L_max improvement retained, and training compute relative to the baseline.",
+    "L_max improvement retained, and training compute relative to the baseline. How to read the numbers "
+    "(hand-written, kept across reruns): [late-switch-notes.md](late-switch-notes.md).",
     analyse=analyse,
     claims=(
         *(_one_loop(a) for a in (SCRATCH, "switch-0.25", "switch-0.50", "switch-0.75")),

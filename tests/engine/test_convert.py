@@ -66,14 +66,21 @@ def resumed_losses(run: Path, straight: Path) -> list[tuple[float, float]]:
     return got
 
 
-def test_a_converted_checkpoint_resumes_on_the_other_engine(tmp_path: Path, mesh1: Any) -> None:
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 4-step run on each engine (one process), shared by the tests of this file."""
+    base = tmp_path_factory.mktemp("runs")
+    train(base / "ds", 1, "engine=deepspeed", *RUN)
+    train(base / "mega", 1, "engine=megatron", *RUN)
+    return base
+
+
+def test_a_converted_checkpoint_resumes_on_the_other_engine(runs: Path, tmp_path: Path, mesh1: Any) -> None:
     from elastic_pretrain.engine.convert import convert
     from elastic_pretrain.engine.full_state import read_deepspeed
     from elastic_pretrain.engine.weights import is_deepspeed
 
-    train(tmp_path / "ds", 1, "engine=deepspeed", *RUN)
-    train(tmp_path / "mega", 1, "engine=megatron", *RUN)
-    ds2, mega2 = (tmp_path / run / "checkpoints" / "step_2" for run in ("ds", "mega"))
+    ds2, mega2 = (runs / run / "checkpoints" / "step_2" for run in ("ds", "mega"))
 
     as_mega = convert(ds2, tmp_path / "ds-as-mega")
     assert not is_deepspeed(as_mega)
@@ -84,20 +91,20 @@ def test_a_converted_checkpoint_resumes_on_the_other_engine(tmp_path: Path, mesh
 
     train(tmp_path / "ds-as-mega", 1, "engine=megatron", *RUN)
     train(tmp_path / "mega-as-ds", 1, "engine=deepspeed", "deepspeed.zero_stage=3", *RUN)
-    pairs = resumed_losses(tmp_path / "ds-as-mega", tmp_path / "ds") + resumed_losses(tmp_path / "mega-as-ds",
-                                                                                    tmp_path / "mega")
+    pairs = resumed_losses(tmp_path / "ds-as-mega", runs / "ds")
+    pairs += resumed_losses(tmp_path / "mega-as-ds", runs / "mega")
     print("resumed after conversion, per-step |Δloss|:", [f"{abs(a - b):.1e}" for a, b in pairs])
     for got, want in pairs:
         assert got == pytest.approx(want, abs=TOLERANCE)
 
 
-def test_a_weights_only_conversion_evaluates_to_the_same_loss_per_loop(tmp_path: Path, mesh1: Any) -> None:
+def test_a_weights_only_conversion_evaluates_to_the_same_loss_per_loop(runs: Path, tmp_path: Path,
+                                                                       mesh1: Any) -> None:
     from elastic_pretrain.checkpoint.store import CheckpointStore
     from elastic_pretrain.engine.convert import convert
     from elastic_pretrain.engine.weights import is_deepspeed
 
-    train(tmp_path / "ds", 1, "engine=deepspeed", "train.steps=4", "train.global_batch_size=8")
-    step = CheckpointStore(tmp_path / "ds" / "checkpoints").newest().path
+    step = CheckpointStore(runs / "ds" / "checkpoints").newest().path
     assert is_deepspeed(step)
     want = losses_per_loop(step)
     assert len(want) == 4 and len(set(want.values())) > 1

@@ -81,7 +81,7 @@ def test_zero3_resume_is_bitwise(tmp_path: Path, nproc: int) -> None:
 
 # fixed depth: the same micro-batches at the same ℓ whatever the world size (the data loader deals the global batch
 # by position), so a run resumed at another world size continues the uninterrupted one up to summation order
-RESHARD = ["engine=deepspeed", "schedule.sampler=fixed", "schedule.switch_at=1.0", "train.steps=4",
+RESHARD = ["engine=deepspeed", "parallel=single", "schedule.sampler=fixed", "schedule.switch_at=1.0", "train.steps=4",
            "train.global_batch_size=8", "checkpoint.interval=1", "checkpoint.keep_last=4"]
 RESHARD_TOLERANCE = 1e-5  # the engines' parity tolerance (tests/engine/test_engine_parity.py): reduction order only
 

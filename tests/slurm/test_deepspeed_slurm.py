@@ -25,7 +25,9 @@ from elastic_pretrain import cli
 from elastic_pretrain.rundir import RunFiles
 
 pytest.importorskip("deepspeed")
-pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.timeout(900)]
+# long: two starts of a 2-node DeepSpeed job; CI runs the DeepSpeed stop/resume without Slurm (tests/engine/
+# test_deepspeed_checkpoint.py) and the batch script's preemption path with the megatron engine (docs/testing.md)
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(900)]
 
 STEPS = 12
 INTERVAL = 3  # checkpoint.interval

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.checkpoint.runs import history, train
+from tests.checkpoint.runs import COMMON, history, train
 
 pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -60,7 +60,7 @@ def test_compute_balanced_depth_gives_the_same_losses_on_both_engines(tmp_path: 
     for a, b in zip(runs["megatron"], runs["deepspeed"]):
         assert b["loss"] == pytest.approx(a["loss"], abs=TOLERANCE), (a["step"], a["loss"], b["loss"])
         assert a["loss_by_loops"].keys() == b["loss_by_loops"].keys()
-    job = load_job(REPO / "jobs" / "tiny-cpu.yaml", ["engine=deepspeed", *STEPS, *BALANCED])
+    job = load_job(REPO / "jobs" / "tiny-cpu.yaml", [*COMMON, "engine=deepspeed", *STEPS, *BALANCED])
     ctl = ScheduleController(job.schedule, max_loops=job.model.max_loops,
                              total_tokens=job.train.steps * job.tokens_per_step, seed=job.train.seed)
     counts = [tuple(len(ctl.balanced_plans(step=s, micro_batches=2, replica=r, replicas=2)) for r in range(2))

@@ -21,7 +21,7 @@ import torch
 from tests.checkpoint.runs import history, train
 
 pytest.importorskip("deepspeed")
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the module fixture's two runs count in the first test
 
 # 4 steps, switching to mixed depth at step 3 (the loop-conditioning heads on), a checkpoint after every step
 RUN = ["train.steps=4", "train.global_batch_size=8", "checkpoint.interval=1", "checkpoint.keep_last=4"]

@@ -70,10 +70,10 @@ def check_engine(job: Any) -> None:
     if job.model.fp8 != "off":
         raise ConfigError(f"engine=deepspeed runs bf16/fp32 only (model.fp8={job.model.fp8}): set model.fp8=off "
                           "or engine=megatron")
-    if job.schedule.balance != "off":
+    if job.schedule.balance != "off" and job.deepspeed.zero_stage == 3:
         raise ConfigError(
-            f"schedule.balance={job.schedule.balance} deals unequal micro-batch counts per rank, which the DeepSpeed "
-            "step's per-rank loss mean does not weigh per token: use schedule.balance=off or engine=megatron"
+            f"schedule.balance={job.schedule.balance} deals unequal micro-batch counts per rank, whose module calls "
+            "ZeRO-3's parameter gathers cannot pair: use deepspeed.zero_stage=2 (or 1), or schedule.balance=off"
         )
     if job.schedule.exit_axis != "loop":
         raise ConfigError(

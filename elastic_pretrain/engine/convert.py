@@ -1,29 +1,50 @@
-"""Model weights between a DeepSpeed-engine checkpoint and a megatron-engine one (both directions).
+"""A checkpoint of one engine as the other's: DeepSpeed-engine <-> megatron-engine (both directions).
 
-``elastic-pretrain checkpoints convert <step_N> --out <dir>`` reads a committed checkpoint of either engine and
+``elastic-pretrain convert-checkpoint <step_N> --out <dir>`` reads a committed checkpoint of either engine and
 writes a committed ``<dir>/checkpoints/step_<N>`` of the other one: the model weights (fp32 master values on
-the DeepSpeed side, all ZeRO stages), ``trainer.json`` with ``engine`` switched, and the commit marker and
-``latest``. The optimizer state is not carried over (Adam moments start at zero; docs/engines.md): the result
-evaluates and generates like its source (``eval``, ``generate``; the test checks the loss per ℓ) and can seed
-a new run (``checkpoint.resume_from``) on the other engine. Reading a DeepSpeed checkpoint is weights-only
-(engine/safe_load.py). Runs in one process (a one-rank mesh).
+the DeepSpeed side, all ZeRO stages, any saved world size), by default the optimizer state too (Adam's
+``exp_avg``, ``exp_avg_sq`` and step count, per parameter: engine/full_state.py), ``trainer.json`` with
+``engine`` switched (LR schedule, data position, controller: unchanged), the RNG files, and the commit marker
+and ``latest``. With the optimizer state the result *resumes* on the other engine as its source would have
+continued (tests/engine/test_convert.py); ``--weights-only`` starts Adam afresh (the result evaluates and
+generates like its source and can seed a new run). Reading a DeepSpeed checkpoint is weights-only
+(engine/safe_load.py), a megatron one goes through checkpoint/safe_load.py. Runs in one process (a one-rank
+mesh); the megatron side at world size 1 reshards to any layout on resume, the DeepSpeed side to any world size
+(engine/deepspeed.py).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from elastic_pretrain.checkpoint.store import MODEL_DIR, TRAINER_FILE, CheckpointStore, read_trainer_state, verify
+from elastic_pretrain.checkpoint.store import (
+    MODEL_DIR,
+    RNG_DIR,
+    TRAINER_FILE,
+    CheckpointStore,
+    read_trainer_state,
+    verify,
+)
+from elastic_pretrain.engine.full_state import (
+    FullState,
+    install_deepspeed,
+    install_megatron,
+    read_deepspeed,
+    read_megatron,
+)
 from elastic_pretrain.engine.weights import is_deepspeed
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.rundir import CheckpointFiles
 
 
-def convert(step: Path, out_run: Path, *, zero_stage: int = 2) -> Path:
-    """Write ``step`` (either engine) as the other engine's committed checkpoint under ``out_run``; its path."""
+def convert(step: Path, out_run: Path, *, zero_stage: int = 2, optimizer: bool = True) -> Path:
+    """Write ``step`` (either engine) as the other engine's committed checkpoint under ``out_run``; its path.
+    ``optimizer``: carry the Adam state over (else the result's optimizer starts fresh)."""
     from elastic_pretrain.checkpoint.tensors import load_model
     from elastic_pretrain.config import build
     from elastic_pretrain.job import JobConfig
@@ -44,20 +65,57 @@ def convert(step: Path, out_run: Path, *, zero_stage: int = 2) -> Path:
     if store.step_dir(n).exists():
         raise UserError(f"{store.step_dir(n)} exists: choose another --out")
     tmp = store.prepare(n)
-    if target == "megatron":
-        from megatron.core import dist_checkpointing
-
-        dist_checkpointing.save({"model": net.sharded_state_dict()}, str(tmp / MODEL_DIR))
-    else:
-        _save_deepspeed(job, net, tmp)
-    converted = {**meta, "config": config, "layout": {"world_size": 1, "tp": 1, "ep": 1, "pp": 1, "dp": 1},
-                 "converted_from": {"engine": source, "path": str(step), "optimizer": "not converted"}}
+    state = _read_state(step, source, _job, net, float(meta.get("adam_step", 0.0))) if optimizer else None
+    save = _save_megatron if target == "megatron" else _save_deepspeed
+    adam_step = save(job, net, tmp, state)
+    if (step / RNG_DIR).is_dir():  # plain tensors (loaded weights_only); used only at the same layout
+        shutil.copytree(step / RNG_DIR, tmp / RNG_DIR, dirs_exist_ok=True)
+    converted = {**meta, "config": config, "adam_step": adam_step,
+                 "layout": {**meta.get("layout", {}), "world_size": 1, "tp": 1, "ep": 1, "pp": 1, "dp": 1},
+                 "converted_from": {"engine": source, "path": str(step),
+                                    "optimizer": "converted" if optimizer else "not converted"}}
     (tmp / TRAINER_FILE).write_text(json.dumps(converted, indent=1))
     return store.commit(n, {}, rank=0)
 
 
-def _save_deepspeed(job: Any, net: torch.nn.Module, tmp: Path) -> None:
-    """``net`` as a one-rank DeepSpeed checkpoint in ``tmp/model_optim`` (fresh optimizer state)."""
+def _read_state(step: Path, source: str, job: Any, net: Any, adam_step: float) -> FullState:
+    """The source checkpoint's weights and Adam state per parameter."""
+    if source == "deepspeed":
+        return read_deepspeed(step)
+    from elastic_pretrain.checkpoint.tensors import load_tensors
+
+    optimizer = _megatron_optimizer(job, net)
+    load_tensors(net, optimizer, CheckpointFiles(step).tensors, adam_step=adam_step)
+    return read_megatron(net, optimizer)
+
+
+def _megatron_optimizer(job: Any, net: Any) -> Any:
+    """megatron-core's DDP + optimizer over ``net`` on the one-rank mesh, as train/session.py builds them."""
+    from elastic_pretrain.train.session import build_optimizer, wrap_ddp
+
+    net.train()
+    return build_optimizer(job, wrap_ddp(job, net))[0]
+
+
+def _save_megatron(job: Any, net: Any, tmp: Path, state: FullState | None) -> float:
+    """``net`` (and ``state``) as a one-rank megatron checkpoint in ``tmp/model_optim``; Adam's step count."""
+    from megatron.core import dist_checkpointing
+
+    from elastic_pretrain.checkpoint import parallel_io
+    from elastic_pretrain.checkpoint.tensors import save_tensors
+
+    if state is None:
+        dist_checkpointing.save({"model": net.sharded_state_dict()}, str(tmp / MODEL_DIR))
+        return 0.0
+    optimizer = _megatron_optimizer(job, net)
+    install_megatron(net, optimizer, state)
+    _, adam_step = save_tensors(net, optimizer, tmp / MODEL_DIR, parallel_io.save_strategy())
+    return adam_step
+
+
+def _save_deepspeed(job: Any, net: torch.nn.Module, tmp: Path, state: FullState | None) -> float:
+    """``net`` (and ``state``; else a fresh optimizer) as a one-rank DeepSpeed checkpoint in ``tmp/model_optim``;
+    Adam's step count."""
     import os
 
     from elastic_pretrain.engine.config import ds_config
@@ -71,4 +129,7 @@ def _save_deepspeed(job: Any, net: torch.nn.Module, tmp: Path) -> None:
     net.train()
     engine, *_ = deepspeed.initialize(model=LoopedForDeepSpeed(net), model_parameters=param_groups(net),
                                       config=ds_config(job, 1, n_params=sum(p.numel() for p in net.parameters())))
+    if state is not None:
+        install_deepspeed(engine, state)
     engine.save_checkpoint(str(tmp), tag=MODEL_DIR, save_latest=False)
+    return float(engine.global_steps)

@@ -143,10 +143,12 @@ class DeepSpeedStep:
     ``train/step.py``'s ``TrainStep`` (same loss function, same per-ℓ reduction), DeepSpeed's backward/step."""
 
     def __init__(self, engine: Any, net: Any, scheduler: Any, *, seq_len: int, max_loops: int, ordered: bool,
-                 ghosts: bool = False) -> None:
+                 ghosts: bool = False, balanced_micro: int | None = None) -> None:
         self.model, self.net, self.optimizer, self.scheduler = engine, net, engine.optimizer, scheduler
         self.seq_len, self.max_loops, self.ordered = seq_len, max_loops, ordered
         self.ghosts = ghosts  # ZeRO-3: run each micro-batch for the deepest ℓ of the replicas (full ghost passes)
+        # schedule.balance=compute (ZeRO-1/2): replicas run different numbers of micro-batches, M = DP x this in all
+        self.balanced_micro = balanced_micro
         self.params = [p for p in engine.module.parameters() if p.requires_grad]
         self.veto: Any = None  # FaultMonitor.veto(found_inf, grad_norm, loss=...): sees the loss (see _step)
 
@@ -161,11 +163,16 @@ class DeepSpeedStep:
 
         engine, n = self.model, len(micro_batches)
         engine.train()
-        # megatron's schedule scales the MoE aux-loss gradients by 1/micro-batches (its main loss too)
-        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=micro_batches[0].tokens_BT1.device) / n)
+        # megatron's schedule scales the MoE aux-loss gradients by 1/micro-batches (its main loss too). Balanced: a
+        # replica's count varies, so every micro-batch weighs 1/M of the step, M the global count (equal tokens per
+        # micro-batch: the per-token mean over the global batch, as megatron's calculate_per_token_loss); the engine's
+        # mean over DP supplies the 1/DP in 1/M = 1/(DP * balanced_micro)
+        per_rank = self.balanced_micro or n
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=micro_batches[0].tokens_BT1.device) / per_rank)
         if self.ghosts:
             self._zero_grad_partitions()
         reports = []
+        summed: tuple[torch.Tensor, ...] | None = None  # balanced: this rank's gradients over its micro-batches
         for mb in micro_batches:
             inputs, labels = mb.tokens_BT1[:, :-1].contiguous(), mb.tokens_BT1[:, 1:].contiguous()
             # ordered: the bare module, whose outputs carry no DeepSpeed backward hooks (autograd.grad below
@@ -175,13 +182,20 @@ class DeepSpeedStep:
             losses = forward(inputs, labels=labels, loops=mb.plan.loops, exits=mb.plan.exits, sync_loops=sync)
             objective, num_tokens, report = _loss_func(mb.plan, losses)
             reports.append(report)
-            loss = objective / num_tokens / n  # megatron: / tokens / micro-batches; DP averaged by the engine
+            loss = objective / num_tokens / per_rank  # megatron: / tokens / micro-batches; DP averaged by the engine
+            if self.balanced_micro:  # accumulate locally: DeepSpeed's reductions then run once per step on every rank
+                grads = self._grads(loss)
+                summed = grads if summed is None else tuple(a + b for a, b in zip(summed, grads))
+                continue
             if self.ordered:
-                loss = self._replayed(loss)
+                loss = self._replay(self._grads(loss))
             engine.backward(loss, scale_wrt_gas=False)
             if engine.is_gradient_accumulation_boundary():
                 break
             engine.step()  # not the boundary: DeepSpeed only counts the micro-batch
+        if summed is not None:  # balanced: one backward, at the boundary (however many micro-batches ran here)
+            engine.set_gradient_accumulation_boundary(True)
+            engine.backward(self._replay(summed), scale_wrt_gas=False)
         loss_value, by_loops = _reduce_by_loops(reports, self.max_loops)
         vetoed = self.veto is not None and self.veto(False, 0.0, loss=loss_value)
         if vetoed:  # drop the update: DeepSpeed clears the reduced gradients, the LR stays where it was
@@ -206,12 +220,15 @@ class DeepSpeedStep:
                 if flat.grad is not None:
                     flat.grad.zero_()
 
-    def _replayed(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss``'s gradients, computed without hooks, behind one scalar over every parameter in a fixed order."""
+    def _grads(self, loss: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``loss``'s gradient for every trainable parameter (zeros where unused), computed without hooks."""
+        grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+        return tuple(torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads))
+
+    def _replay(self, full: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """One scalar whose backward hands ``full`` to every parameter in a fixed order (DeepSpeed's hooks on it)."""
         from deepspeed.runtime.utils import register_output_backward_hooks
 
-        grads = torch.autograd.grad(loss, self.params, allow_unused=True)
-        full = tuple(torch.zeros_like(p) if g is None else g for p, g in zip(self.params, grads))
         replay = _ReplayGrads.apply(full, *self.params)
         engine = self.model
         register_output_backward_hooks(replay, preprocess_once_fn=engine._backward_prologue,
@@ -234,13 +251,36 @@ class DeepSpeedTensors:
         return None, {"adam_step": float(self.engine.global_steps)}
 
     def load(self, path: Path, state: dict[str, Any]) -> None:
-        """Collective; ``path`` is ``step_<N>/model_optim`` (DeepSpeed restores its own step count)."""
+        """Collective; ``path`` is ``step_<N>/model_optim`` (DeepSpeed restores its own step count). Saved at this
+        world size and ZeRO stage: DeepSpeed's own load, each rank its partition. Otherwise every rank reads the
+        whole state (weights, Adam moments, step: engine/full_state.py) and keeps its new partition."""
         if not any(path.glob("*_model_states.pt")):
             raise UserError(
                 f"{path}: not a DeepSpeed-engine checkpoint (written by engine=megatron?): resume it with "
-                "engine=megatron, or convert it: elastic-pretrain checkpoints convert <step> --to deepspeed"
+                "engine=megatron, or convert it: elastic-pretrain convert-checkpoint <step> --out <run dir>"
             )
-        load_checkpoint_safely(self.engine, path)
+        saved_dp = int(state.get("layout", {}).get("dp", self.engine.dp_world_size))
+        saved_stage = int(state.get("config", {}).get("deepspeed", {}).get("zero_stage", self.stage))
+        if (saved_dp, saved_stage) == (self.engine.dp_world_size, self.stage):
+            load_checkpoint_safely(self.engine, path)
+            return
+        now = self.engine.dp_world_size
+        if self.engine.zero_nvme_offload_optimizer():
+            raise UserError(
+                f"{path}: saved at world size {saved_dp} (ZeRO-{saved_stage}); resharding to {now} ranks "
+                f"(ZeRO-{self.stage}) writes the optimizer state in memory, offload_optimizer=nvme keeps it on disk: "
+                f"resume with deepspeed.offload_optimizer=cpu (or none), or at world size {saved_dp} ZeRO-{saved_stage}"
+            )
+        from elastic_pretrain.engine.full_state import install_deepspeed, read_deepspeed
+
+        install_deepspeed(self.engine, read_deepspeed(path.parent))
+        if int(os.environ.get("RANK", "0")) == 0:
+            log.info("resharded %s: world size %d ZeRO-%d -> world size %d ZeRO-%d (weights, Adam state, step %d)",
+                     path.parent, saved_dp, saved_stage, now, self.stage, self.engine.global_steps)
+
+    @property
+    def stage(self) -> int:
+        return int(self.engine.zero_optimization_stage())
 
 
 def build_session(job: JobConfig, mesh: Mesh) -> Any:
@@ -275,7 +315,8 @@ def build_session(job: JobConfig, mesh: Mesh) -> Any:
     net.ghosts = "full_passes" if zero3 else "moe_calls"
     ordered = not zero3
     step = DeepSpeedStep(engine, net, scheduler, seq_len=job.data.seq_len, max_loops=job.model.max_loops,
-                         ordered=ordered, ghosts=zero3)
+                         ordered=ordered, ghosts=zero3,
+                         balanced_micro=n_micro if job.schedule.balance == "compute" else None)
     session = DeepSpeedSession(job, net, engine, optimizer, scheduler, batches, val_tokens, controller,
                                step)  # type: ignore[arg-type]  # the same interface as TrainStep
     session.ds_tensors = DeepSpeedTensors(engine)

@@ -1,6 +1,7 @@
 """DeepSpeed-engine checkpoints keep the project's guarantees: commit marker, ``latest``, retention, auto-resume,
 and a bitwise resume under ZeRO-3 at mixed depth at world size 1 and 2 (CLI runs of the tiny job on gloo); at
-world size 2 the first run is stopped by SIGTERM to one rank (the preemption path: save, exit 0, ``STOPPED``)."""
+world size 2 the first run is stopped by SIGTERM to one rank (the preemption path: save, exit 0, ``STOPPED``).
+A run also resumes at another world size (2 -> 1 -> 2), continuing the uninterrupted run's losses within 1e-5."""
 
 from __future__ import annotations
 
@@ -76,3 +77,32 @@ def test_zero3_resume_is_bitwise(tmp_path: Path, nproc: int) -> None:
     a, b = ds_tensors(straight / "checkpoints" / "step_4"), ds_tensors(ckpts / "step_4")
     assert a.keys() == b.keys() and len(a) > 0
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+# fixed depth: the same micro-batches at the same ℓ whatever the world size (the data loader deals the global batch
+# by position), so a run resumed at another world size continues the uninterrupted one up to summation order
+RESHARD = ["engine=deepspeed", "parallel=single", "schedule.sampler=fixed", "schedule.switch_at=1.0", "train.steps=4",
+           "train.global_batch_size=8", "checkpoint.interval=1", "checkpoint.keep_last=4"]
+RESHARD_TOLERANCE = 1e-5  # the engines' parity tolerance (tests/engine/test_engine_parity.py): reduction order only
+
+
+@pytest.mark.parametrize("stage", [2, pytest.param(3, marks=pytest.mark.long)])  # ZeRO-2 in CI, ZeRO-3 --long
+def test_resume_at_another_world_size(tmp_path: Path, stage: int) -> None:
+    """Saved at 2 ranks, resumed at 1, saved, resumed at 2: every rank reads the whole state (weights, Adam moments,
+    step: engine/full_state.py, bitwise) and keeps its new partition; the losses continue the run that was never
+    interrupted (at world size 1: the same global batches) within the tolerance."""
+    zero = f"deepspeed.zero_stage={stage}"
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train(straight, 1, *RESHARD, zero)
+    train(split, 2, *RESHARD, zero, "checkpoint.stop_at=2")
+    down = train(split, 1, *RESHARD, zero, "checkpoint.stop_at=3")
+    assert f"world size 2 ZeRO-{stage} -> world size 1" in down.stdout + down.stderr
+    up = train(split, 2, *RESHARD, zero)
+    assert f"world size 1 ZeRO-{stage} -> world size 2" in up.stdout + up.stderr
+    assert RunFiles(split).finished.is_file()
+    got, want = history(split), history(straight)
+    assert [h["step"] for h in got] == [h["step"] for h in want] == [1, 2, 3, 4]
+    deltas = [f"{abs(a['loss'] - b['loss']):.1e}" for a, b in zip(got, want)]
+    print(f"ZeRO-{stage} 2 -> 1 -> 2: per-step |Δloss|", deltas)
+    for a, b in zip(got, want):
+        assert a["loss"] == pytest.approx(b["loss"], abs=RESHARD_TOLERANCE), (a["step"], a["loss"], b["loss"])

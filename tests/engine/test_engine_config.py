@@ -51,13 +51,22 @@ def test_zero3_takes_ranks_that_draw_their_own_loop_counts() -> None:
 
 
 @pytest.mark.parametrize(
-    ("override", "fix"),
-    [("schedule.balance=compute", "use schedule.balance=off"), ("schedule.exit_axis=layer", "schedule.exit_axis=loop")],
+    ("overrides", "fix"),
+    [(["schedule.balance=compute", "deepspeed.zero_stage=3"], "use deepspeed.zero_stage=2 .*or schedule.balance=off"),
+     (["schedule.exit_axis=layer"], "schedule.exit_axis=loop")],
 )
-def test_schedules_the_deepspeed_step_does_not_weigh_are_refused(override: str, fix: str) -> None:
+def test_schedules_the_deepspeed_step_cannot_run_are_refused(overrides: list[str], fix: str) -> None:
     with pytest.raises(ConfigError, match=fix) as err:
-        load_job(JOB, ["parallel=single", "engine=deepspeed", override])
+        load_job(JOB, ["parallel=single", "engine=deepspeed", *overrides])
     assert "\n" not in str(err.value)
+
+
+def test_compute_balanced_depth_runs_on_zero_1_and_2() -> None:
+    """Unequal micro-batch counts per rank: the DeepSpeed step accumulates them locally (engine/deepspeed.py)."""
+    for stage in (1, 2):
+        job = load_job(JOB, ["parallel=single", "engine=deepspeed", "schedule.balance=compute",
+                             f"deepspeed.zero_stage={stage}"])
+        assert job.schedule.balance == "compute"
 
 
 def test_offload_settings_are_checked() -> None:

@@ -372,18 +372,20 @@ def ensure_trained(path: Path, job: JobConfig, runs_root: Path) -> Run:
 def train_processes(path: Path, job: JobConfig, nproc: int) -> None:
     """Train ``job`` in ``nproc`` local ranks: the resolved job (overrides, seed and run directory applied;
     secrets kept: a private 0600 file, deleted afterwards) through ``elastic-pretrain train
-    --nproc-per-node``'s launcher (``train/commands.py``), so a rank's user error prints here once, and
-    Ctrl-C or SIGTERM reach every rank, which save and stop (rerun the experiment to resume)."""
-    import argparse
+    --nproc-per-node`` in a child process (the user's own launcher; commands modules stay leaves that only
+    cli.py imports), so a rank's user error prints there once, and Ctrl-C reaches every rank (same process
+    group), which save and stop (rerun the experiment to resume)."""
+    import subprocess
+    import sys
     import tempfile
 
     from elastic_pretrain.tracking.config import write_private
-    from elastic_pretrain.train.commands import _launch
 
     with tempfile.TemporaryDirectory(prefix="elastic-pretrain-experiment-") as folder:
         resolved = Path(folder) / f"{path.stem}.yaml"
         write_private(resolved, yaml.safe_dump(to_dict(job), sort_keys=False))
-        code = _launch(argparse.Namespace(job=str(resolved), nproc_per_node=nproc), [])
+        cmd = [sys.executable, "-m", "elastic_pretrain.cli", "train", str(resolved), "--nproc-per-node", str(nproc)]
+        code = subprocess.run(cmd, check=False).returncode
     if code != 0:
         raise UserError(
             f"{path.stem}: the {nproc} training processes exited with status {code} (their output is above)"

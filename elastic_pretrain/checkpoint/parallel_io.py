@@ -47,7 +47,10 @@ def io_group(timeout_minutes: float) -> Any:
     if not dist.is_initialized():
         return None
     if _io_group is None or _io_timeout_minutes != timeout_minutes:
-        _io_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
+        from elastic_pretrain.parallel.strict import intended_gloo
+
+        # gloo on GPU machines too: its collectives take CPU tensors (strict device mode is told so)
+        _io_group = intended_gloo(dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes)))
         _io_timeout_minutes = timeout_minutes
     return _io_group
 

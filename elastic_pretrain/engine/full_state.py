@@ -82,7 +82,7 @@ def _deepspeed_moments(folder: Path) -> tuple[dict[str, dict[str, torch.Tensor]]
     with weights_only_loads(), contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints progress
         model_states = z.parse_model_states(z.get_model_state_files(str(folder)))
         files = z.get_optim_files(str(folder))
-        osds = [torch.load(f, map_location="cpu")["optimizer_state_dict"] for f in files]
+        osds = [torch.load(f, map_location="cpu", weights_only=True)["optimizer_state_dict"] for f in files]
         stage, world = int(osds[0]["zero_stage"]), osds[0]["partition_count"]
         world = max(world) if isinstance(world, list) else int(world)
         if world != len(osds):

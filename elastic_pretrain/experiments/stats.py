@@ -164,7 +164,8 @@ def evaluate(claim: Claim, by_seed: dict[int, Metrics]) -> ClaimResult:
     try:
         values = tuple(claim.value(m) for m in by_seed.values())
     except KeyError as e:
-        return ClaimResult(claim, (), None, "no", f"not measured: this job set has no {e.args[0]!r}")
+        return ClaimResult(claim, (), None, "no", f"not measured: no {e.args[0]!r} (an arm the job set lacks, or a "
+                           "quantity these runs give nothing to measure)")
     if not values:
         return ClaimResult(claim, (), None, "no", "no seeds ran")
     if not all(math.isfinite(v) for v in values):  # e.g. a share of an improvement that is 0 at some seed

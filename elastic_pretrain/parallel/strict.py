@@ -14,7 +14,8 @@ makes them visible on CPU too (docs/gpu.md, "Device placement and collectives"):
   began (parameters, DDP buffers) count as device.
 - Every collective (``all_reduce``, ``all_gather*``, ``reduce_scatter*``, ``broadcast``,
   ``all_to_all*``, ``send``/``recv``, ``batch_isend_irecv``) on a group that would be NCCL — every
-  group except megatron's ``*_GLOO`` groups, which exist for intended CPU collectives — requires
+  group except megatron's ``*_GLOO`` groups and those registered by :func:`intended_gloo` (the
+  checkpoint I/O group), which exist for intended CPU collectives — requires
   each tensor to be virtually device *and* really on :func:`~elastic_pretrain.parallel.device.device`;
   on a gloo group it requires a real CPU tensor. A violation raises :class:`DeviceMistake` naming the
   collective, the group and where the tensor came from.
@@ -142,8 +143,18 @@ def _gloo_groups() -> list[Any]:
     return found
 
 
+_INTENDED_GLOO: list[Any] = []  # the project's own groups made with backend="gloo" (checkpoint I/O)
+
+
+def intended_gloo(group: Any) -> Any:
+    """Register ``group``, created with ``backend="gloo"`` on every machine, as one whose collectives take
+    CPU tensors (like megatron's ``*_GLOO`` groups); returns it."""
+    _INTENDED_GLOO.append(group)
+    return group
+
+
 def _check(what: str, group: Any, tensors: list[torch.Tensor], gloo: list[Any]) -> None:
-    intended_cpu = group is not None and any(group is g for g in gloo)
+    intended_cpu = group is not None and any(group is g for g in (*gloo, *_INTENDED_GLOO))
     want = device()
     for t in tensors:
         if intended_cpu:

@@ -119,4 +119,14 @@ def test_quick_decider_experiment_measures_both_deciders(tmp_path: Path) -> None
     # the frozen decider's backbone is the base model: its own fixed depth is the base's, so both AUCs agree
     assert metrics[FROZEN]["auc_vs_base"] == pytest.approx(metrics[FROZEN]["auc_vs_fixed"], abs=1e-5)
     assert numbers["deciders"][PER_TOKEN]["backbone_drift"] > 1e-3  # the joint backbone trained
-    assert len(numbers["claims"]) == 5 and all(c["values"] for c in numbers["claims"])  # every claim measured
+    assert len(numbers["claims"]) == 5
+    for claim in numbers["claims"]:  # every claim measured, except where the sweep has nothing to measure
+        if "random stopping" in claim["measure"]:
+            # against random stopping only the thresholds strictly between the ends count; after 2 training
+            # steps a decider can stop every token at the same pass, and then there is none, which is said
+            name = FROZEN if claim["measure"].startswith("frozen") else PER_TOKEN
+            inner = [r for r in numbers["deciders"][name]["adaptive"] if 1.0 + 1e-6 < r["mean_passes"] < 4.0 - 1e-6]
+            assert bool(claim["values"]) == bool(inner), claim
+            assert claim["values"] or "minus_random" in claim["reason"]
+        else:
+            assert claim["values"], claim

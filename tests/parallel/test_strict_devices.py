@@ -81,6 +81,21 @@ def test_intended_gloo_groups_take_host_tensors(group1, monkeypatch):
     assert dist.all_reduce.__module__ == "torch.distributed.distributed_c10d"
 
 
+def test_the_checkpoint_io_group_takes_host_tensors(group1):
+    """The checkpoint collectives' own gloo group (gloo on GPU machines too) is an intended CPU group."""
+    from elastic_pretrain.checkpoint import parallel_io
+
+    parallel_io.reset()
+    try:
+        io = parallel_io.io_group(timeout_minutes=1.0)
+        with strict_devices():
+            dist.all_reduce(torch.tensor([1], dtype=torch.int32), group=io)  # the save fingerprint's agreement
+            with pytest.raises(DeviceMistake):
+                dist.all_reduce(torch.tensor([1], dtype=torch.int32))
+    finally:
+        parallel_io.reset()
+
+
 @pytest.mark.slow
 def test_train_eval_and_checkpoints_pass_strict_mode_at_world_size_2(tmp_path):
     """Train steps (with the routing probe), evaluation, a checkpoint save, then a resume that loads it,

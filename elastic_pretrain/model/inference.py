@@ -50,6 +50,7 @@ KV_POLICIES: tuple[KVPolicy, ...] = ("per-loop", "last-loop")
 # (h_SBD after pass j, token embedding e_SBD, pass j) -> stop mask [S, B] (True = this token stops here)
 StopFn = Callable[[Tensor, Tensor, int], Tensor]
 CacheKey = tuple[str, int] | tuple[str, int, int]
+CachePart = Literal["all", "core"]
 
 
 def kv_bytes_per_token(
@@ -90,15 +91,17 @@ class KVCache:
         else:
             self.k[key], self.v[key] = k_SBGd, v_SBGd
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k.values(), *self.v.values()))
+    def nbytes(self, part: CachePart = "all") -> int:
+        """Bytes the cache holds: every layer's, or (``part="core"``) the looped core layers' only."""
+        keys = [key for key in self.k if part == "all" or key[0] == part]
+        return sum(t.numel() * t.element_size() for key in keys for t in (self.k[key], self.v[key]))
 
-    def bytes_per_token(self) -> float:
-        """Measured cache bytes per cached token of one sequence."""
+    def bytes_per_token(self, part: CachePart = "all") -> float:
+        """Measured cache bytes per cached token of one sequence (``part="core"``: the core layers' share)."""
         if not self.k or self.length == 0:
             return 0.0
         batch = next(iter(self.k.values())).shape[1]
-        return self.nbytes() / (self.length * batch)
+        return self.nbytes(part) / (self.length * batch)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -295,6 +298,7 @@ class TeacherForced:
     tokens: int
     kv_bytes_per_token: float
     accuracy: float = float("nan")  # next-token argmax accuracy
+    core_kv_bytes_per_token: float = float("nan")  # the looped core layers' share of kv_bytes_per_token
 
     @property
     def perplexity(self) -> float:
@@ -323,7 +327,7 @@ def teacher_forced_loss(
         raise ValueError(f"prompt_len: {prompt_len} leaves no continuation to score in {tokens_NT1.shape[1]} tokens")
     was_training = model.training
     model.eval()
-    total, count, passes, kv_bytes, correct = 0.0, 0, 0.0, 0.0, 0
+    total, count, passes, kv_bytes, core_bytes, correct = 0.0, 0, 0.0, 0.0, 0.0, 0
     try:
         for start in range(0, tokens_NT1.shape[0], batch_size):
             chunk = tokens_NT1[start : start + batch_size].to(_device(model))  # host rows → the model's device
@@ -341,7 +345,7 @@ def teacher_forced_loss(
             correct += int((out.logits_BSV.argmax(-1) == labels).sum())
             count += labels.numel()
             passes += float(out.passes_BS.double().sum())
-            kv_bytes = dec.cache.bytes_per_token()
+            kv_bytes, core_bytes = dec.cache.bytes_per_token(), dec.cache.bytes_per_token("core")
     finally:
         model.train(was_training)
     ell = model.cfg.max_loops if loops is None else loops
@@ -353,6 +357,7 @@ def teacher_forced_loss(
         tokens=count,
         kv_bytes_per_token=kv_bytes,
         accuracy=correct / count,
+        core_kv_bytes_per_token=core_bytes,
     )
 
 

@@ -115,6 +115,7 @@ def test_kv_bytes_per_token(model):
             dec.step(x)
             assert dec.position == 5
             assert dec.cache.bytes_per_token() == kv_bytes_per_token(cfg, policy, ell)
+            assert dec.cache.bytes_per_token("core") == 256 * (ell if policy == "per-loop" else 1)  # core only
 
 
 def test_teacher_forced_loss_per_policy(model):

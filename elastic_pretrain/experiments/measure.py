@@ -38,7 +38,8 @@ def training_compute(run: Run) -> tuple[float, float]:
     Replays the run's depth plans (a pure function of seed, step, micro-batch and replica; train/schedule.py)
     for every data-parallel replica of the layout the run trained with (``summary.json``; expert-parallel
     groups of consecutive replicas, as megatron builds them at TP = 1); an extra supervised exit costs one
-    more coda + output layer."""
+    more coda + output layer; ``model.kv_training: last_loop`` adds its no-grad forward of the ℓ passes and
+    the coda (docs/kv-training.md)."""
     from elastic_pretrain.train.schedule import ExpertLayout, ScheduleController
 
     job = run.job
@@ -71,9 +72,10 @@ def training_compute(run: Run) -> tuple[float, float]:
         ]
         for plan in plans:
             b = flops_breakdown(cfg, plan.loops, seq_len=seq)
-            per_exit = b.edges * cfg.coda_layers / max(1, cfg.prelude_layers + cfg.coda_layers) + b.output
+            coda = b.edges * cfg.coda_layers / max(1, cfg.prelude_layers + cfg.coda_layers)
+            pre_run = plan.loops * b.core_pass + coda if cfg.kv_training == "last_loop" else 0.0  # forward only
             passes += plan.loops
-            flops += 3 * tokens_per_micro * (b.total + (len(plan.exits) - 1) * per_exit)
+            flops += tokens_per_micro * (3 * (b.total + (len(plan.exits) - 1) * (coda + b.output)) + pre_run)
             n += 1
     return passes / max(1, n), flops
 

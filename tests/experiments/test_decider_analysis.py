@@ -7,13 +7,6 @@ experiment decider`, outside CI; one
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from elastic_pretrain.config import flatten, load_yaml
@@ -22,6 +15,7 @@ from elastic_pretrain.experiments.analyses.decider import EXPERIMENT, FROZEN, PE
 from elastic_pretrain.experiments.analyses.decider_measure import matched, run_metrics
 from elastic_pretrain.experiments.stats import evaluate
 from tests.conftest import REPO
+from tests.experiments.quick import QuickRun
 
 SET = REPO / "jobs/experiments/decider"
 
@@ -93,20 +87,9 @@ def test_the_claims_are_decided_over_paired_seeds() -> None:
 
 
 @pytest.mark.slow
-def test_quick_decider_experiment_measures_both_deciders(tmp_path: Path) -> None:
-    # ~20 s: a private copy of the declarative side (as test_experiment_runner's kv-cache cycle), one seed
-    for folder in ("data", "parallel", "jobs/experiments/decider"):
-        shutil.copytree(REPO / folder, tmp_path / folder)
-    if not (REPO / "cache/stdlib-code/manifest.json").is_file():
-        cmd = [sys.executable, "-m", "elastic_pretrain.cli", "prepare-data", "stdlib-code"]
-        subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, timeout=300)
-    (tmp_path / "cache").symlink_to(REPO / "cache")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "elastic_pretrain.cli", "experiment", "decider", "--quick", "--seeds", "1"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    results = tmp_path / "runs/experiments-quick/results"
-    numbers = json.loads((results / "decider.json").read_text())
+def test_quick_decider_experiment_measures_both_deciders(decider_quick: QuickRun) -> None:
+    # one seed, 2 steps per job, run with decider-depths in one process (tests/experiments/conftest.py)
+    numbers = decider_quick.numbers("decider")
     assert [r["job"] for r in numbers["runs"]] == ["late-switch", "decider-per-token", "decider"]
     assert {n: d["backbone"] for n, d in numbers["deciders"].items()} == {FROZEN: "frozen", PER_TOKEN: "per_token"}
     metrics = numbers["metrics_by_seed"]["1234"]

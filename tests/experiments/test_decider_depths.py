@@ -5,11 +5,6 @@ run checks the wiring (the full experiment is `elastic-pretrain experiment decid
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +15,7 @@ from elastic_pretrain.experiments.analyses.decider_depths import DEPTHS, EXPERIM
 from elastic_pretrain.experiments.registry import EXPERIMENTS
 from elastic_pretrain.experiments.stats import evaluate
 from tests.conftest import REPO
+from tests.experiments.quick import QuickRun
 
 SET = REPO / "jobs/experiments/decider-depths"
 DECIDER_SET = REPO / "jobs/experiments/decider"
@@ -99,19 +95,11 @@ def test_the_claims_are_decided_over_seeds_and_say_when_a_depth_is_missing() -> 
 
 
 @pytest.mark.slow
-def test_quick_decider_depths_experiment_measures_every_depth(tmp_path: Path) -> None:
-    # a private copy of the declarative side (as test_decider_analysis), one seed, 2 steps per job
-    for folder in ("data", "parallel", "jobs/experiments/decider-depths"):
-        shutil.copytree(REPO / folder, tmp_path / folder)
-    if not (REPO / "cache/stdlib-code/manifest.json").is_file():
-        cmd = [sys.executable, "-m", "elastic_pretrain.cli", "prepare-data", "stdlib-code"]
-        subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, timeout=300)
-    (tmp_path / "cache").symlink_to(REPO / "cache")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "elastic_pretrain.cli", "experiment", "decider-depths", "--quick", "--seeds", "1"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    numbers = json.loads((tmp_path / "runs/experiments-quick/results/decider-depths.json").read_text())
+def test_quick_decider_depths_experiment_measures_every_depth(decider_quick: QuickRun) -> None:
+    # one seed, 2 steps per job, run after the decider experiment in one process (tests/experiments/conftest.py):
+    # base-L4 is the decider set's late-switch job, whose run it reuses
+    numbers = decider_quick.numbers("decider-depths")
+    assert "base-L4: reused" in decider_quick.output
     assert {n: d["l_max"] for n, d in numbers["depths"].items()} == {arm(d): d for d in DEPTHS}
     metrics = numbers["metrics_by_seed"]["1234"]
     for d in DEPTHS:

@@ -1,15 +1,12 @@
 """The experiment command end to end (``--quick --seeds 3``, one subprocess): trains the kv-cache job set with
-three seeds, writes the report (claim table first), table and plot from those runs; a rerun after one job
-file changed retrains that job only (every seed) and reuses the other.
+three seeds (its three arms, the trained last-loop mode's included), writes the report (claim table first),
+tables (the parallel-prefill column included) and plot from those runs; a rerun after one job file changed
+retrains that job only (every seed) and reuses the others.
 Also: every experiment job file parses, and the registry names exactly the job sets that exist."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -20,6 +17,7 @@ from elastic_pretrain.config import ConfigError, load_yaml
 from elastic_pretrain.experiments.runner import base_job, check_processes, fingerprint, job_diff, load_jobs
 from elastic_pretrain.job import dump_job, load_job
 from tests.conftest import REPO
+from tests.experiments.quick import quick_workspace, run_python
 
 JOB_FILES = sorted((REPO / "jobs/experiments").glob("*/*.yaml"))
 
@@ -54,6 +52,10 @@ CYCLE = textwrap.dedent(
             job, model = load_model(Path(f"runs/experiments-quick/kv-cache/fixed-depth-seed{seed}"))
             tokens = load_validation(job.data, num_sequences=2)[:, :33]  # --quick: 2 x 32 predicted tokens
             out[f"per_loop_{seed}"] = teacher_forced_loss(model, tokens, loops=4, kv_cache="per-loop").loss
+        # the trained arm after a parallel prefill of the first 16 tokens, scoring the 17 that follow
+        _, model = load_model(Path("runs/experiments-quick/kv-cache/late-switch-kvtrained-seed1234"))
+        pre = teacher_forced_loss(model, tokens, loops=4, kv_cache="last-loop", prompt_len=16)
+        out["prefill_kvtrained_1234"] = [pre.loss, pre.tokens]
         teardown()
         print("CYCLE " + json.dumps(out))
     """
@@ -63,34 +65,22 @@ CYCLE = textwrap.dedent(
 @pytest.mark.slow
 def test_quick_experiment_reports_reuses_and_retrains(tmp_path: Path) -> None:
     # a private copy of the repository's declarative side, so that editing a job file touches nothing here
-    for folder in ("data", "parallel"):
-        shutil.copytree(REPO / folder, tmp_path / folder)
-    shutil.copytree(REPO / "jobs/experiments/kv-cache", tmp_path / "jobs/experiments/kv-cache")
-    if not (REPO / "cache/stdlib-code/manifest.json").is_file():
-        subprocess.run(
-            [sys.executable, "-m", "elastic_pretrain.cli", "prepare-data", "stdlib-code"],
-            cwd=REPO,
-            check=True,
-            capture_output=True,
-            timeout=300,
-        )
-    (tmp_path / "cache").symlink_to(REPO / "cache")
+    quick_workspace(tmp_path, "kv-cache")
     (tmp_path / "cycle.py").write_text(CYCLE)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run(
-        [sys.executable, "cycle.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900
-    )
+    proc = run_python(tmp_path, "cycle.py", timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     cycle = json.loads(proc.stdout.split("CYCLE ", 1)[1])
 
     # every arm with every seed; reuse when unchanged, retrain only the job whose file changed (all its seeds)
-    runs = {f"{job}-seed{s}" for job in ("fixed-depth", "late-switch") for s in (1234, 1235, 1236)}
+    arms = ("fixed-depth", "late-switch", "late-switch-kvtrained")  # the trained mode's arm (issue #18) included
+    runs = {f"{job}-seed{s}" for job in arms for s in (1234, 1235, 1236)}
     assert set(cycle["first"]) == runs
     for s in (1234, 1235, 1236):
-        assert cycle["third"][f"fixed-depth-seed{s}"] == cycle["first"][f"fixed-depth-seed{s}"]
+        for same in ("fixed-depth", "late-switch-kvtrained"):
+            assert cycle["third"][f"{same}-seed{s}"] == cycle["first"][f"{same}-seed{s}"]
         assert cycle["third"][f"late-switch-seed{s}"] > cycle["first"][f"late-switch-seed{s}"]
     assert proc.stdout.count("fixed-depth: reused") == 3 and "late-switch: reused" not in proc.stdout
-    assert proc.stdout.count("late-switch: trained") == 6
+    assert proc.stdout.count("late-switch-kvtrained: reused") == 3 and proc.stdout.count("late-switch: trained") == 6
 
     results = tmp_path / "runs/experiments-quick/results"
     report = (results / "kv-cache.md").read_text()
@@ -106,21 +96,32 @@ def test_quick_experiment_reports_reuses_and_retrains(tmp_path: Path) -> None:
         summary = json.loads((tmp_path / run["run_dir"] / "summary.json").read_text())
         assert (run["steps"], run["tokens"]) == (summary["steps"], summary["tokens"]) == (2, 4096)
         assert f"| {run['job']} | {run['seed']} | `{run['file']}` | {run['parameters']:,} |" in report
-    assert f"| fixed-depth | 4 | 3,072 | 1,536 | {cycle['per_loop_1234']:.4f} | " in report  # seed 1234's detail
+    assert f"| fixed-depth | 4 | {cycle['per_loop_1234']:.4f} | " in report  # seed 1234's detail
+    assert "| fixed-depth | 4 | 3,072 | 1,536 | 1,536 | 2,048 | 512 | 512 | 0.2500 (1/ℓ = 0.2500) |" in report
     by_seed = numbers["metrics_by_seed"]
     assert by_seed["1235"]["fixed-depth"]["per_loop@max"] == pytest.approx(cycle["per_loop_1235"])
+    # the prefill column: last-loop after a parallel prefill, the continuation only, as measured here
+    prefill = numbers["numbers_by_seed"]["1234"]["teacher_forced"]["late-switch-kvtrained"]["4"]["prefill"]
+    assert [prefill["loss"], prefill["tokens"]] == pytest.approx(cycle["prefill_kvtrained_1234"])
+    assert prefill["tokens"] == 2 * 17 and f"| {prefill['loss']:.4f} | " in report
     # each claim: one paired value per seed, from that seed's numbers; the interval and verdict from them
     from elastic_pretrain.experiments.stats import decide, t_interval
 
-    claims = {c["measure"].split(":")[0]: c for c in numbers["claims"]}
-    for arm in ("fixed-depth", "late-switch"):
-        tf = {s: numbers["numbers_by_seed"][s]["teacher_forced"][arm]["4"] for s in ("1234", "1235", "1236")}
+    claims = {c["measure"].split(":")[0]: c for c in numbers["claims"] if "last-loop (token by token)" in c["measure"]}
+    seeds = ("1234", "1235", "1236")
+    for arm in arms:
+        tf = {s: numbers["numbers_by_seed"][s]["teacher_forced"][arm]["4"] for s in seeds}
         want = [t["last-loop"]["loss"] - t["per-loop"]["loss"] for t in tf.values()]
         assert claims[arm]["values"] == pytest.approx(want)
         iv = t_interval(want)
         assert (claims[arm]["interval"]["lo"], claims[arm]["interval"]["hi"]) == pytest.approx((iv.lo, iv.hi))
         assert claims[arm]["verdict"] == decide(iv, "positive")[0]
         assert f"**{claims[arm]['verdict']}**" in report
+    assert all(c["values"] for c in numbers["claims"]), numbers["claims"]  # every claim measured, every arm there
+    shrink = next(c for c in numbers["claims"] if c["measure"].startswith("late-switch minus late-switch-kvtrained"))
+    gaps = [by_seed[s]["late-switch"]["last_minus_per@max"] - by_seed[s]["late-switch-kvtrained"]["last_minus_per@max"]
+            for s in seeds]  # fmt: skip
+    assert shrink["values"] == pytest.approx(gaps)
     lr = json.loads((tmp_path / "runs/experiments-quick/kv-cache/late-switch-seed1235/summary.json").read_text())
     config = (tmp_path / "runs/experiments-quick/kv-cache/late-switch-seed1235/config.yaml").read_text()
     assert lr["steps"] == 2 and "lr: 0.002" in config and "seed: 1235" in config

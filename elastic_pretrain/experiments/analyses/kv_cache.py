@@ -236,8 +236,8 @@ def _score_band(arm: str) -> Claim:
         source=ELR,
         magnitude=f"0–3% lower scores (Koi-4B's benchmarks); here next-token accuracy, counted as matching when the "
         f"relative drop lies in [0, {SCORE_BAND:.0%}]",
-        measure=f"{arm}: relative drop of next-token accuracy, last-loop (token by token) vs per-loop at ℓ = L_max, "
-        f"minus {mid:.1%} (the middle of 0–3%)",
+        measure=f"{arm}: relative drop of next-token accuracy, last-loop (token by token) vs per-loop at ℓ = L_max "
+        f"(a fraction), minus {mid:.3f} (the middle of 0–3%)",
         value=lambda m: m[arm]["acc_drop@max"] - mid,
         expect="equal",
         margin=mid,

@@ -373,7 +373,11 @@ class LoopedMoEModel(LanguageModule):
         if self.ghosts == "full_passes":
             return self._run_with_full_ghosts(h_TBD, rope, loops=loops, exits=exits, sync_loops=sync_loops or loops,
                                               keep=keep), None
-        kv = self._final_kv(h_TBD, loops, exits, sync_loops, rope) if self.cfg.kv_training == "last_loop" else None
+        kv = None
+        if self.cfg.kv_training == "last_loop" and max(loops, sync_loops or loops) > 1:
+            kv = self._final_kv(h_TBD, loops, exits, sync_loops, rope)  # at ℓ = 1 only to pair with deeper EP partners
+            # at ℓ = 1 the final K/V are pass 0's: same-pass attention, whose gradient reaches the earlier tokens' K/V
+            kv = kv if loops > 1 else None
         for j in range(loops):
             h_TBD = self._core_pass(h_TBD, j, loops, rope, kv=kv)
             if keep is not None:
@@ -480,8 +484,9 @@ class LoopedMoEModel(LanguageModule):
                   rope: Tensor) -> FinalKV:
         """``kv_training: last_loop``: the no-grad ℓ-pass run (and its ghost passes, which EP partners
         pair with) that yields each core layer's final-pass K/V, and each coda layer's K/V on top of
-        them, for the graded run (model/kv_training.py). Run at ℓ = 1 too (where it changes nothing):
-        an expert-parallel partner at ℓ > 1 joins its MoE all-to-alls."""
+        them, for the graded run (model/kv_training.py). At ℓ = 1 the graded run is same-pass (the same
+        loss, and the full gradient): this runs there only when an expert-parallel partner at ℓ > 1 needs its
+        MoE all-to-alls joined (``sync_loops`` > 1), and its K/V are not used."""
         if any(e != loops for e in exits):
             raise ValueError(f"model.kv_training=last_loop: exits {sorted(exits)} before ℓ = {loops} would attend to "
                              "ℓ's final K/V; use one exit per micro-batch (no telescopic exits, no decider training)")

@@ -72,12 +72,20 @@ def test_last_loop_training_loss_equals_last_loop_inference_token_by_token(mesh1
 
 
 def test_one_loop_is_same_pass(mesh1):
+    # loss and gradients: at ℓ = 1 the earlier tokens' final K/V are their pass-0 K/V, so the mode must not make
+    # them constants (a no-grad run's) and cut their gradient — the late-switch one-loop phase trains as same-pass
     ids = tokens(tiny())
-    a = model(tiny()).eval()
-    b = model(tiny(kv_training="same_pass")).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(a(ids[:, :-1], labels=ids[:, 1:], loops=1)[1],
-                                   b(ids[:, :-1], labels=ids[:, 1:], loops=1)[1], **TOL)
+    out = []
+    for mode in ("last_loop", "same_pass"):
+        net = model(tiny(kv_training=mode)).train()
+        loss_BT = net(ids[:, :-1], labels=ids[:, 1:], loops=1)[1]
+        loss_BT.mean().backward()
+        out.append((loss_BT.detach(), {n: p.grad for n, p in net.named_parameters() if p.grad is not None}))
+    (a, ga), (b, gb) = out
+    torch.testing.assert_close(a, b, **TOL)
+    assert ga.keys() == gb.keys() and any("linear_qkv" in n for n in ga)
+    for name, g in ga.items():
+        torch.testing.assert_close(g, gb[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_prefill_is_per_loop_on_the_prompt_and_keeps_one_pass_of_core_kv(mesh1):

@@ -39,7 +39,7 @@ def training_compute(run: Run) -> tuple[float, float]:
     for every data-parallel replica of the layout the run trained with (``summary.json``; expert-parallel
     groups of consecutive replicas, as megatron builds them at TP = 1); an extra supervised exit costs one
     more coda + output layer; ``model.kv_training: last_loop`` adds its no-grad forward of the ℓ passes and
-    the coda (docs/kv-training.md)."""
+    the coda at ℓ > 1 (docs/kv-training.md)."""
     from elastic_pretrain.train.schedule import ExpertLayout, ScheduleController
 
     job = run.job
@@ -73,7 +73,8 @@ def training_compute(run: Run) -> tuple[float, float]:
         for plan in plans:
             b = flops_breakdown(cfg, plan.loops, seq_len=seq)
             coda = b.edges * cfg.coda_layers / max(1, cfg.prelude_layers + cfg.coda_layers)
-            pre_run = plan.loops * b.core_pass + coda if cfg.kv_training == "last_loop" else 0.0  # forward only
+            # model.kv_training last_loop: a no-grad forward first (at ℓ > 1; at ℓ = 1 only beside a deeper EP partner)
+            pre_run = plan.loops * b.core_pass + coda if cfg.kv_training == "last_loop" and plan.loops > 1 else 0.0
             passes += plan.loops
             flops += tokens_per_micro * (3 * (b.total + (len(plan.exits) - 1) * (coda + b.output)) + pre_run)
             n += 1

@@ -137,3 +137,5 @@ def test_training_compute_counts_the_trained_modes_no_grad_run(tmp_path) -> None
     tokens = 3 * job.tokens_per_step
     assert compute() == pytest.approx(3 * tokens * b.total)  # fixed depth ℓ = 4, one exit per micro-batch
     assert compute("model.kv_training=last_loop") == pytest.approx(tokens * (3 * b.total + 4 * b.core_pass + coda))
+    one = ["schedule.fixed_loops=1"]  # at ℓ = 1 the mode is same-pass attention: no no-grad run
+    assert compute(*one, "model.kv_training=last_loop") == pytest.approx(compute(*one))

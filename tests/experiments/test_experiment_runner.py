@@ -37,6 +37,8 @@ CYCLE = textwrap.dedent(
         out = {}
         assert main(["experiment", "kv-cache", "--quick", "--seeds", "3"]) == 0
         out["first"] = mtimes()
+        out["first_metrics"] = json.loads(Path("runs/experiments-quick/results/kv-cache.json").read_text())[
+            "metrics_by_seed"]
         job = Path("jobs/experiments/kv-cache/late-switch.yaml")
         job.write_text(job.read_text().replace("lr: 3.0e-3", "lr: 2.0e-3"))
         assert main(["experiment", "kv-cache", "--quick", "--seeds", "3"]) == 0
@@ -81,6 +83,11 @@ def test_quick_experiment_reports_reuses_and_retrains(tmp_path: Path) -> None:
         assert cycle["third"][f"late-switch-seed{s}"] > cycle["first"][f"late-switch-seed{s}"]
     assert proc.stdout.count("fixed-depth: reused") == 3 and "late-switch: reused" not in proc.stdout
     assert proc.stdout.count("late-switch-kvtrained: reused") == 3 and proc.stdout.count("late-switch: trained") == 6
+    # --quick's 2 steps are all in the one-loop phase, where the trained mode is same-pass attention (loss and
+    # gradient): before the edit, the trained arm and late-switch are the same model, every metric equal
+    for s in ("1234", "1235", "1236"):
+        first = cycle["first_metrics"][s]
+        assert first["late-switch-kvtrained"] == first["late-switch"] != first["fixed-depth"]
 
     results = tmp_path / "runs/experiments-quick/results"
     report = (results / "kv-cache.md").read_text()

@@ -225,6 +225,12 @@ class DeciderConfig:
         "'per_token' (TaH2 joint post-training): tokens stop where the decider says (state frozen, still attended "
         "to), LM loss at each token's exit, nested lookahead labels pooled over data-parallel ranks.",
     )
+    lm_loss: Literal["last", "every_exit"] = field(
+        "last",
+        doc="backbone 'joint': where the LM loss is taken: 'last' (the exit after L_max passes) or 'every_exit' "
+        "(the mean of the CE after each pass 1..L_max: the backbone keeps training every fixed depth, the control "
+        "for per-token post-training on the same tokens).",
+    )
     threshold: float = field(
         0.5,
         doc="Inference: a token stops at the first pass whose continue prob < threshold (a decider job logs the "
@@ -248,5 +254,11 @@ class DeciderConfig:
             raise ConfigError(f"decider.pos_weight: must be > 0, got {self.pos_weight}")
         if self.loss_weight < 0:
             raise ConfigError(f"decider.loss_weight: must be >= 0, got {self.loss_weight}")
+        if self.lm_loss == "every_exit" and self.backbone != "joint":
+            raise ConfigError(
+                f"decider.lm_loss=every_exit trains the backbone at every exit, but decider.backbone={self.backbone} "
+                "takes its LM loss elsewhere (frozen: none; per_token: at each token's exit): set backbone: joint "
+                "or lm_loss: last"
+            )
         if self.threshold < 0:
             raise ConfigError(f"decider.threshold: must be >= 0 (0 = always run L_max), got {self.threshold}")

@@ -125,7 +125,8 @@ class DeciderLoss:
 
 
 def decider_loss(model: LoopedMoEModel, decider: IterationDecider, ids_BT: Tensor, labels_BT: Tensor) -> DeciderLoss:
-    """LM loss at L_max + weighted BCE of the decider against lookahead labels from this batch.
+    """LM loss at L_max (``lm_loss: every_exit``: the mean over the exits) + weighted BCE of the decider against
+    lookahead labels from this batch.
 
     One L_max run of the model with an exit at every pass (``run_loops``) gives CE_j for all j (with
     active conditioning its target is L_max, the same target adaptive inference uses). ``decider`` need
@@ -152,7 +153,7 @@ def decider_loss(model: LoopedMoEModel, decider: IterationDecider, ids_BT: Tenso
     bce = F.binary_cross_entropy_with_logits(
         logit_L_BT, targets_L_BT, pos_weight=torch.tensor(cfg.pos_weight, device=logit_L_BT.device)
     )
-    lm = ce_L_BT[-1].mean()
+    lm = ce_L_BT[-1].mean() if cfg.lm_loss == "last" else ce_L_BT.mean()  # every_exit: every depth alike
     with torch.no_grad():
         acc = float(((logit_L_BT > 0).float() == targets_L_BT).float().mean())
     return DeciderLoss(

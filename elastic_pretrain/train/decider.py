@@ -6,7 +6,8 @@ like any other parameter; with ``backbone: frozen`` every other parameter has ``
 (megatron's DDP and optimizer skip those: no gradient buffers, no Adam state). Every micro-batch runs
 L_max passes with an exit at every pass — the same MoE calls on every rank of an expert-parallel group,
 so no ghost passes. Per micro-batch: CE_j at each exit → lookahead labels over its tokens → weighted
-BCE of the decider's continue logits; objective = CE at L_max + ``loss_weight`` · BCE (as
+BCE of the decider's continue logits; objective = CE at L_max (``lm_loss: every_exit``: the mean CE over
+the exits) + ``loss_weight`` · BCE (as
 ``model/decider.py:decider_loss``, which is the one-process reference).
 """
 
@@ -88,7 +89,8 @@ def _loss_func(
     cfg: DeciderConfig,
     out: tuple[dict[int, torch.Tensor], torch.Tensor] | PerTokenRun,
 ) -> tuple[Any, Any, dict]:
-    """CE at L_max + loss_weight · BCE, as a per-token sum (megatron divides by the token count).
+    """CE at L_max (or the mean over the exits, ``lm_loss: every_exit``) + loss_weight · BCE, as a per-token
+    sum (megatron divides by the token count).
 
     The CE of every exit is identical on the TP ranks of a replica (vocab-parallel CE), so are the
     labels; under sequence parallelism the continue logits ``[L-1, T/tp, B]`` are this rank's sequence
@@ -105,7 +107,8 @@ def _loss_func(
     target_LTB = sequence_shard(labels_LBT.transpose(1, 2), logit_LTB.shape[1], dim=1).float()
     pos_weight = torch.tensor(cfg.pos_weight, device=logit_LTB.device)
     bce = F.binary_cross_entropy_with_logits(logit_LTB, target_LTB, pos_weight=pos_weight, reduction="sum")
-    objective = ce_LBT[-1].sum() + cfg.loss_weight * bce * (n / labels_LBT.numel())
+    lm = ce_LBT[-1].sum() if cfg.lm_loss == "last" else ce_LBT.mean(0).sum()  # every_exit: each depth alike
+    objective = lm + cfg.loss_weight * bce * (n / labels_LBT.numel())
     with torch.no_grad():
         passes = passes_at(logit_LTB, cfg.threshold)
         stats = torch.tensor(
@@ -140,7 +143,8 @@ class DeciderStep(TrainStep):
             "decider/accuracy": s["correct"] / s["labels"],
             "decider/mean_passes": s["passes"] / s["tokens"],
         }
-        return by_loops[self.max_loops] + self.cfg.loss_weight * bce, by_loops, metrics
+        lm = by_loops[self.max_loops] if self.cfg.lm_loss == "last" else sum(by_loops.values()) / len(by_loops)
+        return lm + self.cfg.loss_weight * bce, by_loops, metrics
 
 
 def freeze_backbone(net: LoopedMoEModel) -> None:

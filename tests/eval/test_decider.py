@@ -71,7 +71,8 @@ def test_lookahead_labels_hand_example():
 def test_decider_config_validation():
     for bad, msg in (({"coverage": 0.0}, "coverage"), ({"coverage": 1.5}, "coverage"), ({"pos_weight": 0}, "pos"),
                      ({"hidden_size": 0}, "hidden_size"), ({"threshold": -0.1}, "threshold"),
-                     ({"loss_weight": -1}, "loss_weight")):  # fmt: skip
+                     ({"loss_weight": -1}, "loss_weight"), ({"lm_loss": "every_exit"}, "backbone: joint"),
+                     ({"lm_loss": "every_exit", "backbone": "per_token"}, "backbone: joint")):  # fmt: skip
         with pytest.raises(ConfigError, match=msg):
             DeciderConfig(**bad)
 
@@ -85,6 +86,18 @@ def test_decider_loss_reads_the_model_exits(model):
         out = decider_loss(model, make_decider(model), x[:, :-1], x[:, 1:])
     assert out.ce_per_pass == pytest.approx([float(own[ell].mean()) for ell in (1, 2, 3, 4)], abs=1e-5)
     assert float(out.lm) == pytest.approx(float(own[4].mean()), abs=1e-5)
+
+
+def test_every_exit_lm_loss_is_the_mean_over_the_exits(model):
+    """``lm_loss: every_exit`` (the uniform-depth control): the LM term is the mean CE after passes 1..L_max,
+    not the CE at L_max, so the backbone keeps training every fixed depth."""
+    x = ids(2, 9, 3)
+    with torch.no_grad():
+        last = decider_loss(model, make_decider(model, backbone="joint"), x[:, :-1], x[:, 1:])
+        every = decider_loss(model, make_decider(model, backbone="joint", lm_loss="every_exit"), x[:, :-1], x[:, 1:])
+    assert float(last.lm) == pytest.approx(last.ce_per_pass[-1], abs=1e-5)
+    assert float(every.lm) == pytest.approx(sum(every.ce_per_pass) / 4, abs=1e-5)
+    assert abs(float(every.lm) - float(last.lm)) > 1e-3
 
 
 @pytest.mark.parametrize("backbone", ["frozen", "joint"])

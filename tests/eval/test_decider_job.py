@@ -114,16 +114,18 @@ def test_decider_job_config_errors(tmp_path: Path) -> None:
         assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("backbone", ["frozen", "joint", "per_token"])
-def test_job_loss_equals_the_one_process_reference(mesh1, backbone: str) -> None:
+@pytest.mark.parametrize(
+    ("backbone", "lm_loss"), [("frozen", "last"), ("joint", "last"), ("joint", "every_exit"), ("per_token", "last")]
+)
+def test_job_loss_equals_the_one_process_reference(mesh1, backbone: str, lm_loss: str) -> None:
     """The decider job's forward + loss (train/decider.py) against ``decider_loss``: the same objective
-    and the same decider gradient; frozen, the backbone gets none."""
+    and the same decider and backbone gradients; frozen, the backbone gets none."""
     from elastic_pretrain.model.decider import DeciderConfig, decider_loss
     from elastic_pretrain.parallel.megatron import build_model
     from elastic_pretrain.train.decider import _loss_func, freeze_backbone
     from tests.eval.conftest import PAR, tiny
 
-    cfg = DeciderConfig(backbone=backbone, pos_weight=2.0, loss_weight=0.5, coverage=0.8)  # type: ignore[arg-type]
+    cfg = DeciderConfig(backbone=backbone, lm_loss=lm_loss, pos_weight=2.0, loss_weight=0.5, coverage=0.8)  # type: ignore[arg-type]
     torch.manual_seed(0)
     net = build_model(tiny(), PAR, decider=cfg)
     if backbone == "frozen":
@@ -133,12 +135,17 @@ def test_job_loss_equals_the_one_process_reference(mesh1, backbone: str) -> None
     objective, n, report = _loss_func(cfg, net.forward_decider(ids, labels))
     (objective / n).backward()
     got = {k: p.grad.clone() for k, p in net.decider.named_parameters()}
-    backbone_grads = [p.grad for name, p in net.named_parameters() if not name.startswith("decider.")]
+    backbone_grads = {name: p.grad for name, p in net.named_parameters() if not name.startswith("decider.")}
     net.zero_grad(set_to_none=True)
     ref = decider_loss(net, net.decider, ids, labels)
     ref.total.backward()
     torch.testing.assert_close(objective / n, ref.total, rtol=1e-5, atol=1e-6)
     for k, p in net.decider.named_parameters():
         torch.testing.assert_close(got[k], p.grad, rtol=1e-4, atol=1e-7)
+    if backbone == "joint":  # the LM loss the backbone trains on is the reference's (every_exit: every depth)
+        for name, p in net.named_parameters():
+            if not name.startswith("decider.") and p.grad is not None:
+                torch.testing.assert_close(backbone_grads[name], p.grad, rtol=1e-4, atol=1e-6)
+    backbone_grads = list(backbone_grads.values())
     assert float(report["decider"][2]) / float(report["decider"][1]) == pytest.approx(ref.continue_fraction)
     assert all(g is None for g in backbone_grads) == (backbone == "frozen")

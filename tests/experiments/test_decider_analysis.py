@@ -11,7 +11,7 @@ import pytest
 
 from elastic_pretrain.config import flatten, load_yaml
 from elastic_pretrain.eval.curves import CurvePoint, QualityCurve
-from elastic_pretrain.experiments.analyses.decider import EXPERIMENT, FROZEN, PER_TOKEN
+from elastic_pretrain.experiments.analyses.decider import EXPERIMENT, FROZEN, PER_TOKEN, UNIFORM
 from elastic_pretrain.experiments.analyses.decider_measure import matched, run_metrics
 from elastic_pretrain.experiments.stats import evaluate
 from tests.conftest import REPO
@@ -31,6 +31,15 @@ def test_the_per_token_job_is_the_frozen_job_with_the_joint_per_token_backbone()
     assert joint["decider.init_from"] == "late-switch.yaml"  # the same base run of the same seed
 
 
+def test_the_uniform_control_is_the_per_token_job_trained_at_every_depth() -> None:
+    joint, uniform = flatten(load_yaml(SET / "decider-per-token.yaml")), flatten(load_yaml(SET / f"{UNIFORM}.yaml"))
+    assert {k for k in joint.keys() | uniform.keys() if joint.get(k) != uniform.get(k)} == {
+        "decider.backbone",
+        "decider.lm_loss",
+    }
+    assert (uniform["decider.backbone"], uniform["decider.lm_loss"]) == ("joint", "every_exit")
+
+
 def test_matched_compares_every_decider_over_the_range_they_all_cover() -> None:
     base = _curve("fixed", [(0.25, 3.0), (0.5, 2.5), (1.0, 2.0)])
     frozen = _curve("frozen", [(0.25, 3.0), (0.5, 2.4), (1.0, 2.0)])
@@ -43,6 +52,14 @@ def test_matched_compares_every_decider_over_the_range_they_all_cover() -> None:
     frozen_auc = (0.1 * (2.64 + 2.4) / 2 + 0.5 * (2.4 + 2.0) / 2) / 0.6
     assert out[FROZEN]["auc_matched"] == pytest.approx(frozen_auc)
     assert out[FROZEN]["auc_vs_base"] == pytest.approx(frozen_auc - base_auc)
+    assert out[PER_TOKEN]["auc_vs_base"] == pytest.approx(2.1 - base_auc)
+    assert "auc_vs_control" not in out[PER_TOKEN]
+    # with the uniform control's fixed depth (2.2 flat on [0.4, 1]): each adaptive AUC minus the control's
+    control = _curve("control", [(0.25, 2.2), (1.0, 2.2)])
+    cmp, out = matched(base, {FROZEN: frozen, PER_TOKEN: joint}, control)
+    assert (cmp.lo, cmp.hi) == (0.4, 1.0) and cmp.aucs[1] == pytest.approx(2.2)
+    assert out[PER_TOKEN]["auc_vs_control"] == pytest.approx(2.1 - 2.2)
+    assert out[FROZEN]["auc_vs_control"] == pytest.approx(frozen_auc - 2.2)
     assert out[PER_TOKEN]["auc_vs_base"] == pytest.approx(2.1 - base_auc)
 
 
@@ -65,18 +82,28 @@ def test_run_metrics_average_the_inner_thresholds_only() -> None:
 def _seed(joint_gain: float, noise: float) -> dict[str, dict[str, float]]:
     frozen = {"auc_vs_fixed": 0.03 + noise, "auc_vs_base": 0.03 + noise, "auc_matched": 2.0 + noise,
               "minus_random": 0.001 + noise, "minus_fixed": 0.03}  # fmt: skip
-    joint = {**frozen, "auc_vs_base": -0.05 + noise, "auc_matched": 2.0 - joint_gain + noise, "minus_random": -0.02}
-    return {FROZEN: frozen, PER_TOKEN: joint}
+    joint = {**frozen, "auc_vs_base": -0.05 + noise, "auc_matched": 2.0 - joint_gain + noise, "minus_random": -0.02,
+             "auc_vs_control": -0.03 + noise}  # fmt: skip
+    uniform = {**frozen, "auc_matched": 2.0 - joint_gain / 2 + noise}  # the extra tokens give half the gain
+    return {FROZEN: frozen, PER_TOKEN: joint, UNIFORM: uniform}
 
 
 def test_the_claims_are_decided_over_paired_seeds() -> None:
-    claims = {c.measure.split(":")[0]: c for c in EXPERIMENT.claims}
-    assert {"frozen decider", "joint per-token decider", "joint per-token minus frozen decider"} <= set(claims)
+    claims = {c.measure.split(":")[0].split(" (")[0]: c for c in EXPERIMENT.claims}
+    vs_uniform = f"joint per-token minus {UNIFORM}"
+    assert {"frozen decider", "joint per-token decider", "joint per-token minus frozen decider", vs_uniform} <= set(
+        claims
+    )
     by_seed = {s: _seed(0.04, n) for s, n in zip((1, 2, 3), (0.0, 0.002, -0.001), strict=True)}
     verdicts = {k: evaluate(c, by_seed).verdict for k, c in claims.items()}
     assert verdicts["frozen decider"] == "contradicted"  # adaptive worse than fixed depth at every seed
-    assert verdicts["joint per-token decider"] == "yes"
+    assert verdicts["joint per-token decider"] == "yes"  # against the control's fixed depth
     assert verdicts["joint per-token minus frozen decider"] == "yes"
+    assert verdicts[vs_uniform] == "yes"
+    # the per-token claim reads the control's fixed depth, not the base's: with no gain over the control it is
+    # not decided in per-token depth's favour even though the base is beaten
+    flat = {s: {**d, PER_TOKEN: {**d[PER_TOKEN], "auc_vs_control": 0.01 + 0.01 * s}} for s, d in by_seed.items()}
+    assert evaluate(claims["joint per-token decider"], flat).verdict == "contradicted"
     # the joint-vs-frozen difference is paired within a seed: seed noise shared by both arms cancels
     noisy = {s: _seed(0.04, n) for s, n in zip((1, 2, 3), (0.0, 0.5, -0.5), strict=True)}
     assert evaluate(claims["joint per-token minus frozen decider"], noisy).verdict == "yes"
@@ -90,19 +117,28 @@ def test_the_claims_are_decided_over_paired_seeds() -> None:
 def test_quick_decider_experiment_measures_both_deciders(decider_quick: QuickRun) -> None:
     # one seed, 2 steps per job, run with decider-depths in one process (tests/experiments/conftest.py)
     numbers = decider_quick.numbers("decider")
-    assert [r["job"] for r in numbers["runs"]] == ["late-switch", "decider-per-token", "decider"]
-    assert {n: d["backbone"] for n, d in numbers["deciders"].items()} == {FROZEN: "frozen", PER_TOKEN: "per_token"}
+    assert [r["job"] for r in numbers["runs"]] == ["late-switch", "decider-per-token", UNIFORM, "decider"]
+    assert {n: d["backbone"] for n, d in numbers["deciders"].items()} == {
+        FROZEN: "frozen",
+        PER_TOKEN: "per_token",
+        UNIFORM: "joint",
+    }
     metrics = numbers["metrics_by_seed"]["1234"]
-    assert {"auc_matched", "auc_vs_base", "auc_vs_fixed"} <= set(metrics[FROZEN]) & set(metrics[PER_TOKEN])
+    assert {"auc_matched", "auc_vs_base", "auc_vs_fixed", "auc_vs_control"} <= set(metrics[FROZEN]) & set(
+        metrics[PER_TOKEN]
+    )
     assert set(numbers["matched"]["auc"]) == {
         "fixed depth (late-switch)",
+        f"fixed depth ({UNIFORM})",
         f"adaptive ({FROZEN})",
         f"adaptive ({PER_TOKEN})",
+        f"adaptive ({UNIFORM})",
     }
+    assert numbers["deciders"][UNIFORM]["backbone_drift"] > 1e-3  # the control's backbone trained too
     # the frozen decider's backbone is the base model: its own fixed depth is the base's, so both AUCs agree
     assert metrics[FROZEN]["auc_vs_base"] == pytest.approx(metrics[FROZEN]["auc_vs_fixed"], abs=1e-5)
     assert numbers["deciders"][PER_TOKEN]["backbone_drift"] > 1e-3  # the joint backbone trained
-    assert len(numbers["claims"]) == 5
+    assert len(numbers["claims"]) == 6
     for claim in numbers["claims"]:  # every claim measured, except where the sweep has nothing to measure
         if "random stopping" in claim["measure"]:
             # against random stopping only the thresholds strictly between the ends count; after 2 training

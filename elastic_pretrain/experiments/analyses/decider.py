@@ -20,7 +20,9 @@ from elastic_pretrain.experiments.runner import Context, Experiment, Findings
 from elastic_pretrain.experiments.stats import Claim, paired
 
 TAH2 = "seeds/000 (TaH2)"
-FROZEN, PER_TOKEN = "decider", "decider-per-token"  # the job names (arms) the claims read
+# the job names (arms) the claims read; UNIFORM is the control for PER_TOKEN: a backbone post-trained on the same
+# tokens at every depth (`decider.backbone: joint`, `decider.lm_loss: every_exit`)
+FROZEN, PER_TOKEN, UNIFORM = "decider", "decider-per-token", "decider-uniform"
 
 
 def _reading(m: dict[str, Any]) -> list[str]:
@@ -70,6 +72,9 @@ def _draw(ms: list[dict[str, Any]], axes: Any) -> None:
         series.append(
             (f"random stop ({name})", [(c["relative_compute"], c["loss"], c["accuracy"]) for c in m["control"]], "x")
         )
+        if m["backbone"] != "frozen":  # a post-trained backbone has its own fixed depth
+            own = [(p.relative_compute, p.loss, p.accuracy) for p in m["sweep"].fixed]
+            series.append((f"fixed depth ({name})", own, "--o"))
     for name, pts, style in series:
         pts = sorted(pts)
         for ax, k in zip(axes, (1, 2), strict=True):
@@ -89,14 +94,18 @@ def _method(ms: list[dict[str, Any]]) -> list[str]:
         f"(`decider.init_from: {base.name}.yaml`): {arms}. Each sees the base's {run.tokens:,} tokens in the same "
         "order. `frozen`: every micro-batch runs all passes with an exit at each and the BCE trains the decider "
         "only. `per_token` (TaH2's joint post-training, docs/evaluation.md): tokens stop per the decider, the LM "
-        "loss is taken at each token's exit, the labels are nested; the backbone trains on those extra tokens too.",
+        "loss is taken at each token's exit, the labels are nested; the backbone trains on those extra tokens too. "
+        "`joint` with `lm_loss: every_exit` (the control for per-token training): every token runs every pass, the "
+        "LM loss is the mean CE after passes 1..L_max, so the backbone sees the same extra tokens at every depth.",
         "Teacher-forced on the held-out tokens with the per-loop KV cache (`eval/adaptive.py adaptive_sweep`, as "
         "`eval --adaptive`): after pass j a token stops when the decider's continue probability is below the "
         "threshold. Relative compute = FLOPs per token at the mean passes / FLOPs at L_max. Not counted: the "
         f"decider's own {fl:,} FLOPs per token and decision ({fl / run_flops(run, top):.1%} of FLOPs(L_max)), "
         "which favours adaptive depth. Fixed depth is linearly interpolated at the adaptive point's compute.",
-        "Matched compute across arms: the AUC of each decider's adaptive curve and of the base run's fixed depth "
-        "over the relative-compute range they all cover (`auc_matched`; `auc_vs_base` = minus the base's).",
+        "Matched compute across arms: the AUC of each decider's adaptive curve, of the base run's fixed depth and of "
+        f"{UNIFORM}'s own fixed depth over the relative-compute range they all cover (`auc_matched`; `auc_vs_base` "
+        f"= minus the base's; `auc_vs_control` = minus {UNIFORM}'s fixed depth, a backbone that saw the same extra "
+        "tokens without per-token depth).",
         "Control: the same execution with a random stop rule (each pass, each token stops with probability q, "
         "seed 0). The per-seed quantities `minus_fixed`/`minus_random` are means over the thresholds strictly "
         "between the ends.",
@@ -155,7 +164,9 @@ def analyse(ctx: Context) -> Findings:
     ms = [measure(ctx, r) for r in sorted(decider_runs(ctx), key=lambda r: r.name != FROZEN)]  # frozen first
     curves = {m["run"].name: m["sweep"].curves()[1] for m in ms}  # each named "adaptive (decider)": name by run
     curves = {n: dataclasses.replace(c, name=f"adaptive ({n})") for n, c in curves.items()}
-    cmp, across = matched(base_curve(ms[0]), curves)
+    control = next((m["sweep"].curves()[0] for m in ms if m["run"].name == UNIFORM), None)
+    control = None if control is None else dataclasses.replace(control, name=f"fixed depth ({UNIFORM})")
+    cmp, across = matched(base_curve(ms[0]), curves, control)
     metrics = {m["run"].name: {**run_metrics(m), **across[m["run"].name]} for m in ms}
     return Findings(
         tables=[
@@ -191,7 +202,8 @@ EXPERIMENT = Experiment(
     "jointly with the backbone under per-token depth (TaH2's post-training) — stop each token after its own "
     "number of passes. At the same mean passes per token (the same compute), is the held-out loss better than "
     "running every token at one fixed depth, better than random per-token stopping, and is the joint decider "
-    "better than the frozen one? Threshold sweeps against fixed depth ℓ = 1..4 at the same relative compute.",
+    "better than the frozen one and than a backbone post-trained on the same tokens at every depth? Threshold "
+    "sweeps against fixed depth ℓ = 1..4 at the same relative compute.",
     analyse=analyse,
     claims=(
         Claim(
@@ -207,14 +219,25 @@ EXPERIMENT = Experiment(
             'supervision"',
             source=TAH2,
             magnitude="+3.4 points over the baseline's peak accuracy at matched test-time compute (AIME)",
-            measure="joint per-token decider: adaptive minus the base run's fixed-depth AUC of loss, common "
-            "compute range (nats)",
-            value=_of(PER_TOKEN, "auc_vs_base"),
+            measure="joint per-token decider: adaptive minus the fixed depth of a backbone post-trained on the same "
+            f"tokens at every depth ({UNIFORM}), AUC of loss over the common compute range (nats)",
+            value=_of(PER_TOKEN, "auc_vs_control"),
+            expect="negative",
+        ),
+        Claim(
+            paper="training under per-token depth is what helps: the decider is \"post-trained jointly with the "
+            'backbone", which "makes loop depth a per-token decision"',
+            source=TAH2,
+            magnitude="not given (TaH2 reports only the joint model)",
+            measure=f"joint per-token minus {UNIFORM} (the same extra tokens at every depth, its own decider): "
+            "adaptive AUC of loss over the common compute range (nats)",
+            value=paired(PER_TOKEN, UNIFORM, "auc_matched"),
             expect="negative",
         ),
         Claim(
             paper="joint post-training beats a frozen backbone: TaH2's decider is \"post-trained jointly with the "
-            'backbone", which "makes loop depth a per-token decision"',
+            'backbone" (confounded here: the joint backbone also sees the tokens a second time; the claim above '
+            "controls for that)",
             source=TAH2,
             magnitude="not given (TaH2 reports only the joint model)",
             measure="joint per-token minus frozen decider: adaptive AUC of loss over the common compute range (nats)",

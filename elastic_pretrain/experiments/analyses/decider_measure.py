@@ -92,18 +92,28 @@ def run_metrics(m: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def matched(base_curve: Any, adaptive: dict[str, Any]) -> tuple[Any, dict[str, dict[str, float]]]:
-    """Every decider run's adaptive curve and the base model's fixed-depth curve, AUC of loss over relative
-    compute on the range they all cover: ``auc_matched`` per run (comparable between runs: the frozen vs
-    joint claim) and ``auc_vs_base`` = that minus the base's fixed depth (the adaptive-vs-uniform claim; for
-    a joint backbone its own fixed depth has moved, but fixed depth of the base is what it replaces)."""
+def matched(
+    base_curve: Any, adaptive: dict[str, Any], control: Any | None = None
+) -> tuple[Any, dict[str, dict[str, float]]]:
+    """Every decider run's adaptive curve, the base model's fixed-depth curve and (``control``) the fixed-depth
+    curve of a backbone post-trained on the same tokens at uniform depth: AUC of loss over relative compute on
+    the range they all cover. Per run ``auc_matched`` (comparable between runs), ``auc_vs_base`` = that minus
+    the base's fixed depth (what adaptive depth replaces when the backbone is frozen) and, with a control,
+    ``auc_vs_control`` = that minus the control's fixed depth (a post-trained backbone against one that saw the
+    same extra tokens without per-token depth)."""
     from elastic_pretrain.eval.curves import compare
 
     names = list(adaptive)
-    cmp = compare([base_curve, *(adaptive[n] for n in names)])
-    return cmp, {
-        n: {"auc_matched": a, "auc_vs_base": a - cmp.aucs[0]} for n, a in zip(names, cmp.aucs[1:], strict=True)
+    fixed = [base_curve] if control is None else [base_curve, control]
+    cmp = compare([*fixed, *(adaptive[n] for n in names)])
+    out = {
+        n: {"auc_matched": a, "auc_vs_base": a - cmp.aucs[0]}
+        for n, a in zip(names, cmp.aucs[len(fixed) :], strict=True)
     }
+    if control is not None:
+        for n in names:
+            out[n]["auc_vs_control"] = out[n]["auc_matched"] - cmp.aucs[1]
+    return cmp, out
 
 
 def base_curve(m: dict[str, Any]) -> Any:

@@ -10,7 +10,6 @@ import signal
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from multiprocessing.managers import SyncManager
     from types import FrameType
 
 # SIGTERM: Slurm/Kubernetes stop; SIGUSR1/2: `--signal=B:<SIG>@<lead>`; SIGINT: Ctrl-C behaves the same.
@@ -73,11 +72,3 @@ def stop_reason(signums: list[int]) -> str:
         f"{signal.Signals(signum).name} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
         for signum, ranks in sorted(got.items(), key=lambda kv: kv[1][0])
     )
-
-
-def start_helper_manager() -> SyncManager:
-    """A multiprocessing Manager that survives the stop signals and dies with this process
-    (``checkpoint/helper_manager.py``, imported here only when needed: it imports multiprocessing)."""
-    from elastic_pretrain.checkpoint.helper_manager import start_helper_manager as start
-
-    return start()

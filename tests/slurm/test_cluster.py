@@ -211,7 +211,7 @@ def test_a_failure_after_the_stop_save_still_requeues(jobs: dict[str, Job]) -> N
     assert [s["start_step"] for s in starts(run_dir)] == [0, HOLD_AT], "the stopped job did not resume"
     assert finished_value(run_dir) == expected_value()
     log = RunFiles(run_dir).log.read_text()
-    assert "the training step ended with exit 1 after the trainer saved and stopped" in log, log
+    assert "after the trainer saved and stopped" in log, log  # the exit: 1, or 137 when srun ended the step
     assert "the trainer failed" not in log and "requeueing as restart 1 of 2" in log, log
 
 

@@ -14,11 +14,16 @@ echo "setup: installing into .venv (torch CPU wheel, megatron-core, streaming, m
 # mosaicml-streaming pulls PyPI's torchvision (a CUDA build that cannot import beside CPU torch; it
 # is never imported: elastic_pretrain/data/streaming_compat.py stands in for the two names used).
 "${PIP[@]}" "torch==2.13.0" 2>&1 | { grep -v "is ignored: it is neither" || true; }
-# Exact pins (requirements/lock-cpu.txt), then the package itself without resolving again. DeepSpeed
-# (engine=deepspeed) is an sdist: DS_BUILD_OPS=0 builds it without compiled ops (none are used on CPU).
-DS_BUILD_OPS=0 "${PIP[@]}" -r requirements/lock-cpu.txt 2>&1 | { grep -v "is ignored: it is neither" || true; }
+# Exact pins (requirements/lock-cpu.txt), then the package itself, both without resolving: the lock is
+# the venv's whole closure (`pip freeze`), so pip has nothing to look up; `pip check` below fails if a
+# regenerated lock ever misses a dependency. DeepSpeed (engine=deepspeed) is an sdist: DS_BUILD_OPS=0
+# builds it without compiled ops (none are used on CPU).
+DS_BUILD_OPS=0 "${PIP[@]}" --no-deps -r requirements/lock-cpu.txt 2>&1 | { grep -v "is ignored: it is neither" || true; }
 "${PIP[@]}" --no-deps -e . 2>&1 | { grep -v "is ignored: it is neither" || true; }
-DS_ACCELERATOR=cpu .venv/bin/python -W ignore -c "import torch, megatron.core, deepspeed; assert torch.__version__.startswith('2.13.0'), torch.__version__" \
+.venv/bin/python -m pip check --disable-pip-version-check \
+  || { echo "setup: requirements/lock-cpu.txt misses the dependencies above: regenerate it (its header says how)" >&2; exit 1; }
+# deepspeed's import alone costs ~3.5 s of CPU: its presence is checked, tests/engine imports it
+.venv/bin/python -W ignore -c "import importlib.util, torch, megatron.core; assert importlib.util.find_spec('deepspeed'); assert torch.__version__.startswith('2.13.0'), torch.__version__" \
   || { echo "setup: the venv is broken (torch/megatron import failed): rm -rf .venv and rerun" >&2; exit 1; }
 rm -f .venv/.setup-*
 touch "$stamp"

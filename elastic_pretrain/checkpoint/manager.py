@@ -22,7 +22,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
 from elastic_pretrain.checkpoint import parallel_io, rng
-from elastic_pretrain.checkpoint.preempt import start_helper_manager
+from elastic_pretrain.checkpoint.helper_manager import start_helper_manager
 from elastic_pretrain.checkpoint.store import (
     RESUME_KEYS,
     CheckpointStore,
@@ -71,7 +71,7 @@ def start_write_results_queue() -> None:
     a module global. We fill that global first with a Manager that (1) ignores the stop signals —
     the batch script forwards SIGTERM to every process of the job step, and a dead Manager fails
     the preemption save — and (2) is SIGKILLed when this rank dies, so ``kill -9`` of a rank does
-    not leave it orphaned (``checkpoint/preempt.py``)."""
+    not leave it orphaned (``checkpoint/helper_manager.py``)."""
     global _results_manager
     if filesystem_async._results_queue is None:
         _results_manager = start_helper_manager()

@@ -1,18 +1,16 @@
 """Preemption: a signal only sets a flag; the Trainer all-reduces it at the next step boundary, so
-every rank saves the same step and exits 0 together (the Slurm contract, launch/layout.py)."""
+every rank saves the same step and exits 0 together (the Slurm contract, launch/layout.py).
+
+Imports only the standard library's light modules: the node launcher (``launch/local.py``) imports
+:data:`STOP_SIGNALS` before it blocks them, and a stop signal in that window is lost."""
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import multiprocessing as mp
-import os
 import signal
-import sys
-from collections.abc import Iterator
-from multiprocessing.managers import SyncManager
-from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from types import FrameType
 
 # SIGTERM: Slurm/Kubernetes stop; SIGUSR1/2: `--signal=B:<SIG>@<lead>`; SIGINT: Ctrl-C behaves the same.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)
@@ -23,17 +21,26 @@ class StopRequest:
 
     A launcher (``launch/local.py``) starts the ranks with the stop signals *blocked*: a signal that
     arrives while a rank is still importing torch stays pending and is delivered here, when the
-    handler is installed and the signals are unblocked, so an early stop is not lost."""
+    handler is installed and the signals are unblocked, so an early stop is not lost.
+
+    Leaving restores the previous handlers, except in such a rank (stop signals blocked on entry):
+    there the stop signals are *ignored* from then on, because the process only exits after this. A
+    stop signal can reach a rank twice — under Slurm ``scancel --signal`` signals every process of the
+    step, the ranks and their node launcher, which passes its own copy on — and a copy that lands after
+    the save, once the handler is gone, would otherwise kill the rank (the default action; Python's
+    exit also resets every handler it installed to the default) and turn a clean stop into a failure."""
 
     def __init__(self) -> None:
         self.requested = False
         self.signum: int | None = None
         self._previous: dict[int, Any] = {}
+        self._launched = False
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.requested, self.signum = True, signum
 
     def __enter__(self) -> StopRequest:
+        self._launched = set(STOP_SIGNALS) <= signal.pthread_sigmask(signal.SIG_BLOCK, [])
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._on_signal)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # a pending (early) signal arrives now
@@ -41,7 +48,8 @@ class StopRequest:
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            # SIG_IGN, unlike a Python handler, outlives the interpreter's exit
+            signal.signal(sig, signal.SIG_IGN if self._launched else handler)
         self._previous.clear()
 
     @property
@@ -64,42 +72,3 @@ def stop_reason(signums: list[int]) -> str:
         f"{signal.Signals(signum).name} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
         for signum, ranks in sorted(got.items(), key=lambda kv: kv[1][0])
     )
-
-
-@contextlib.contextmanager
-def stop_signals_ignored() -> Iterator[None]:
-    """Ignore the stop signals while starting helper processes that must outlive them.
-
-    The batch script forwards the stop signal to every process of the job step, helpers included.
-    A spawned helper execs a fresh interpreter, which resets a handler to the default action
-    (terminate) but keeps SIG_IGN. Use it before StopRequest is installed (nothing is lost)."""
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Initializer of a helper process: SIGKILL it when the process that started it dies.
-
-    SIGKILL, not SIGTERM: helpers run with the stop signals ignored (above). Without this, a rank
-    killed with ``kill -9`` (OOM killer, a lost node's watchdog) leaves its helper running forever,
-    holding the launcher's output pipes open."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(0)
-
-
-def start_helper_manager() -> SyncManager:
-    """A multiprocessing Manager (spawned, as megatron's own) that ignores the stop signals and dies with
-    this process. The caller keeps the returned object alive for as long as it uses the manager."""
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    with stop_signals_ignored():
-        manager.start(initializer=_die_with_parent, initargs=(os.getpid(),))
-    return manager

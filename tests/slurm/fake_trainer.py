@@ -2,9 +2,11 @@
 the real trainer (elastic_pretrain/launch/layout.py), with a cheap all-reduce as the "step".
 
 * ``torch.distributed`` over gloo (NCCL if CUDA is there) across every node of the job;
-* SIGTERM / SIGUSR1 / SIGUSR2 only set a flag; at each step boundary the flag is all-reduced, so
-  every rank saves the same step and exits 0 together. The node launcher (launch/local.py) starts
-  the ranks with those signals blocked, so a signal before the handler waits: unblocked once it is in;
+* SIGTERM / SIGUSR1 / SIGUSR2 only set a flag (the real trainer's ``StopRequest``,
+  checkpoint/preempt.py); at each step boundary the flag is all-reduced, so every rank saves the same
+  step and exits 0 together. The node launcher (launch/local.py) starts the ranks with those signals
+  blocked, so a signal before the handler waits: unblocked once it is in; after it, they are ignored
+  (a second copy — the launcher passes its own on — must not kill a rank on its way out);
 * rank 0 commits ``checkpoints/step_<N>/`` (written under a temporary name with its ``COMMITTED``
   marker, then renamed) and then replaces ``checkpoints/latest``; a restart resumes from it;
 * ``FINISHED`` (JSON with the final state) once all steps are done; ``STOPPED`` (JSON with the step)
@@ -12,6 +14,9 @@ the real trainer (elastic_pretrain/launch/layout.py), with a cheap all-reduce as
 
 The state update is order-sensitive (``v = v / 2 + sum_r (r+1) * s``), so resuming from the
 wrong step or state changes the final value.
+
+``--fail-after-stop`` makes rank 1 of the first start exit 1 after a stop's save (a crash on the way
+out: the run is saved and STOPPED written, so the batch script must still requeue it).
 
 ``--hold-at N`` makes the first start wait at step N (still answering signals) until signalled, so
 a test can preempt or kill it mid-run without racing the clock. Diagnostics for the tests:
@@ -24,24 +29,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import sys
 import time
 from pathlib import Path
-from types import FrameType
 
 import torch
 import torch.distributed as dist
 
+from elastic_pretrain.checkpoint.preempt import StopRequest
 from elastic_pretrain.checkpoint.store import COMMIT_FILE, FORMAT_VERSION, crc32_file
-
-STOP = False
-
-
-def _on_signal(signum: int, frame: FrameType | None) -> None:
-    global STOP
-    STOP = True
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -87,12 +84,19 @@ def main() -> int:
         "--hold-at", type=int, default=0, help="first start only: stop advancing after this step until signalled"
     )
     p.add_argument("--forget-finished", action="store_true", help="break the contract: no FINISHED at the end")
+    p.add_argument("--fail-after-stop", action="store_true", help="rank 1 exits 1 after a stop's save")
     args = p.parse_args()
-    stop_signals = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
-    for sig in stop_signals:
-        signal.signal(sig, _on_signal)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals)  # a signal that came before the handler arrives now
+    with StopRequest() as stop:  # a signal that came before the handler arrives now
+        code = _run(args, stop)
+    if code == STOPPED_FAILING:
+        os._exit(1)
+    return code
 
+
+STOPPED_FAILING = -1  # --fail-after-stop: this rank saved, stopped, and now "crashes"
+
+
+def _run(args: argparse.Namespace, stop: StopRequest) -> int:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     run_dir: Path = args.run_dir
@@ -116,24 +120,25 @@ def main() -> int:
         contrib = torch.tensor([(rank + 1) * step], dtype=torch.float64)
         dist.all_reduce(contrib)
         value = value / 2 + contrib.item()
-        stop = _agree(STOP)
+        stopping = _agree(stop.requested)
         if step == args.hold_at and restart == 0 and start == 0:
             # a long run in miniature: keep "training" at this step boundary until signalled
             if rank == 0:
                 (run_dir / "holding").write_text(f"{step}\n")
-            while not stop:
+            while not stopping:
                 time.sleep(0.2)
-                stop = _agree(STOP)
-        if stop or step % args.save_every == 0:
+                stopping = _agree(stop.requested)
+        if stopping or step % args.save_every == 0:
             if rank == 0:
                 _save(ckpts, step, value)
             dist.barrier()
-        if stop:
+        if stopping:
             if rank == 0:
                 _write_atomic(run_dir / "STOPPED", json.dumps({"step": step, "reason": "stop signal"}))
+            dist.barrier()  # STOPPED is written before any rank can fail on its way out (--fail-after-stop)
             print(f"rank {rank}: stop requested, saved step {step}, exiting", flush=True)
             dist.destroy_process_group()
-            return 0
+            return STOPPED_FAILING if args.fail_after_stop and rank == 1 and restart == 0 else 0
     if rank == 0 and not args.forget_finished:
         _write_atomic(run_dir / "FINISHED", json.dumps({"step": args.steps, "value": value, "world": world}))
     print(f"rank {rank}: finished at step {args.steps}", flush=True)

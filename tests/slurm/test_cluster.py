@@ -74,6 +74,9 @@ def jobs(slurm_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
         "capped": (base / "capped", {"hold_at": HOLD_AT, "retries": 0, "signal": "USR1"}),
         "killed": (base / "killed", {"hold_at": HOLD_AT, "retries": 3}),
         "step_signalled": (base / "step_signalled", {"hold_at": HOLD_AT, "retries": 2}),
+        # the same, but rank 1 then exits 1 on its way out, after the save and STOPPED
+        "stop_then_fail": (base / "stop_then_fail", {"hold_at": HOLD_AT, "retries": 2,
+                                                     "extra": ("--fail-after-stop",)}),
         # a trainer that ends cleanly but forgets FINISHED must not be requeued over and over
         "unfinished": (base / "unfinished", {"steps": 2, "retries": 3, "extra": ("--forget-finished",)}),
     }  # fmt: skip
@@ -108,9 +111,10 @@ def jobs(slurm_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
         subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], check=True)
         # a stop signal to the job step only, not to the batch shell (what a returning node's step daemon did
         # in the dead-node test)
-        job_id, run_dir = jobs["step_signalled"]
-        wait_holding(job_id, run_dir, timeout=START_TIMEOUT_S)
-        subprocess.run(["scancel", "--signal=TERM", job_id], check=True)
+        for name in ("step_signalled", "stop_then_fail"):
+            job_id, run_dir = jobs[name]
+            wait_holding(job_id, run_dir, timeout=START_TIMEOUT_S)
+            subprocess.run(["scancel", "--signal=TERM", job_id], check=True)
         # rank 1 dies mid-run on node2
         job_id, run_dir = jobs["killed"]
         wait_holding(job_id, run_dir, timeout=START_TIMEOUT_S)
@@ -195,6 +199,20 @@ def test_stop_signal_to_the_step_only_requeues_and_finishes(jobs: dict[str, Job]
     assert "the trainer stopped on a signal that did not come through this script" in log, log
     assert "got SIGTERM" not in log and "requeueing as restart 1 of 2" in log, log
     assert not files.stopped.exists(), "the restart that finished must clear the earlier start's STOPPED"
+
+
+def test_a_failure_after_the_stop_save_still_requeues(jobs: dict[str, Job]) -> None:
+    """Stopped through the step as above, saved, STOPPED written, then a rank exited 1 on its way out:
+    the checkpoint is complete, so the script requeues (on_failure=fail is about trainer failures, and
+    this start's save is what a restart needs); the restart resumes and finishes."""
+    job_id, run_dir = jobs["stop_then_fail"]
+    state = wait_job_end(job_id, run_dir, timeout=END_TIMEOUT_S)
+    assert state.state == "COMPLETED" and state.restarts == 1, f"{state}\n{log_tail(run_dir)}"
+    assert [s["start_step"] for s in starts(run_dir)] == [0, HOLD_AT], "the stopped job did not resume"
+    assert finished_value(run_dir) == expected_value()
+    log = RunFiles(run_dir).log.read_text()
+    assert "after the trainer saved and stopped" in log, log  # the exit: 1, or 137 when srun ended the step
+    assert "the trainer failed" not in log and "requeueing as restart 1 of 2" in log, log
 
 
 def test_killed_task_fails_the_job_without_hanging(jobs: dict[str, Job]) -> None:

@@ -1,0 +1,118 @@
+"""The multiprocessing Manager through which megatron's checkpoint writers report (``checkpoint/manager.py``,
+``start_write_results_queue``): a helper process of each saving rank that must outlive a stop signal and
+must stay cheap.
+
+* **Stop signals.** Under Slurm a forwarded stop signal reaches every process of the job step, this
+  helper included (docs/slurm.md, "Contract"), and a dead Manager fails the preemption save. The
+  helper is spawned with the stop signals *blocked* in the starting thread (the mask survives ``exec``)
+  and ignores them itself before it serves. Not ``SIG_IGN`` in the rank while it starts: setting
+  ``SIG_IGN`` discards a pending stop signal, and a signal that came during the start would be lost.
+* **Parent death.** It is SIGKILLed when the rank dies (``PR_SET_PDEATHSIG``), so ``kill -9`` of a rank
+  does not leave it running forever, holding the launcher's output pipes open.
+* **No torch.** Its queue carries pickled bytes: the writers' results (torch's ``WriteResult``) are
+  pickled by the writer and unpickled by the rank that reads them, never by the helper, which would
+  import torch to do so (~3.5 s of CPU per saving rank per start); nor does it run the rank's main
+  script again (:func:`_main_hidden`). This module imports the standard library only, since the helper
+  imports it to run its initializer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import types
+from collections.abc import Iterator
+from multiprocessing import resource_tracker
+from multiprocessing.managers import BaseProxy, SyncManager
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+from elastic_pretrain.checkpoint.preempt import STOP_SIGNALS
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+class PickledQueueProxy(BaseProxy):
+    """A Manager queue whose items cross as pickled bytes: ``put``/``get``/``get_nowait`` as on
+    ``queue.Queue``; the Manager process never unpickles an item."""
+
+    _exposed_ = ("put", "get", "qsize", "empty")
+
+    def _call(self, method: str, args: tuple[Any, ...] = ()) -> Any:
+        call: Any = self._callmethod  # typeshed types its result as None
+        return call(method, args)
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        self._call("put", (bytes(ForkingPickler.dumps(item)), block, timeout))
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        return ForkingPickler.loads(self._call("get", (block, timeout)))
+
+    def get_nowait(self) -> Any:
+        return self.get(False)
+
+    def qsize(self) -> int:
+        return int(self._call("qsize"))
+
+    def empty(self) -> bool:
+        return bool(self._call("empty"))
+
+
+class HelperManager(SyncManager):
+    """``SyncManager`` whose ``Queue()`` is a :class:`PickledQueueProxy` (megatron calls ``put`` and
+    ``get_nowait`` only)."""
+
+
+HelperManager.register("Queue", queue.Queue, PickledQueueProxy)
+
+
+def _helper_init(parent_pid: int) -> None:
+    """Initializer of the helper process (its main thread, before it serves): ignore the stop signals
+    (they are still blocked, inherited: a pending one is discarded here) and die with the parent.
+
+    SIGKILL, not SIGTERM, as the parent-death signal: the stop signals are ignored here."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(0)
+
+
+def start_helper_manager() -> HelperManager:
+    """Start the helper (spawned, as megatron's own Manager); the caller keeps the returned object alive
+    for as long as it uses the manager. A stop signal that reaches this process meanwhile is kept
+    pending in the starting thread (or taken by another thread's handler) and delivered afterwards."""
+    manager = HelperManager(ctx=mp.get_context("spawn"))
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        # the spawn start launches multiprocessing's resource tracker first, if not running yet, and then
+        # unblocks SIGINT/SIGTERM (bpo-33613), which would leave the helper's start unprotected: launch it
+        # here (it inherits the block: USR1/USR2 stay blocked there, it ignores INT/TERM itself), block again
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        with _main_hidden():
+            manager.start(initializer=_helper_init, initargs=(os.getpid(),))
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    return manager
+
+
+@contextlib.contextmanager
+def _main_hidden() -> Iterator[None]:
+    """A spawned child first runs the parent's ``__main__`` again (as ``__mp_main__``): a script that
+    imports torch and megatron at its top (tests/dist, bench) would cost the helper seconds of CPU. The
+    helper needs nothing from it (its target, initializer and proxy types live in named modules), so
+    the start sees a bare ``__main__``; restored right after (the start is synchronous)."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main

@@ -160,6 +160,18 @@ EXPERIMENT = Experiment(
             value=paired("flatten4-untied", "flatten2-untied", "loss"),
             expect="negative",
         ),
+        *(
+            Claim(
+                paper='"Untie the attention. Each pass gets its own attention parameters while the experts and routers '
+                'stay shared" (the design, as the loss gain\'s source: "that\'s where the loss gains live")',
+                source=FOIL,
+                magnitude="not given for untying alone (untied has one more attention block per extra pass)",
+                measure=f"flatten{f}-untied minus flatten{f}-tied loss at L_max (nats)",
+                value=paired(f"flatten{f}-untied", f"flatten{f}-tied", "loss"),
+                expect="negative",
+            )
+            for f in (2, 4)
+        ),
         Claim(
             paper='"Untying attention also yields more balanced and more confident routing at equal shape" '
             "(confidence)",

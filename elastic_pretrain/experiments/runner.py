@@ -297,8 +297,13 @@ def check_processes(path: Path, job: JobConfig) -> None:
 
 
 def fingerprint(config: dict[str, Any]) -> str:
-    """The config that defines a run, as canonical JSON (naming keys left out)."""
+    """The config that defines a run, as canonical JSON (naming keys left out). A post-training job's base
+    (``decider.init_from``) is compared as the directory it names, resolved: the same base run reached
+    through ``--runs runs/experiments`` or an absolute or symlinked root is the same run."""
     kept = {k: v for k, v in config.items() if k not in _NAMING_KEYS}
+    decider = kept.get("decider")
+    if isinstance(decider, dict) and isinstance(decider.get("init_from"), str):
+        kept["decider"] = {**decider, "init_from": str(Path(decider["init_from"]).resolve())}
     return json.dumps(kept, sort_keys=True)
 
 

@@ -189,6 +189,24 @@ def test_fingerprint_ignores_the_run_name_only() -> None:
     assert fingerprint({"name": "x", "train": {"lr": 1}}) == fingerprint({"name": "y", "train": {"lr": 1}})
 
 
+def test_fingerprint_compares_the_base_run_as_the_directory_it_names(tmp_path: Path, monkeypatch) -> None:
+    """A decider job's base reached through a relative, absolute or symlinked runs root is one run (a rerun with
+    --runs /abs/path must not retrain finished post-training runs); another base is another run."""
+    real = tmp_path / "store/experiments/late-switch/switch-seed1/checkpoints/step_200"
+    real.mkdir(parents=True)
+    (tmp_path / "repo").mkdir()
+    (tmp_path / "repo/runs").symlink_to(tmp_path / "store")
+    monkeypatch.chdir(tmp_path / "repo")
+
+    def job(init_from: str) -> str:
+        return fingerprint({"name": "d", "decider": {"init_from": init_from, "backbone": "joint"}})
+
+    base = "runs/experiments/late-switch/switch-seed1/checkpoints/step_200"
+    relative = job(base)
+    assert relative == job(str(real)) == job(str(tmp_path / "repo" / base))
+    assert relative != job(base.replace("seed1", "seed2"))
+
+
 def test_a_run_from_before_a_config_field_existed_is_reused(tmp_path: Path) -> None:
     from elastic_pretrain.experiments.runner import job_fingerprint, run_fingerprint
 

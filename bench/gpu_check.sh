@@ -41,5 +41,7 @@ timeout 360 "$PY" bench/gpu_check.py "$@" || status=$?
 if [[ " $* " != *" --dry-run "* ]] && "$PY" -c 'import pytest' 2>/dev/null; then
     echo "== pytest -m gpu"
     timeout 100 "$PY" -m pytest -m gpu tests/gpu -q -p no:cacheprovider -o addopts="" || status=$?
+    echo "== route replay, interleaved A/B (ELR: -11.7% update time; docs/route-replay.md)"
+    timeout 120 "$PY" bench/bench_replay.py --repeats 11 --experts 64 --tokens 2048 || status=$?
 fi
 exit $status

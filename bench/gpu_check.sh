@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check (docs/gpu.md, "GPU check"): run it first on any CUDA machine. One GPU, < 8 minutes on an
 # H200. Prints TE vs local spec, bf16 steps, bf16 vs FP8, looped vs GPTModel, grouped vs per-expert MoE,
-# memory vs the estimate and the recompute overhead (bench/gpu_check.py), then runs `pytest -m gpu`.
+# memory vs the estimate and the recompute overhead (bench/gpu_check.py), then runs `pytest -m gpu` and
+# the route-replay A/B (bench/bench_replay.py).
 #
 #   bash bench/gpu_check.sh [--dry-run] [--only SECTION ...]     # from the repository root or anywhere
 #   bash bench/gpu_check.sh --prepare-deps   # on a machine with the project's .venv: copy megatron-core

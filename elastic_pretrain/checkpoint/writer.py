@@ -207,6 +207,9 @@ class PersistentWriter(AsyncCaller):
             self.staging = Staging()
         ctx = torch.multiprocessing.get_context("spawn")  # torch's pickler: shared tensors go as handles
         self.requests, self.done = ctx.Queue(), ctx.Queue()
+        # a dead writer leaves its queue's feeder thread blocked on a full pipe; joining it (at garbage
+        # collection or exit) would hang the trainer. A live writer reads every message before it exits.
+        self.requests.cancel_join_thread()
         self.process = ctx.Process(target=_writer_loop, args=(os.getpid(), self.requests, self.done), daemon=True)
         with _stop_signals_blocked():
             self.process.start()

@@ -1,16 +1,17 @@
 """What an asynchronous save blocks training for, and what keeps that small (docs/checkpoints.md, "Async save").
 
-An async save (megatron-core ``AsyncCallsQueue``) runs on the training thread until it forks the writer
-process; the fork is the snapshot — the writer sees the tensors as they were at that instant, whatever
-training does to them afterwards (copy-on-write). Two things used to run before the fork and no longer do
-on every save:
+An async save (megatron-core ``AsyncCallsQueue``) runs on the training thread until it hands the tensors to
+the writer: by default a copy into a staging buffer read by a persistent writer process (checkpoint/writer.py),
+with ``checkpoint.async_writer=fork`` megatron's fork of a writer per save, whose copy-on-write is the
+snapshot. Either way the writer sees the tensors as they were at that instant, whatever training does to
+them afterwards. Two things used to run before the hand-off and no longer do on every save:
 
 * **Copies.** megatron's ``FileSystemWriterAsync`` clones every CPU tensor that is a view before the fork
   (``torch.save`` of a view writes its whole storage, and every parameter is a view of DDP's contiguous
   buffer; every Adam box a view of the optimizer's flat state). :class:`SnapshotWriter` hands the views to
-  the writer as they are and compacts them *in* the writer process, from its snapshot: the same bytes on
-  disk, no copy on the training thread. (A GPU tensor is still copied to the host before the fork, as
-  megatron does: the fork cannot snapshot device memory.)
+  the writer as they are: the persistent writer's staging copy holds just each tensor's elements, a forked
+  writer compacts them from its snapshot: the same bytes on disk. (On a GPU the fork writer still copies
+  each tensor to the host before the fork, as megatron does: a fork cannot snapshot device memory.)
 * **Structure work.** Validating the sharding (an all-gather of every shard's metadata), spreading the
   writes over the data-parallel group (another all-gather) and planning the save (a gather of every rank's
   plan) depend only on the state dict's *structure* — keys, shapes, dtypes, offsets, replica ids — not on

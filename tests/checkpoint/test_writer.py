@@ -34,7 +34,8 @@ def _no_fork(*args: Any, **kwargs: Any) -> int:
 
 
 def test_saves_fork_nothing_and_one_writer_process_writes_every_async_save(parts, monkeypatch) -> None:
-    """megatron forks a writer per async save and one more process per file in every save; here neither."""
+    """megatron forks a writer per async save and one more process per file in every save; here neither. The
+    writer has the stop signals blocked (a signal forwarded to the job step must not end it mid-save)."""
     job, mesh, run_dir, net, optimizer = parts
     ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
     monkeypatch.setattr(os, "fork", _no_fork)  # the writer is spawned (fork + exec in C), the rest in-process
@@ -45,6 +46,8 @@ def test_saves_fork_nothing_and_one_writer_process_writes_every_async_save(parts
         train_a_little(net, optimizer, by=1.0)
     ckpt.save(4, blocking=True)
     writer = ckpt.queue.writer
+    blocked = int(Path(f"/proc/{pids[0]}/status").read_text().split("SigBlk:")[1].split()[0], 16)
+    assert all(blocked >> (sig - 1) & 1 for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)), hex(blocked)
     ckpt.close()
     assert len(set(pids)) == 1 and writer.process is None  # one writer for all saves, ended by close()
     assert writer.staging.allocated == 1  # one buffer, reused by every save of this structure

@@ -20,6 +20,7 @@ writer but the staging buffer, so nothing is copied on write.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import inspect
 import logging
@@ -39,6 +40,8 @@ from megatron.core.dist_checkpointing.strategies.async_utils import (
     TemporalAsyncCaller,
 )
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
+
+from elastic_pretrain.checkpoint.writer_main import writer_main
 
 log = logging.getLogger(__name__)
 
@@ -166,27 +169,6 @@ def _stop_signals_blocked() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def _writer_loop(parent_pid: int, requests: Any, done: Any) -> None:
-    """The persistent writer: takes staging buffers and write requests until ``None``."""
-    from elastic_pretrain.checkpoint.preempt import _die_with_parent
-
-    _die_with_parent(parent_pid)
-    torch.set_num_threads(1)
-    staged: list[torch.Tensor] = []
-    while (msg := requests.get()) is not None:
-        if msg[0] == "buffers":
-            staged = msg[1]
-            continue
-        _, call_idx, transform_list, rank, slots, results_queue = msg
-        error = None
-        try:
-            buckets = [(p, k, (b, [(item, staged[s]) for item, s in items])) for p, k, (b, items) in slots]
-            write_buckets(transform_list, rank, buckets, results_queue)
-        except BaseException as err:  # write_buckets reports its own errors; this is anything else
-            error = f"{type(err).__name__}: {err}"
-        done.put((call_idx, error))
-
-
 class PersistentWriter(AsyncCaller):
     """megatron's ``AsyncCaller`` with one writer process for the whole run and a reused staging buffer
     (module docstring). Takes the requests of :class:`~elastic_pretrain.checkpoint.snapshot.SnapshotWriter`."""
@@ -210,9 +192,12 @@ class PersistentWriter(AsyncCaller):
         # a dead writer leaves its queue's feeder thread blocked on a full pipe; joining it (at garbage
         # collection or exit) would hang the trainer. A live writer reads every message before it exits.
         self.requests.cancel_join_thread()
-        self.process = ctx.Process(target=_writer_loop, args=(os.getpid(), self.requests, self.done), daemon=True)
+        self.process = ctx.Process(target=writer_main, args=(os.getpid(), self.requests, self.done), daemon=True)
         with _stop_signals_blocked():
             self.process.start()
+        # at exit without close(): SIGKILL it first — multiprocessing's exit handler (registered before this
+        # one, so run after it) would SIGTERM the daemon, which has SIGTERM blocked, and wait for it forever
+        atexit.register(self._kill)
 
     def schedule_async_call(self, async_req: AsyncRequest) -> None:
         from elastic_pretrain.checkpoint.snapshot import snapshot_request
@@ -260,10 +245,14 @@ class PersistentWriter(AsyncCaller):
         else:
             self.requests.put(None)
         self.process.join(timeout=60)
-        if self.process.is_alive():
+        self._kill()
+        atexit.unregister(self._kill)
+        self.process = None
+
+    def _kill(self) -> None:
+        if self.process is not None and self.process.is_alive():
             self.process.kill()
             self.process.join()
-        self.process = None
 
     def __del__(self) -> None:  # megatron's AsyncCaller.__del__ raises; the process is a daemon
         pass

@@ -125,32 +125,53 @@ def write_buckets(transform_list: list[Any], rank: int, buckets: list[WriteBucke
 # --- the staging buffer and the persistent writer --------------------------------------------------------
 
 
+ALIGN = 64  # bytes: every staged tensor starts at a multiple (any dtype's alignment)
+Slot = tuple[int, tuple[int, ...], torch.dtype]  # a staged tensor: (byte offset in the buffer, shape, dtype)
+
+
 class Staging:
-    """One shared-memory tensor per tensor the rank writes, kept while the shapes and dtypes stay the same."""
+    """One shared-memory byte buffer holding every tensor the rank writes, kept while the shapes and dtypes
+    stay the same. One buffer, not one per tensor: each shared tensor holds a file descriptor in both
+    processes, and a large model's rank writes thousands of tensors."""
 
     def __init__(self) -> None:
-        self.layout: list[tuple[tuple[int, ...], torch.dtype]] | None = None
-        self.tensors: list[torch.Tensor] = []
+        self.slots: list[Slot] = []
+        self.buffer: torch.Tensor | None = None
         self.allocated = 0  # how many times a buffer was allocated (the first save, and every change)
 
-    def stage(self, buckets: list[WriteBucket]) -> tuple[list[WriteBucket], list[torch.Tensor] | None]:
+    def stage(self, buckets: list[WriteBucket]) -> tuple[list[WriteBucket], torch.Tensor | None]:
         """Copy every tensor of ``buckets`` into the buffer; (the buckets with each tensor replaced by its
-        slot number, the buffer's tensors when newly allocated else None)."""
+        :data:`Slot`, the buffer when newly allocated else None)."""
         live = [t for _, _, (_, items) in buckets for _, t in items]
-        layout = [(tuple(t.shape), t.dtype) for t in live]
         fresh = None
-        if layout != self.layout:
-            self.tensors = [torch.empty(shape, dtype=dtype).share_memory_() for shape, dtype in layout]
-            self.layout, fresh = layout, self.tensors
+        if [(shape, dtype) for _, shape, dtype in self.slots] != [(tuple(t.shape), t.dtype) for t in live]:
+            self.slots, offset = [], 0
+            for t in live:
+                self.slots.append((offset, tuple(t.shape), t.dtype))
+                offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+            self.buffer = fresh = torch.empty(max(offset, 1), dtype=torch.uint8).share_memory_()
             self.allocated += 1
+        assert self.buffer is not None
         with torch.no_grad():
-            for dst, src in zip(self.tensors, live):
-                dst.copy_(src)
-        slots, i = [], 0
+            for (offset, shape, dtype), src in zip(self.slots, live):
+                nbytes = src.numel() * src.element_size()
+                self.buffer[offset : offset + nbytes].view(dtype).view(shape).copy_(src)
+        out, slots = [], iter(self.slots)
         for path, key, (bytes_data, items) in buckets:
-            slots.append((path, key, (bytes_data, [(item, i + j) for j, (item, _) in enumerate(items)])))
-            i += len(items)
-        return slots, fresh
+            out.append((path, key, (bytes_data, [(item, next(slots)) for item, _ in items])))
+        return out, fresh
+
+
+def staged_tensor(view: memoryview, slot: Slot) -> torch.Tensor:
+    """The writer's tensor of ``slot`` in the buffer (``view``: a memoryview of it): the buffer's memory, but
+    a storage of just its elements, so that ``torch.save`` writes those and no more."""
+    offset, shape, dtype = slot
+    count = 1
+    for n in shape:
+        count *= n
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(view, dtype=dtype, count=count, offset=offset).view(shape)
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)  # checkpoint/preempt.py's
@@ -209,7 +230,7 @@ class PersistentWriter(AsyncCaller):
         self._start()
         slots, fresh = self.staging.stage(buckets)  # the snapshot: training may change the tensors after this
         if fresh is not None:
-            self.requests.put(("buffers", fresh))
+            self.requests.put(("buffer", fresh))
         self.requests.put(("write", async_req.call_idx, transform_list, rank, slots, results_queue))
         self.in_flight, self.results_queue = async_req.call_idx, results_queue
 

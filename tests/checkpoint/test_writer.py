@@ -23,7 +23,7 @@ from elastic_pretrain.checkpoint.manager import Checkpointer
 from elastic_pretrain.checkpoint.snapshot import compact
 from elastic_pretrain.checkpoint.store import CheckpointStore, crc32_file, verify
 from elastic_pretrain.checkpoint.tensors import ModelTensors, save_tensors
-from elastic_pretrain.checkpoint.writer import Staging, write_buckets
+from elastic_pretrain.checkpoint.writer import Staging, staged_tensor, write_buckets
 from elastic_pretrain.rundir import RunFiles
 from tests.checkpoint.runs import differing
 from tests.checkpoint.test_async_snapshot import snapshot, train_a_little
@@ -89,21 +89,31 @@ def test_a_dead_writer_fails_its_save_and_the_next_save_starts_another(parts) ->
     verify(committed[0].path)
 
 
-def test_staging_copies_exactly_the_elements_into_one_buffer_per_structure() -> None:
+def test_staging_copies_the_elements_into_one_buffer_per_structure_and_the_writer_saves_just_those() -> None:
     flat = torch.arange(40, dtype=torch.float32)
-    a, b = flat[:10].view(2, 5), flat[20:26]  # views of one buffer, as parameters of DDP's are
-    buckets = [("f0", "k", ([("bytes item", io.BytesIO(b"x"))], [("item a", a), ("item b", b)]))]
+    a, b = flat[:10].view(2, 5), flat[20:26].to(torch.bfloat16)  # a view of a larger buffer, another dtype
+    items = [("item a", a), ("item b", b), ("empty", flat[:0])]
+    buckets = [("f0", "k", ([("bytes item", io.BytesIO(b"x"))], items))]
     staging = Staging()
-    slots, fresh = staging.stage(buckets)
-    assert fresh is not None and slots == [("f0", "k", (buckets[0][2][0], [("item a", 0), ("item b", 1)]))]
-    for got, want in zip(fresh, (a, b)):
-        assert got.is_shared() and torch.equal(got, want)
-        assert got.untyped_storage().nbytes() == want.numel() * 4  # owns just its elements: writes no more
+    staged, fresh = staging.stage(buckets)
+    assert fresh is not None and fresh.is_shared() and staging.allocated == 1
+    slots = [slot for _, slot in staged[0][2][1]]
+    assert staged[0][2][0] is buckets[0][2][0]
+    assert [item for item, _ in staged[0][2][1]] == ["item a", "item b", "empty"]
+    view = memoryview(fresh.numpy())  # what the writer process does with the buffer it receives
+    for slot, (_, want) in zip(slots, items):
+        got = staged_tensor(view, slot)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        assert got.untyped_storage().nbytes() == want.numel() * want.element_size()  # torch.save writes no more
+        saved, expected = io.BytesIO(), io.BytesIO()
+        torch.save(got, saved)
+        torch.save(want.clone(), expected)
+        assert saved.getvalue() == expected.getvalue()
+    writer_a = staged_tensor(view, slots[0])
     flat.add_(1)
+    assert not torch.equal(writer_a, a)  # a copy, not the live tensor: training changes it, the snapshot stays
     _, none = staging.stage(buckets)
-    assert none is None and staging.allocated == 1 and torch.equal(staging.tensors[0], a)  # reused, refreshed
-    flat.add_(1)  # a copy, not a view: the staged values stay those of the save
-    assert not torch.equal(staging.tensors[0], a)
+    assert none is None and staging.allocated == 1 and torch.equal(writer_a, a)  # the same buffer, refreshed
     staging.stage([("f0", "k", ([], [("item a", a), ("item b", flat[:7])]))])
     assert staging.allocated == 2  # another shape: another buffer
 

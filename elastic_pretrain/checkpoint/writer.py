@@ -137,6 +137,7 @@ class Staging:
     def __init__(self) -> None:
         self.slots: list[Slot] = []
         self.buffer: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []  # each slot as a tensor of the buffer (made once per buffer)
         self.allocated = 0  # how many times a buffer was allocated (the first save, and every change)
 
     def stage(self, buckets: list[WriteBucket]) -> tuple[list[WriteBucket], torch.Tensor | None]:
@@ -150,12 +151,12 @@ class Staging:
                 self.slots.append((offset, tuple(t.shape), t.dtype))
                 offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
             self.buffer = fresh = torch.empty(max(offset, 1), dtype=torch.uint8).share_memory_()
+            self.views = [self.buffer[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                          for (o, _, _), t in zip(self.slots, live)]  # fmt: skip
             self.allocated += 1
-        assert self.buffer is not None
         with torch.no_grad():
-            for (offset, shape, dtype), src in zip(self.slots, live):
-                nbytes = src.numel() * src.element_size()
-                self.buffer[offset : offset + nbytes].view(dtype).view(shape).copy_(src)
+            for dst, src in zip(self.views, live):
+                dst.copy_(src)
         out, slots = [], iter(self.slots)
         for path, key, (bytes_data, items) in buckets:
             out.append((path, key, (bytes_data, [(item, next(slots)) for item, _ in items])))

@@ -1,7 +1,12 @@
 """Checkpoint cost: a synchronous save and a load against a raw ``torch.save``/``torch.load`` of the same
 tensors, and the time training is blocked by an async save against a sync one, phase by phase.
 
-    nice -n 10 .venv/bin/python bench/bench_checkpoint.py [--repeats 7] [--hidden 384]
+    nice -n 10 .venv/bin/python bench/bench_checkpoint.py [--repeats 7] [--hidden 384] [--writer persistent|fork]
+
+Two baselines for a save: ``torch.save`` as it is (the bytes reach the page cache; nothing is on disk when
+it returns), and ``torch.save`` followed by an ``fsync`` of its file — the same bytes made durable, which is
+what a checkpoint save must do before its commit marker (docs/checkpoints.md, "Guarantees"). Both are
+printed; the issue's ratio is given against each.
 
 One process, CPU, 1 thread; the default job's shape widened by ``--hidden`` (model + Adam moments). The
 saves are the trainer's (``checkpoint/parallel_io.py:trainer_saves``: model + Adam state in model space
@@ -12,8 +17,10 @@ between rounds); a warm-up round first. Prints min/median/max over the rounds (n
 
 The async save's stall is split into phases (timers around the functions it calls): the state dicts,
 the structure check, megatron's validation and translation, planning, preparing the writes and the fork;
-"copy-on-write" is what the first write to every saved tensor costs right after the fork (each page the
-writer still shares is copied then), against the same writes with no writer alive.
+"after the save" is what the first write to every saved tensor costs right after the save returns, against
+the same writes with no writer alive: with ``--writer fork`` each page the forked writer still shares is
+copied then (copy-on-write), a cost the next training step pays; with the persistent writer (the default,
+checkpoint/writer.py) nothing is shared but the staging buffer. "stall + after" adds it to the stall.
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ def instrument() -> None:
     from megatron.core.dist_checkpointing import serialization
     from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
 
-    from elastic_pretrain.checkpoint import optim_state, snapshot
+    from elastic_pretrain.checkpoint import optim_state, snapshot, writer
 
     timed_phase(optim_state, "sharded_optimizer_state", "Adam state dict (boxes, step all-reduce)")
     timed_phase(snapshot.SaveStrategies, "for_state", "structure check (fingerprint, agreement)")
@@ -64,6 +71,7 @@ def instrument() -> None:
     timed_phase(mcore_torch, "mcore_to_pyt_state_dict", "translation to torch DCP")
     timed_phase(mcore_torch, "save_state_dict_async_plan", "planning + write buckets")
     timed_phase(snapshot.SnapshotWriter, "prepare_write_data", "planning: of which write buckets")
+    timed_phase(writer.Staging, "stage", "hand-off: of which the staging copy")
 
 
 def leaf_tensors(sd: Any, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -87,13 +95,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--hidden", type=int, default=384)
+    parser.add_argument("--writer", choices=("persistent", "fork"), default="persistent",
+                        help="the async save's writer (checkpoint.async_writer)")
     parser.add_argument("--json", type=Path, help="also write every round's timings here (to pool several runs)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-
     from elastic_pretrain.checkpoint import optim_state, parallel_io
     from elastic_pretrain.checkpoint.manager import load_tensors, save_tensors, start_write_results_queue
+    from elastic_pretrain.checkpoint.writer import WriterQueue
     from elastic_pretrain.job import load_job
     from elastic_pretrain.parallel.megatron import build_model
     from elastic_pretrain.parallel.mesh import init_mesh, teardown
@@ -131,7 +140,7 @@ def main() -> None:
     )
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
     live = list(net.parameters()) + [t.data for t in tensors.values()]
-    queue = AsyncCallsQueue()
+    queue = WriterQueue(args.writer)
     last: dict[str, Path] = {}
 
     def touch() -> float:
@@ -144,15 +153,16 @@ def main() -> None:
 
     def async_save(saves: Any) -> dict[str, float]:
         PHASES.clear()
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0 = time.perf_counter(), time.process_time()
         request, _ = save_tensors(net, optimizer, fresh(), saves, use_async=True)
         t1 = time.perf_counter()
         queue.schedule_async_request(request)
-        t2, c2 = time.perf_counter(), time.thread_time()  # training continues here
+        t2, c2 = time.perf_counter(), time.process_time()  # training continues here (CPU: all its threads)
         cow = touch()
         queue.maybe_finalize_async_calls(blocking=True)
         t3 = time.perf_counter()
-        times = {"fork": t2 - t1, "stall": t2 - t0, "stall_cpu": c2 - c0, "written": t3 - t0}
+        times = {"hand-off to the writer (fork / staging copy)": t2 - t1, "stall": t2 - t0, "stall_cpu": c2 - c0,
+                 "written": t3 - t0}
         return {**PHASES, **times, "cow": cow, "touch": touch()}
 
     saves = parallel_io.trainer_saves()
@@ -173,6 +183,12 @@ def main() -> None:
         last["raw"] = fresh() / "all.pt"
         torch.save(tensors, last["raw"])
 
+    def raw_save_durable() -> None:
+        with open(fresh() / "all.pt", "wb") as f:
+            torch.save(tensors, f)
+            f.flush()
+            os.fsync(f.fileno())
+
     def sync_save() -> None:
         last["sync"] = fresh()
         save_tensors(net, optimizer, last["sync"], saves)
@@ -180,6 +196,7 @@ def main() -> None:
     rounds: list[dict[str, Any]] = []
     for r in range(args.repeats + 1):  # round 0: warm-up (the structure validated and its plan cached)
         row: dict[str, Any] = {"raw": clock(raw_save)}
+        row["raw_fsync"], row["raw_fsync_cpu"] = cpu(raw_save_durable)
         row["sync"], row["sync_cpu"] = cpu(sync_save)
         row["async"] = async_save(saves)
         row["raw_in"] = clock(lambda: torch.load(last["raw"], weights_only=True))
@@ -193,38 +210,47 @@ def main() -> None:
     teardown()
 
     if args.json:
-        args.json.write_text(json.dumps({"nbytes": nbytes, "first": first, "rounds": rounds}, indent=1))
+        args.json.write_text(json.dumps({"nbytes": nbytes, "writer": args.writer, "load": os.getloadavg(),
+                                         "first": first, "rounds": rounds}, indent=1))
+    report(rounds, first, nbytes, len(tensors), h, args.writer)
+
+
+def report(rounds: list[dict[str, Any]], first: dict[str, float], nbytes: int, count: int, h: int, kind: str) -> None:
     gib = nbytes / 2**30
-    col = [[row[k] for row in rounds] for k in ("raw", "sync", "raw_in", "sync_in")]
+    col = {k: [row[k] for row in rounds] for k in ("raw", "raw_fsync", "sync", "raw_in", "sync_in")}
     stall = [row["async"]["stall"] for row in rounds]
-    print(f"model + Adam state: {nbytes / 2**20:.1f} MiB in {len(tensors)} tensors (hidden {h}); "
-          f"min / median / max of {len(rounds)} interleaved rounds")  # fmt: skip
-    print(f"  raw torch.save            {spread(col[0])} s   {statistics.median(col[0]) / gib:.2f} s/GiB")
-    print(f"  sync save                 {spread(col[1])} s   {statistics.median(col[1]) / gib:.2f} s/GiB")
-    print(f"  raw torch.load            {spread(col[2])} s   {statistics.median(col[2]) / gib:.2f} s/GiB")
-    print(f"  load (load_tensors)       {spread(col[3])} s   {statistics.median(col[3]) / gib:.2f} s/GiB")
+    after = [row["async"]["cow"] - row["async"]["touch"] for row in rounds]
+    print(f"model + Adam state: {nbytes / 2**20:.1f} MiB in {count} tensors (hidden {h}); async writer: {kind}; "
+          f"min / median / max of {len(rounds)} interleaved rounds; load average now {os.getloadavg()[0]:.1f}")
+    for label, k in (("raw torch.save", "raw"), ("raw torch.save + fsync", "raw_fsync"), ("sync save", "sync"),
+                     ("raw torch.load", "raw_in"), ("load (load_tensors)", "sync_in")):
+        print(f"  {label:26s}{spread(col[k])} s   {statistics.median(col[k]) / gib:.2f} s/GiB")
     print(f"  async save: stall         {spread(stall)} s")
     stall_cpu, sync_cpu = [row["async"]["stall_cpu"] for row in rounds], [row["sync_cpu"] for row in rounds]
     print(f"  stall, CPU time           {spread(stall_cpu)} s   (sync save, CPU time with its writer: "
-          f"{spread(sync_cpu)} s)")  # fmt: skip
+          f"{spread(sync_cpu)} s; torch.save + fsync: {spread([row['raw_fsync_cpu'] for row in rounds])} s)")
     print(f"  async save until written  {spread([row['async']['written'] for row in rounds])} s")
+    print(f"  first writes after the save, extra over no writer alive: {spread([a * 1e3 for a in after], '{:.1f}')} ms")
     print("ratios, per round (min / median / max)")
-    print(f"  sync save throughput vs torch.save   {spread([r / s for r, s in zip(col[0], col[1])], '{:.2f}')}x")
-    print(f"  load throughput vs torch.load        {spread([r / s for r, s in zip(col[2], col[3])], '{:.2f}')}x")
-    print(f"  async stall vs sync save             {spread([a / s for a, s in zip(stall, col[1])], '{:.3f}')}x")
-    print(f"  the same, CPU times                  {spread([a / s for a, s in zip(stall_cpu, sync_cpu)], '{:.3f}')}x")
+
+    def ratio(label: str, xs: list[float], ys: list[float], fmt: str = "{:.2f}") -> None:
+        print(f"  {label:52s} {spread([x / y for x, y in zip(xs, ys)], fmt)}x")
+
+    ratio("sync save throughput vs torch.save (not durable)", col["raw"], col["sync"])
+    ratio("sync save throughput vs torch.save + fsync (durable)", col["raw_fsync"], col["sync"])
+    ratio("load throughput vs torch.load", col["raw_in"], col["sync_in"])
+    ratio("async stall vs sync save", stall, col["sync"], "{:.3f}")
+    ratio("the same, CPU times", stall_cpu, sync_cpu, "{:.3f}")
+    with_after = [s + a for s, a in zip(stall, after)]
+    ratio("async stall + first writes after it, vs sync save", with_after, col["sync"], "{:.3f}")
     print(f"the async stall by phase, ms (min / median / max); the first save of a structure: {first['stall']:.3f} s")
     labels = [k for k in rounds[0]["async"] if k not in ("stall", "stall_cpu", "written", "cow", "touch")]
-    for k in labels:  # (the write buckets are part of planning)
+    for k in labels:  # (the write buckets are part of planning, the staging copy part of the hand-off)
         ms = [row["async"].get(k, 0.0) * 1000 for row in rounds]
         print(f"  {k:44s} {spread(ms, '{:.1f}')}   (first save {first.get(k, 0.0) * 1000:.1f})")
-    outer = [k for k in labels if not k.startswith("planning:")]
+    outer = [k for k in labels if ": of which" not in k]
     rest = [(row["async"]["stall"] - sum(row["async"].get(k, 0.0) for k in outer)) * 1000 for row in rounds]
     print(f"  {'the rest (model state dict, megatron glue)':44s} {spread(rest, '{:.1f}')}")
-    extra = [(row["async"]["cow"] - row["async"]["touch"]) * 1000 for row in rounds]
-    print(f"copy-on-write: the first write to every saved tensor after the fork costs {spread(extra, '{:.1f}')} ms "
-          f"more than with no writer alive (paid by the next training step)")  # fmt: skip
-
 
 if __name__ == "__main__":
     main()

@@ -21,8 +21,14 @@ class CheckpointConfig:
     keep_every: int = field(0, doc="Also keep every checkpoint whose step is a multiple of this, forever (0: none).")
     async_save: bool = field(
         False,
-        doc="Write tensors in a forked background process while training continues; the step directory is "
+        doc="Write tensors in a background process while training continues; the step directory is "
         "committed at a later step boundary once every rank's writer has finished.",
+    )
+    async_writer: Literal["persistent", "fork"] = field(
+        "persistent",
+        doc="How an async save snapshots the tensors. 'persistent': copied into a staging buffer in shared memory "
+        "(host memory of the rank's checkpoint share, kept for the run) and written by one writer process per rank; "
+        "'fork': a writer forked per save (megatron's; copy-on-write, no buffer, slower training after each save).",
     )
     resume: Literal["auto", "never"] = field(
         "auto",

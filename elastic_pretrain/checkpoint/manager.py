@@ -19,7 +19,6 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.strategies import filesystem_async
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
 from elastic_pretrain.checkpoint import parallel_io, rng
 from elastic_pretrain.checkpoint.helper_manager import start_helper_manager
@@ -32,6 +31,7 @@ from elastic_pretrain.checkpoint.store import (
     write_atomic,
 )
 from elastic_pretrain.checkpoint.tensors import ModelTensors, load_tensors, save_tensors
+from elastic_pretrain.checkpoint.writer import WriterQueue
 from elastic_pretrain.config import flatten
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.job import JobConfig, decider_changes, public_dict, shape_changes
@@ -148,7 +148,7 @@ class Checkpointer:
         self.state: dict[str, Stateful] = dict(state)
         self.store = CheckpointStore(RunFiles(run_dir).checkpoints)
         self.strategy = parallel_io.trainer_saves(self.cfg.io_timeout_minutes)  # checkpoint/snapshot.py
-        self.queue = AsyncCallsQueue() if self.cfg.async_save else None
+        self.queue = WriterQueue(self.cfg.async_writer) if self.cfg.async_save else None  # checkpoint/writer.py
         self.pending: int | None = None  # step of the async save in flight
         self.last_saved: int | None = None
         self.stale_cleaned = False

@@ -1,16 +1,17 @@
 """What an asynchronous save blocks training for, and what keeps that small (docs/checkpoints.md, "Async save").
 
-An async save (megatron-core ``AsyncCallsQueue``) runs on the training thread until it forks the writer
-process; the fork is the snapshot — the writer sees the tensors as they were at that instant, whatever
-training does to them afterwards (copy-on-write). Two things used to run before the fork and no longer do
-on every save:
+An async save (megatron-core ``AsyncCallsQueue``) runs on the training thread until it hands the tensors to
+the writer: by default a copy into a staging buffer read by a persistent writer process (checkpoint/writer.py),
+with ``checkpoint.async_writer=fork`` megatron's fork of a writer per save, whose copy-on-write is the
+snapshot. Either way the writer sees the tensors as they were at that instant, whatever training does to
+them afterwards. Two things used to run before the hand-off and no longer do on every save:
 
 * **Copies.** megatron's ``FileSystemWriterAsync`` clones every CPU tensor that is a view before the fork
   (``torch.save`` of a view writes its whole storage, and every parameter is a view of DDP's contiguous
   buffer; every Adam box a view of the optimizer's flat state). :class:`SnapshotWriter` hands the views to
-  the writer as they are and compacts them *in* the writer process, from its snapshot: the same bytes on
-  disk, no copy on the training thread. (A GPU tensor is still copied to the host before the fork, as
-  megatron does: the fork cannot snapshot device memory.)
+  the writer as they are: the persistent writer's staging copy holds just each tensor's elements, a forked
+  writer compacts them from its snapshot: the same bytes on disk. (On a GPU the fork writer still copies
+  each tensor to the host before the fork, as megatron does: a fork cannot snapshot device memory.)
 * **Structure work.** Validating the sharding (an all-gather of every shard's metadata), spreading the
   writes over the data-parallel group (another all-gather) and planning the save (a gather of every rank's
   plan) depend only on the state dict's *structure* — keys, shapes, dtypes, offsets, replica ids — not on
@@ -28,7 +29,6 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from elastic_pretrain.checkpoint.store import write_writer_records
+from elastic_pretrain.checkpoint.writer import write_buckets
 
 WriteBucket = tuple[Any, str, tuple[list[Any], list[Any]]]  # filesystem_async.WriteBucket: one file's writes
 
@@ -63,18 +63,31 @@ def compact(buckets: list[WriteBucket]) -> list[WriteBucket]:
 
 def _write_snapshot(parent_pid: int, transform_list: list[Any], use_msc: bool, rank: int,
                     buckets: list[WriteBucket], results_queue: Any) -> None:
-    """The writer: compact the views (in the forked writer: from its copy-on-write snapshot), then megatron's
-    write. In the forked writer torch gets one thread: a copy there must not enter an OpenMP pool that the
-    fork left behind (a synchronous save runs this in the trainer itself, whose threads stay as they are)."""
+    """The writer: compact the views (in a forked writer: from its copy-on-write snapshot), then write every
+    file in this process, checksumming it as it is written (checkpoint/writer.py). In a forked writer torch
+    gets one thread: a copy there must not enter an OpenMP pool that the fork left behind (a synchronous save
+    runs this in the trainer itself, whose threads stay as they are)."""
     if os.getpid() != parent_pid:
         torch.set_num_threads(1)
-    filesystem_async.FileSystemWriterAsync.write_preloaded_data_multiproc(
-        transform_list, use_msc, rank, compact(buckets), results_queue
-    )  # fmt: skip
-    # the commit's records of these files, computed here rather than on the training thread; after a failed
-    # write (megatron reports it) there are none, and the commit reads the files itself
-    with contextlib.suppress(OSError):
-        write_writer_records([Path(path) for path, _, _ in buckets], rank)
+    if use_msc:  # multistorageclient URLs: megatron's writer (forks per file; the commit checksums the files)
+        filesystem_async.FileSystemWriterAsync.write_preloaded_data_multiproc(
+            transform_list, use_msc, rank, compact(buckets), results_queue
+        )  # fmt: skip
+        return
+    write_buckets(transform_list, rank, compact(buckets), results_queue)
+
+
+def snapshot_request(request: Any) -> tuple[list[Any], int, list[WriteBucket], Any]:
+    """(transform list, rank, write buckets, results queue) of an async request :class:`SnapshotWriter`
+    made, for a writer that runs it elsewhere (checkpoint/writer.py: PersistentWriter)."""
+    fn = request.async_fn
+    if not (isinstance(fn, partial) and fn.func is _write_snapshot and len(fn.args) == 3):
+        raise RuntimeError(f"not a SnapshotWriter request ({fn!r}): save with checkpoint/parallel_io.py's strategies")
+    _, transform_list, use_msc = fn.args
+    if use_msc:
+        raise RuntimeError("checkpoint.async_writer=persistent does not write multistorageclient URLs: use fork")
+    rank, buckets, results_queue = request.async_fn_args
+    return transform_list, rank, buckets, results_queue
 
 
 class SnapshotWriter(filesystem_async.FileSystemWriterAsync):

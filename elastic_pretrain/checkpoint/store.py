@@ -89,11 +89,11 @@ def crc32_file(path: Path, durable: bool = False) -> int:
 WRITER_RECORDS = "__{rank}.records.json"
 
 
-def write_writer_records(paths: list[Path], rank: int) -> None:
-    """In the writer, after its (fsynced) files are complete: ``{file name: [size, crc32]}`` beside them."""
-    if paths:
-        records = {p.name: [p.stat().st_size, crc32_file(p)] for p in paths}
-        write_atomic(paths[0].parent / WRITER_RECORDS.format(rank=rank), json.dumps(records))
+def write_records(folder: Path, rank: int, records: dict[str, list[int]]) -> None:
+    """In the writer, after its (fsynced) files are complete: ``{file name: [size, crc32]}`` beside them
+    (checksummed as they were written: checkpoint/writer.py)."""
+    if records:
+        write_atomic(folder / WRITER_RECORDS.format(rank=rank), json.dumps(records))
 
 
 def take_writer_records(folder: Path, rank: int) -> dict[str, list[int]]:

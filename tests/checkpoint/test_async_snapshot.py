@@ -10,40 +10,17 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
-from elastic_pretrain.checkpoint import optim_state, parallel_io
+from elastic_pretrain.checkpoint import parallel_io
 from elastic_pretrain.checkpoint.manager import Checkpointer
 from elastic_pretrain.checkpoint.snapshot import SaveStrategies, is_view
 from elastic_pretrain.checkpoint.store import read_trainer_state
 from elastic_pretrain.checkpoint.tensors import ModelTensors, save_tensors
-from elastic_pretrain.job import load_job
-from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.rundir import CheckpointFiles, RunFiles
-from elastic_pretrain.train.session import build_optimizer, wrap_ddp
+from tests.checkpoint.conftest import STATES
 from tests.checkpoint.runs import differing, tensors
-from tests.conftest import REPO
 from tests.dist.ckpt_reshard import owned_slices
-
-STATES = ("exp_avg", "exp_avg_sq")
-
-
-@pytest.fixture
-def parts(mesh1, tmp_path: Path):
-    """A real one-process model and optimizer of the tiny job (Adam state filled), async saves on."""
-    job = load_job(REPO / "jobs" / "tiny-cpu.yaml", ["parallel=single", "tracking.backend=none",
-                   "checkpoint.async_save=true", "checkpoint.keep_last=10"],
-                   values={"run_dir": str(tmp_path / "run")})  # fmt: skip
-    net = build_model(job.model, job.parallel)
-    optimizer, _ = build_optimizer(job, wrap_ddp(job, net))
-    optim_state.ensure_state(optimizer)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for _, _, _, _, t in owned_slices(optimizer, net):
-            for state in STATES:
-                t[state].copy_(torch.rand(t[state].shape, generator=g))
-    return job, mesh1, job.run_path, net, optimizer
 
 
 def snapshot(net: Any, optimizer: Any) -> dict[str, torch.Tensor]:
@@ -137,8 +114,8 @@ def test_a_changed_structure_is_validated_and_planned_again(parts) -> None:
 
 
 def test_the_commit_takes_the_writers_checksums_instead_of_reading_the_tensors(parts, monkeypatch) -> None:
-    """The writer process checksums the tensor files it wrote; the commit (on the training thread) reads
-    only the small files, and the committed checkpoint verifies."""
+    """The writer checksums the tensor files as it writes them (an async save's writer process, a sync save's
+    trainer); nobody reads them back: the commit reads only the small files, and the checkpoints verify."""
     from elastic_pretrain.checkpoint import store
 
     job, mesh, run_dir, net, optimizer = parts
@@ -147,12 +124,14 @@ def test_the_commit_takes_the_writers_checksums_instead_of_reading_the_tensors(p
     monkeypatch.setattr(store, "crc32_file", lambda p, durable=False: read.append(p) or crc32(p, durable))
     ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
     ckpt.save(1)
-    ckpt.close()  # the writer (a forked process: its reads are its own) finishes, then the commit
-    step_dir = RunFiles(run_dir).step_dir(1)
+    ckpt.save(2, blocking=True)  # written by this process: a read back would be seen here
+    ckpt.close()
     assert read and not [p for p in read if p.suffix == ".distcp"], read
-    marker = store.verify(step_dir)
-    assert any(k.endswith(".distcp") for k in marker["files"])
-    assert not list(step_dir.rglob("*records*"))  # removed before the commit
+    for step in (1, 2):
+        step_dir = RunFiles(run_dir).step_dir(step)
+        marker = store.verify(step_dir)
+        assert any(k.endswith(".distcp") for k in marker["files"])
+        assert not list(step_dir.rglob("*records*"))  # removed before the commit
 
 
 def test_a_writer_record_that_does_not_match_the_file_is_not_taken(tmp_path: Path) -> None:

@@ -1,0 +1,300 @@
+"""Writing a rank's tensor files: in the trainer (a synchronous save) or in a persistent writer process that
+reads a staging buffer kept across saves (an async save) — docs/checkpoints.md, "Async save".
+
+**The write** (:func:`write_buckets`, both paths): each file of the rank's write buckets is written in this
+process, in megatron's torch_dist format (DCP's ``_write_item``: the same bytes megatron's writer writes),
+through a stream that computes the file's CRC32 from the bytes as they are written, then fsynced. megatron's
+``write_preloaded_data_multiproc`` forks one more process per file and the commit's records used to read
+every file back to checksum it; neither is needed.
+
+**The snapshot of an async save** (:class:`PersistentWriter`): megatron forks a writer per save, and the
+fork is the snapshot (copy-on-write). That costs the fork on the training thread and, after it, one page
+fault and a 4 KiB copy for every page training writes while the writer lives — paid by the next training
+steps, unseen by the save's own timing. Here the training thread copies the tensors once into a staging
+buffer (shared memory, allocated on the first save of a structure and reused while the shapes stay the
+same: one ``copy_`` per tensor into memory already mapped, which on a GPU is the device-to-host copy a save
+needs anyway) and hands a small message to one writer process started once (spawned, stop signals blocked,
+SIGKILLed when its rank dies). Training continues as soon as the copy is done; nothing is shared with the
+writer but the staging buffer, so nothing is copied on write.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import inspect
+import logging
+import os
+import queue
+import signal
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from megatron.core.dist_checkpointing.strategies.async_utils import (
+    AsyncCaller,
+    AsyncCallsQueue,
+    AsyncRequest,
+    TemporalAsyncCaller,
+)
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
+
+from elastic_pretrain.checkpoint.writer_main import writer_main
+
+log = logging.getLogger(__name__)
+
+WriteBucket = tuple[Any, str, tuple[list[Any], list[Any]]]  # filesystem_async.WriteBucket: one file's writes
+AsyncWriter = Literal["persistent", "fork"]
+
+
+class CrcStream:
+    """A file opened for writing that keeps the CRC32 and the size of what was written to it (DCP and
+    ``torch.save`` write sequentially: tell, write; no seek)."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw, self.crc, self.size = raw, 0, 0
+
+    def write(self, data: Any) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        n = self.raw.write(data)
+        self.size += n
+        return int(n)
+
+    def tell(self) -> int:
+        return int(self.raw.tell())
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def fileno(self) -> int:
+        return int(self.raw.fileno())
+
+    def writable(self) -> bool:
+        return True
+
+
+def _format_kwargs() -> dict[str, Any]:
+    """megatron's argument to ``_write_item``: the torch.save format where torch knows several."""
+    if "serialization_format" in inspect.signature(dcp_filesystem._write_item).parameters:
+        from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+        return {"serialization_format": SerializationFormat.TORCH_SAVE}
+    return {}
+
+
+def write_bucket(transform_list: list[Any], bucket: WriteBucket) -> tuple[list[Any], list[int]]:
+    """Write one file of a write plan (fsynced); (its DCP ``WriteResult``s, [size, crc32] of the file)."""
+    file_name, storage_key, (bytes_data, tensor_data) = bucket
+    kwargs = _format_kwargs()
+    _write_item: Any = dcp_filesystem._write_item  # megatron's call: (transforms, stream, data, item, key)
+    with open(file_name, "wb") as raw:
+        stream = CrcStream(raw)
+        results = [_write_item(*transform_list, stream, data, item, storage_key, **kwargs) for item, data in bytes_data]
+        for item, tensor in tensor_data:
+            if tensor.device.type != "cpu":
+                raise RuntimeError(f"{file_name}: a {tensor.device} tensor reached the writer (stage it first)")
+            results.append(_write_item(*transform_list, stream, tensor, item, storage_key, **kwargs))
+        raw.flush()
+        os.fsync(raw.fileno())
+        if stream.size != raw.tell():  # something seeked: the running checksum is not the file's
+            raise RuntimeError(f"{file_name}: written out of order; cannot checksum it while writing")
+    return results, [stream.size, stream.crc]
+
+
+def write_buckets(transform_list: list[Any], rank: int, buckets: list[WriteBucket], results_queue: Any) -> None:
+    """Write every file of ``buckets`` in this process, then report as megatron's writer does: ``{bucket
+    index: WriteResults}`` (or the exception) into ``results_queue``, read by megatron's finalize. The
+    files' records (size, CRC32) go beside them for the commit (checkpoint/store.py)."""
+    from elastic_pretrain.checkpoint.store import write_records
+
+    out: dict[int, list[Any]] | Exception
+    try:
+        results, records = {}, {}
+        for i, bucket in enumerate(buckets):
+            results[i], records[Path(bucket[0]).name] = write_bucket(transform_list, bucket)
+        if buckets:
+            write_records(Path(buckets[0][0]).parent, rank, records)
+        out = results
+    except Exception as err:  # megatron's contract: the exception goes to the queue, finalize raises it
+        out = err
+    results_queue.put(out)
+
+
+# --- the staging buffer and the persistent writer --------------------------------------------------------
+
+
+ALIGN = 64  # bytes: every staged tensor starts at a multiple (any dtype's alignment)
+Slot = tuple[int, tuple[int, ...], torch.dtype]  # a staged tensor: (byte offset in the buffer, shape, dtype)
+
+
+class Staging:
+    """One shared-memory byte buffer holding every tensor the rank writes, kept while the shapes and dtypes
+    stay the same. One buffer, not one per tensor: each shared tensor holds a file descriptor in both
+    processes, and a large model's rank writes thousands of tensors."""
+
+    def __init__(self) -> None:
+        self.slots: list[Slot] = []
+        self.buffer: torch.Tensor | None = None
+        self.views: list[torch.Tensor] = []  # each slot as a tensor of the buffer (made once per buffer)
+        self.allocated = 0  # how many times a buffer was allocated (the first save, and every change)
+
+    def stage(self, buckets: list[WriteBucket]) -> tuple[list[WriteBucket], torch.Tensor | None]:
+        """Copy every tensor of ``buckets`` into the buffer; (the buckets with each tensor replaced by its
+        :data:`Slot`, the buffer when newly allocated else None)."""
+        live = [t for _, _, (_, items) in buckets for _, t in items]
+        fresh = None
+        if [(shape, dtype) for _, shape, dtype in self.slots] != [(tuple(t.shape), t.dtype) for t in live]:
+            self.slots, offset = [], 0
+            for t in live:
+                self.slots.append((offset, tuple(t.shape), t.dtype))
+                offset += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+            self.buffer = fresh = torch.empty(max(offset, 1), dtype=torch.uint8).share_memory_()
+            self.views = [self.buffer[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+                          for (o, _, _), t in zip(self.slots, live)]  # fmt: skip
+            self.allocated += 1
+        with torch.no_grad():
+            for dst, src in zip(self.views, live):
+                dst.copy_(src)
+        out, slots = [], iter(self.slots)
+        for path, key, (bytes_data, items) in buckets:
+            out.append((path, key, (bytes_data, [(item, next(slots)) for item, _ in items])))
+        return out, fresh
+
+
+def staged_tensor(view: memoryview, slot: Slot) -> torch.Tensor:
+    """The writer's tensor of ``slot`` in the buffer (``view``: a memoryview of it): the buffer's memory, but
+    a storage of just its elements, so that ``torch.save`` writes those and no more."""
+    offset, shape, dtype = slot
+    count = 1
+    for n in shape:
+        count *= n
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(view, dtype=dtype, count=count, offset=offset).view(shape)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)  # checkpoint/preempt.py's
+
+
+@contextlib.contextmanager
+def _stop_signals_blocked() -> Iterator[None]:
+    """Block the stop signals while spawning the writer: the child keeps the mask through exec, so a stop
+    signal the batch script forwards to every process of the job step never reaches it (the trainer's
+    save on that signal needs it), while in the trainer a signal arriving meanwhile stays pending (another
+    thread takes it), so the trainer's stop handler still sees it."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+class PersistentWriter(AsyncCaller):
+    """megatron's ``AsyncCaller`` with one writer process for the whole run and a reused staging buffer
+    (module docstring). Takes the requests of :class:`~elastic_pretrain.checkpoint.snapshot.SnapshotWriter`."""
+
+    def __init__(self) -> None:
+        self.staging = Staging()
+        self.process: Any = None
+        self.requests: Any = None
+        self.done: Any = None
+        self.in_flight: int | None = None  # call index of the write the process is doing
+        self.results_queue: Any = None  # the request's (megatron's Manager queue)
+
+    def _start(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            return
+        if self.process is not None:  # it died (its failed write was reported): a new one, sent fresh buffers
+            log.warning("the checkpoint writer process died (exit code %s): starting another", self.process.exitcode)
+            self.staging = Staging()
+        ctx = torch.multiprocessing.get_context("spawn")  # torch's pickler: shared tensors go as handles
+        self.requests, self.done = ctx.Queue(), ctx.Queue()
+        # a dead writer leaves its queue's feeder thread blocked on a full pipe; joining it (at garbage
+        # collection or exit) would hang the trainer. A live writer reads every message before it exits.
+        self.requests.cancel_join_thread()
+        self.process = ctx.Process(target=writer_main, args=(os.getpid(), self.requests, self.done), daemon=True)
+        with _stop_signals_blocked():
+            self.process.start()
+        # at exit without close(): SIGKILL it first — multiprocessing's exit handler (registered before this
+        # one, so run after it) would SIGTERM the daemon, which has SIGTERM blocked, and wait for it forever
+        atexit.register(self._kill)
+
+    def schedule_async_call(self, async_req: AsyncRequest) -> None:
+        from elastic_pretrain.checkpoint.snapshot import snapshot_request
+
+        if async_req.async_fn is None:
+            return  # nothing to write on this rank
+        transform_list, rank, buckets, results_queue = snapshot_request(async_req)
+        self._wait(blocking=True)  # one write at a time: the staging buffer is being read until it ends
+        self._start()
+        slots, fresh = self.staging.stage(buckets)  # the snapshot: training may change the tensors after this
+        if fresh is not None:
+            self.requests.put(("buffer", fresh))
+        self.requests.put(("write", async_req.call_idx, transform_list, rank, slots, results_queue))
+        self.in_flight, self.results_queue = async_req.call_idx, results_queue
+
+    def _wait(self, blocking: bool) -> bool:
+        """Whether this rank's write is still running (``blocking``: wait for it). A writer that died or failed
+        outside the write is reported as megatron's writer reports a failed write (into the results queue),
+        so that finalize raises it on every rank instead of this rank alone."""
+        while self.in_flight is not None:
+            try:
+                call_idx, error = self.done.get(block=blocking, timeout=1.0)
+            except queue.Empty:
+                if self.process.is_alive():
+                    if not blocking:
+                        return True
+                    continue
+                code = self.process.exitcode
+                call_idx, error = self.in_flight, f"the checkpoint writer process died (exit code {code})"
+            if call_idx == self.in_flight:
+                if error:
+                    self.results_queue.put(RuntimeError(error))
+                self.in_flight = None
+        return False
+
+    def is_current_async_call_done(self, blocking: bool = False, no_dist: bool = False) -> bool:
+        running = self._wait(blocking)
+        return not running if no_dist else bool(self.sync_all_async_calls(int(running)))
+
+    def close(self, abort: bool = False) -> None:
+        if self.process is None:
+            return
+        if abort or not self.process.is_alive():
+            self.process.kill()
+        else:
+            self.requests.put(None)
+        self.process.join(timeout=60)
+        self._kill()
+        atexit.unregister(self._kill)
+        self.process = None
+
+    def _kill(self) -> None:
+        if self.process is not None and self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+    def __del__(self) -> None:  # megatron's AsyncCaller.__del__ raises; the process is a daemon
+        pass
+
+
+class WriterQueue(AsyncCallsQueue):
+    """megatron's ``AsyncCallsQueue`` whose requests go to one :class:`PersistentWriter` (``persistent``) or,
+    as megatron does, to a process forked per save (``fork``: the copy-on-write snapshot)."""
+
+    def __init__(self, writer: AsyncWriter = "persistent") -> None:
+        super().__init__(persistent=False)
+        self.writer_kind = writer
+        self.writer = PersistentWriter() if writer == "persistent" else None
+
+    def _get_async_caller(self) -> AsyncCaller:
+        return self.writer if self.writer is not None else TemporalAsyncCaller()
+
+    def close(self, abort: bool = False) -> None:
+        try:
+            super().close(abort=abort)
+        finally:
+            if self.writer is not None:
+                self.writer.close(abort=abort)

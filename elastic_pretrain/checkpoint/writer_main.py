@@ -1,0 +1,34 @@
+"""The persistent checkpoint writer's process (checkpoint/writer.py: PersistentWriter spawns it). A module of
+its own with no heavy imports: the spawned interpreter imports it to find :func:`writer_main`, which ties the
+process to its rank's life before anything slow (torch) is imported."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from elastic_pretrain.checkpoint.preempt import _die_with_parent
+
+
+def writer_main(parent_pid: int, requests: Any, done: Any) -> None:
+    """The persistent writer: takes staging buffers and write requests until ``None``."""
+    _die_with_parent(parent_pid)  # before importing torch (seconds on a loaded node): a rank killed then takes it along
+    import torch
+
+    from elastic_pretrain.checkpoint.writer import staged_tensor, write_buckets
+
+    torch.set_num_threads(1)
+    buffer: Any = None  # the staging buffer (shared memory) and a memoryview of it
+    view: Any = None
+    while (msg := requests.get()) is not None:
+        if msg[0] == "buffer":
+            buffer = msg[1]
+            view = memoryview(buffer.numpy())
+            continue
+        _, call_idx, transform_list, rank, slots, results_queue = msg
+        error = None
+        try:
+            buckets = [(p, k, (b, [(item, staged_tensor(view, s)) for item, s in items])) for p, k, (b, items) in slots]
+            write_buckets(transform_list, rank, buckets, results_queue)
+        except BaseException as err:  # write_buckets reports its own errors; this is anything else
+            error = f"{type(err).__name__}: {err}"
+        done.put((call_idx, error))

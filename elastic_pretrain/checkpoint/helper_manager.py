@@ -79,17 +79,24 @@ def _helper_init(parent_pid: int) -> None:
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+    die_with_parent(parent_pid)
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """In a helper process: be SIGKILLed when the rank that started it dies (``kill -9`` of a rank must not
+    leave it running, holding the launcher's output pipes open); exit now if that already happened."""
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent_pid:  # the parent died before prctl took effect
         os._exit(0)
 
 
-def start_helper_manager() -> HelperManager:
-    """Start the helper (spawned, as megatron's own Manager); the caller keeps the returned object alive
-    for as long as it uses the manager. A stop signal that reaches this process meanwhile is kept
-    pending in the starting thread (or taken by another thread's handler) and delivered afterwards."""
-    manager = HelperManager(ctx=mp.get_context("spawn"))
+@contextlib.contextmanager
+def protected_spawn() -> Iterator[None]:
+    """Around a spawn start of a helper process (this Manager, the persistent checkpoint writer): the stop
+    signals blocked in the starting thread (the child keeps the mask through ``exec``; a stop reaching this
+    process meanwhile stays pending, or another thread's handler takes it) and the parent's ``__main__``
+    hidden from the child (:func:`_main_hidden`)."""
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     try:
         # the spawn start launches multiprocessing's resource tracker first, if not running yet, and then
@@ -98,9 +105,18 @@ def start_helper_manager() -> HelperManager:
         resource_tracker.ensure_running()
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         with _main_hidden():
-            manager.start(initializer=_helper_init, initargs=(os.getpid(),))
+            yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+
+def start_helper_manager() -> HelperManager:
+    """Start the helper (spawned, as megatron's own Manager); the caller keeps the returned object alive
+    for as long as it uses the manager. A stop signal that reaches this process meanwhile is kept
+    pending in the starting thread (or taken by another thread's handler) and delivered afterwards."""
+    manager = HelperManager(ctx=mp.get_context("spawn"))
+    with protected_spawn():
+        manager.start(initializer=_helper_init, initargs=(os.getpid(),))
     return manager
 
 

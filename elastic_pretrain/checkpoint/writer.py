@@ -21,14 +21,11 @@ writer but the staging buffer, so nothing is copied on write.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import inspect
 import logging
 import os
 import queue
-import signal
 import zlib
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,6 +38,7 @@ from megatron.core.dist_checkpointing.strategies.async_utils import (
 )
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
 
+from elastic_pretrain.checkpoint.helper_manager import protected_spawn
 from elastic_pretrain.checkpoint.writer_main import writer_main
 
 log = logging.getLogger(__name__)
@@ -175,22 +173,6 @@ def staged_tensor(view: memoryview, slot: Slot) -> torch.Tensor:
     return torch.frombuffer(view, dtype=dtype, count=count, offset=offset).view(shape)
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGINT)  # checkpoint/preempt.py's
-
-
-@contextlib.contextmanager
-def _stop_signals_blocked() -> Iterator[None]:
-    """Block the stop signals while spawning the writer: the child keeps the mask through exec, so a stop
-    signal the batch script forwards to every process of the job step never reaches it (the trainer's
-    save on that signal needs it), while in the trainer a signal arriving meanwhile stays pending (another
-    thread takes it), so the trainer's stop handler still sees it."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-
 class PersistentWriter(AsyncCaller):
     """megatron's ``AsyncCaller`` with one writer process for the whole run and a reused staging buffer
     (module docstring). Takes the requests of :class:`~elastic_pretrain.checkpoint.snapshot.SnapshotWriter`."""
@@ -215,7 +197,7 @@ class PersistentWriter(AsyncCaller):
         # collection or exit) would hang the trainer. A live writer reads every message before it exits.
         self.requests.cancel_join_thread()
         self.process = ctx.Process(target=writer_main, args=(os.getpid(), self.requests, self.done), daemon=True)
-        with _stop_signals_blocked():
+        with protected_spawn():  # stop signals blocked (kept through exec), resource tracker first, no __main__ rerun
             self.process.start()
         # at exit without close(): SIGKILL it first — multiprocessing's exit handler (registered before this
         # one, so run after it) would SIGTERM the daemon, which has SIGTERM blocked, and wait for it forever

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from elastic_pretrain.checkpoint.preempt import _die_with_parent
+from elastic_pretrain.checkpoint.helper_manager import die_with_parent
 
 
 def writer_main(parent_pid: int, requests: Any, done: Any) -> None:
     """The persistent writer: takes staging buffers and write requests until ``None``."""
-    _die_with_parent(parent_pid)  # before importing torch (seconds on a loaded node): a rank killed then takes it along
+    die_with_parent(parent_pid)  # before importing torch (seconds on a loaded node): a rank killed then takes it along
     import torch
 
     from elastic_pretrain.checkpoint.writer import staged_tensor, write_buckets

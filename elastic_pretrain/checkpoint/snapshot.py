@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from elastic_pretrain.checkpoint.writer import write_buckets
+from elastic_pretrain.checkpoint.file_write import write_buckets
 
 WriteBucket = tuple[Any, str, tuple[list[Any], list[Any]]]  # filesystem_async.WriteBucket: one file's writes
 

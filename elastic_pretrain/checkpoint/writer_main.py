@@ -4,9 +4,14 @@ process to its rank's life before anything slow (torch) is imported."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_pretrain.checkpoint.helper_manager import die_with_parent
+
+if TYPE_CHECKING:
+    import torch
+
+Slot = tuple[int, tuple[int, ...], "torch.dtype"]  # a staged tensor: (byte offset in the buffer, shape, dtype)
 
 
 def writer_main(parent_pid: int, requests: Any, done: Any) -> None:
@@ -14,7 +19,7 @@ def writer_main(parent_pid: int, requests: Any, done: Any) -> None:
     die_with_parent(parent_pid)  # before importing torch (seconds on a loaded node): a rank killed then takes it along
     import torch
 
-    from elastic_pretrain.checkpoint.writer import staged_tensor, write_buckets
+    from elastic_pretrain.checkpoint.file_write import write_buckets
 
     torch.set_num_threads(1)
     buffer: Any = None  # the staging buffer (shared memory) and a memoryview of it
@@ -32,3 +37,17 @@ def writer_main(parent_pid: int, requests: Any, done: Any) -> None:
         except BaseException as err:  # write_buckets reports its own errors; this is anything else
             error = f"{type(err).__name__}: {err}"
         done.put((call_idx, error))
+
+
+def staged_tensor(view: memoryview, slot: Slot) -> torch.Tensor:
+    """The writer's tensor of ``slot`` in the buffer (``view``: a memoryview of it): the buffer's memory, but
+    a storage of just its elements, so that ``torch.save`` writes those and no more."""
+    import torch
+
+    offset, shape, dtype = slot
+    count = 1
+    for n in shape:
+        count *= n
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(view, dtype=dtype, count=count, offset=offset).view(shape)

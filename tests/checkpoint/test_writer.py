@@ -19,11 +19,13 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic_pretrain.checkpoint import parallel_io
+from elastic_pretrain.checkpoint.file_write import write_buckets
 from elastic_pretrain.checkpoint.manager import Checkpointer
 from elastic_pretrain.checkpoint.snapshot import compact
 from elastic_pretrain.checkpoint.store import CheckpointStore, crc32_file, verify
 from elastic_pretrain.checkpoint.tensors import ModelTensors, save_tensors
-from elastic_pretrain.checkpoint.writer import Staging, staged_tensor, write_buckets
+from elastic_pretrain.checkpoint.writer import Staging
+from elastic_pretrain.checkpoint.writer_main import staged_tensor
 from elastic_pretrain.rundir import RunFiles
 from tests.checkpoint.runs import differing
 from tests.checkpoint.test_async_snapshot import snapshot, train_a_little

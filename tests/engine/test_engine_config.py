@@ -105,4 +105,5 @@ def test_the_deepspeed_pin_is_the_locked_and_installed_version() -> None:
     lock = [line for line in (REPO / "requirements" / "lock-cpu.txt").read_text().splitlines()
             if line.startswith("deepspeed==")]
     assert extra == lock == [f"deepspeed=={importlib.metadata.version('deepspeed')}"]
-    assert 'DS_BUILD_OPS=0 "${PIP[@]}" --no-deps -r requirements/lock-cpu.txt' in (REPO / "scripts" / "setup.sh").read_text()
+    setup = (REPO / "scripts" / "setup.sh").read_text()
+    assert 'DS_BUILD_OPS=0 "${PIP[@]}" --no-deps -r requirements/lock-cpu.txt' in setup

@@ -169,6 +169,7 @@ def test_a_post_training_job_loads_after_its_base(tmp_path: Path) -> None:
     assert [(p.name, s, j is None) for p, s, j in jobs] == [
         ("late-switch.yaml", 1234, False),
         ("decider-per-token.yaml", 1234, True),
+        ("decider-uniform.yaml", 1234, True),
         ("decider.yaml", 1234, True),
     ]
     assert jobs[0][2] is not None and jobs[0][2].run_path == tmp_path / "decider/late-switch-seed1234"
@@ -242,7 +243,9 @@ def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
 def test_every_arm_trains_with_every_seed_paired_and_seed_major(tmp_path: Path) -> None:
     jobs = load_jobs("decider", tmp_path, [], jobs_dir=REPO / "jobs/experiments", seeds="3")
     assert [(p.stem, s) for p, s, _ in jobs] == [
-        (stem, seed) for seed in (1234, 1235, 1236) for stem in ("late-switch", "decider-per-token", "decider")
+        (stem, seed)
+        for seed in (1234, 1235, 1236)
+        for stem in ("late-switch", "decider-per-token", "decider-uniform", "decider")
     ]
     for path, seed, job in jobs:
         if job is not None:  # the same job file, only the seed and the run directory differ

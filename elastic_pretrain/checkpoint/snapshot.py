@@ -52,11 +52,23 @@ def is_view(t: torch.Tensor) -> bool:
     return t.untyped_storage().nbytes() != t.numel() * t.element_size()
 
 
+def elements_only(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or when it is a CPU view, a tensor over the same memory whose storage is just its elements, so
+    that ``torch.save`` writes those and no more — no copy (byte-identical to saving a clone; tested). A view
+    that is not contiguous is cloned."""
+    if t.device.type != "cpu" or not is_view(t):
+        return t
+    if not t.is_contiguous():
+        return t.clone()
+    flat = t.detach().reshape(-1).view(torch.uint8).numpy()  # bytes of just the elements (numpy: any dtype)
+    return torch.from_numpy(flat).view(t.dtype).view(t.shape)
+
+
 def compact(buckets: list[WriteBucket]) -> list[WriteBucket]:
-    """``buckets`` with every CPU view replaced by a copy of just its elements (what the file holds)."""
+    """``buckets`` with every CPU view replaced by a tensor of just its elements (what the file holds)."""
     out = []
     for path, storage_key, (bytes_data, tensor_data) in buckets:
-        tensors = [(item, t.clone() if t.device.type == "cpu" and is_view(t) else t) for item, t in tensor_data]
+        tensors = [(item, elements_only(t)) for item, t in tensor_data]
         out.append((path, storage_key, (bytes_data, tensors)))
     return out
 
@@ -154,6 +166,26 @@ class SnapshotSaveStrategy(TorchDistSaveShardedStrategy):
             return super().async_save(sharded_state_dict, checkpoint_dir)
 
 
+_FIELDS: dict[type, tuple[str, ...]] = {}  # a sharded class's dataclass fields, but its data
+
+
+def _meta(state: ShardedBase) -> tuple[Any, ...]:
+    """``state``'s metadata: every dataclass field but the data and callables (a factory's functions), as
+    values where they compare by value, else as their repr."""
+    names = _FIELDS.get(type(state))
+    if names is None:
+        names = _FIELDS[type(state)] = tuple(f.name for f in dataclasses.fields(state) if f.name != "data")  # type: ignore[arg-type]
+    out = []
+    for name in names:
+        v = getattr(state, name)
+        if not callable(v) or isinstance(v, torch.dtype):
+            out.append((name, v if isinstance(v, _PLAIN) else repr(v)))
+    return tuple(out)
+
+
+_PLAIN = (str, int, float, bool, tuple, type(None), torch.dtype)  # (a tuple of these: offsets, replica ids)
+
+
 def fingerprint(state: Any, path: str = "") -> list[tuple[Any, ...]]:
     """Everything about ``state`` (a sharded state dict) that validation, distribution and planning read:
     the nesting, every sharded entry's metadata and its data's shape and dtype — not the values."""
@@ -162,14 +194,9 @@ def fingerprint(state: Any, path: str = "") -> list[tuple[Any, ...]]:
     if isinstance(state, list):
         return [row for i, v in enumerate(state) for row in fingerprint(v, f"{path}/{i}")]
     if isinstance(state, ShardedBase):
-        meta = tuple(
-            (f.name, repr(v))
-            for f in dataclasses.fields(state)  # type: ignore[arg-type]
-            if f.name != "data" and not callable(v := getattr(state, f.name))
-        )
         data = getattr(state, "data", None)
         shape = (tuple(data.shape), data.dtype) if isinstance(data, torch.Tensor) else None
-        return [(path, type(state).__name__, meta, shape)]
+        return [(path, type(state).__name__, _meta(state), shape)]
     return [(path, type(state).__name__)]
 
 

@@ -159,6 +159,7 @@ class Checkpointer:
         """Load ``ckpt`` (already checked by :func:`check_resumable`, which returned ``meta``) into the
         tensors and every named object; an object the checkpoint has no state for (saved before it
         existed) keeps its fresh state. Collective."""
+        self.settle()  # loading writes the tensors a save in flight may still be copying
         files = CheckpointFiles(ckpt)
         self.tensors.load(files.tensors, meta)
         for name, obj in self.state.items():
@@ -244,6 +245,13 @@ class Checkpointer:
                 flush=True,
             )
         _barrier()
+
+    def settle(self) -> None:
+        """Wait until an async save in flight has taken its snapshot of the tensors (its staging copy runs
+        beside the next step's forward and backward): call before writing parameters or optimizer state
+        outside an optimizer step — every optimizer step waits for it by itself (checkpoint/writer.py)."""
+        if self.queue is not None:
+            self.queue.staged()
 
     def poll(self) -> None:
         """Commit a finished async save (a cheap all-reduce while one is in flight). Every rank, every step."""

@@ -99,6 +99,7 @@ class Trainer:
         layout = s.depth_layout()  # once: then every rank computes its group's ℓ locally (train/schedule.py)
         while state.step < job.train.steps:
             if s.controller.update(step=state.step, tokens_seen=state.tokens):
+                self.ckpt.settle()  # the switch may write parameters (init_unused_passes)
                 s.on_switch_to_mixed(state.step)
             self.faults.before_step(state.step + 1)
             t0 = time.perf_counter()

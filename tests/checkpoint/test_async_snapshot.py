@@ -7,9 +7,11 @@ and rebuilt when it changes; async and sync checkpoints of one state are bitwise
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from elastic_pretrain.checkpoint import parallel_io
@@ -17,6 +19,7 @@ from elastic_pretrain.checkpoint.manager import Checkpointer
 from elastic_pretrain.checkpoint.snapshot import SaveStrategies, is_view
 from elastic_pretrain.checkpoint.store import read_trainer_state
 from elastic_pretrain.checkpoint.tensors import ModelTensors, save_tensors
+from elastic_pretrain.checkpoint.writer import Staging
 from elastic_pretrain.rundir import CheckpointFiles, RunFiles
 from tests.checkpoint.conftest import STATES
 from tests.checkpoint.runs import differing, tensors
@@ -40,15 +43,45 @@ def train_a_little(net: Any, optimizer: Any, by: float) -> None:
             t[s].mul_(-1.0).add_(by)
 
 
-def test_async_checkpoints_hold_the_values_from_before_training_changed_them(parts) -> None:
+class TrainALittle(torch.optim.Optimizer):
+    """:func:`train_a_little` as an optimizer step (every torch optimizer's step waits for a staging copy)."""
+
+    def __init__(self, net: Any, optimizer: Any) -> None:
+        super().__init__([torch.zeros(1)], {})
+        self.net, self.inner, self.by = net, optimizer, 0.0
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        train_a_little(self.net, self.inner, self.by)
+
+
+@pytest.mark.parametrize("how", ["optimizer step", "settle, then in place"])
+def test_async_checkpoints_hold_the_values_from_before_training_changed_them(parts, monkeypatch, how: str) -> None:
+    """The staging copy runs on a thread, here made slow (0.3 s), so that a change racing it would land in
+    the checkpoint: an optimizer step, or anything that calls ``settle()`` first, waits for it."""
     job, mesh, run_dir, net, optimizer = parts
+    copy = Staging.copy
+
+    def slow_copy(self: Staging, live: list[torch.Tensor]) -> None:
+        time.sleep(0.3)
+        copy(self, live)
+
+    monkeypatch.setattr(Staging, "copy", slow_copy)
     ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
+    assert job.checkpoint.async_save and job.checkpoint.async_writer == "persistent"
+    trainer_step = TrainALittle(net, optimizer)
     want = {}
     for step in (1, 2, 3, 4):  # the first builds the plan, the second validates it, the rest reuse it
         want[step] = snapshot(net, optimizer)
         ckpt.save(step)
         assert ckpt.pending == step  # the writer is running...
-        train_a_little(net, optimizer, by=float(step))  # ...while the trainer changes everything it saves
+        assert ckpt.queue is not None and ckpt.queue.writer is not None and ckpt.queue.writer.copying is not None
+        if how == "optimizer step":  # ...while the trainer changes everything it saves
+            trainer_step.by = float(step)
+            trainer_step.step()
+        else:
+            ckpt.settle()
+            train_a_little(net, optimizer, by=float(step))
+        assert ckpt.queue.writer.copying is None and ckpt.queue.writer.guard is None  # waited, hook removed
     ckpt.close()
     assert ckpt.strategy.rebuilt == 1  # one structure: validated and planned once, reused three times
     after = snapshot(net, optimizer)
@@ -58,6 +91,27 @@ def test_async_checkpoints_hold_the_values_from_before_training_changed_them(par
         got = snapshot(net, optimizer)
         assert not differing(got, want[step]), f"step {step}: {differing(got, want[step])[:3]}"
         assert differing(got, after)  # the modification was real: the checkpoint is not today's state
+
+
+def test_a_change_that_does_not_wait_for_the_staging_copy_reaches_the_checkpoint(parts, monkeypatch) -> None:
+    """The control of the test above: the same slow copy, the change made in place without waiting — the
+    checkpoint holds changed values (so the test above would see a missing wait)."""
+    job, mesh, run_dir, net, optimizer = parts
+    copy = Staging.copy
+
+    def slow_copy(self: Staging, live: list[torch.Tensor]) -> None:
+        time.sleep(0.3)
+        copy(self, live)
+
+    monkeypatch.setattr(Staging, "copy", slow_copy)
+    ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
+    want = snapshot(net, optimizer)
+    ckpt.save(1)
+    train_a_little(net, optimizer, by=5.0)
+    ckpt.close()
+    step_dir = RunFiles(run_dir).step_dir(1)
+    ckpt.restore(step_dir, read_trainer_state(step_dir))
+    assert differing(snapshot(net, optimizer), want)
 
 
 def test_async_and_sync_checkpoints_of_one_state_are_bitwise_equal(parts, tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -186,8 +187,38 @@ def _parts(sharded: ShardedTensor | ShardedTensorFactory, key: str, replica: Any
     return sorted(parts, key=lambda p: p[0])
 
 
+# id(parameter) -> (a weak reference to it, its memo): an entry goes when its parameter does
+_PIECES: dict[int, tuple[weakref.ref[Any], dict[tuple[Any, ...], list[_Piece]]]] = {}
+
+
+def _memo_of(param: torch.Tensor) -> dict[tuple[Any, ...], list[_Piece]]:
+    entry = _PIECES.get(id(param))
+    if entry is None or entry[0]() is not param:
+        def forget(ref: weakref.ref[Any], key: int = id(param)) -> None:
+            if _PIECES.get(key, (None,))[0] is ref:
+                del _PIECES[key]
+
+        entry = _PIECES[id(param)] = (weakref.ref(param, forget), {})
+    return entry[1]
+
+
 def _pieces(e: _Entry, state: str, replica: Any) -> list[_Piece]:
-    """The boxes of this rank's slice [e.start, e.end) of ``e``'s parameter, for one state."""
+    """The boxes of this rank's slice [e.start, e.end) of ``e``'s parameter, for one state. Memoised per
+    parameter object (every save of a run asks for the same ones, and a factory's parts are found by
+    building it): a factory's parts depend on what its function captured (an expert's index), fixed for
+    the parameter it was made for; the entry's metadata is part of the key too."""
+    sh = e.sharded
+    memo = (type(sh), sh.key, tuple(sh.data.shape), sh.replica_id, repr(getattr(sh, "flattened_range", None)),
+            *(getattr(sh, f, None) for f in ("global_shape", "global_offset", "axis_fragmentations", "prepend_axis_num",
+                                             "allow_shape_mismatch")),
+            e.start, e.end, state, replica)  # fmt: skip
+    mine = _memo_of(e.param)
+    if (hit := mine.get(memo)) is None:
+        hit = mine[memo] = _pieces_of(e, state, replica)
+    return hit
+
+
+def _pieces_of(e: _Entry, state: str, replica: Any) -> list[_Piece]:
     out = []
     for base_start, base in _parts(e.sharded, f"optimizer.{state}.{e.sharded.key}", replica):
         lo, hi = max(e.start, base_start), min(e.end, base_start + math.prod(base.local_shape))

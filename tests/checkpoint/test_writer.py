@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 from elastic_pretrain.checkpoint import parallel_io
-from elastic_pretrain.checkpoint.file_write import write_buckets
+from elastic_pretrain.checkpoint.file_write import no_record_checksums, write_buckets
 from elastic_pretrain.checkpoint.manager import Checkpointer
 from elastic_pretrain.checkpoint.snapshot import compact
 from elastic_pretrain.checkpoint.store import CheckpointStore, crc32_file, verify
@@ -91,6 +91,77 @@ def test_a_dead_writer_fails_its_save_and_the_next_save_starts_another(parts) ->
     verify(committed[0].path)
 
 
+def test_a_failed_staging_copy_fails_its_save_and_the_next_save_commits(parts, monkeypatch) -> None:
+    """The staging copy runs on a thread: an error there fails that save on every rank (as a failed write),
+    and the writer, which never got the request, writes the next one."""
+    job, mesh, run_dir, net, optimizer = parts
+    ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
+    copy = Staging.copy
+
+    def broken(self: Staging, live: list[torch.Tensor]) -> None:
+        raise MemoryError("no room in /dev/shm")
+
+    monkeypatch.setattr(Staging, "copy", broken)
+    ckpt.save(1)
+    with pytest.raises(CheckpointException, match="staging copy failed: MemoryError: no room in /dev/shm"):
+        ckpt.wait()
+    monkeypatch.setattr(Staging, "copy", copy)
+    ckpt.save(2)
+    ckpt.close()
+    committed = CheckpointStore(RunFiles(run_dir).checkpoints).committed()
+    assert [c.step for c in committed] == [2]
+    verify(committed[0].path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_a_view_is_written_as_just_its_elements_without_a_copy(dtype: torch.dtype) -> None:
+    """A sync save (and a forked writer) hands torch.save each view as a tensor over the same memory whose
+    storage is just the view's elements: the bytes torch.save writes for a clone, and no copy."""
+    from elastic_pretrain.checkpoint.snapshot import elements_only, is_view
+
+    base = torch.arange(1000).to(dtype)
+    view = base[100:400].view(20, 15)
+    got = elements_only(view)
+    assert is_view(view) and not is_view(got) and got.data_ptr() == view.data_ptr() and torch.equal(got, view)
+    ours, clone = io.BytesIO(), io.BytesIO()
+    torch.save(got, ours)
+    torch.save(view.clone(), clone)
+    assert ours.getvalue() == clone.getvalue()
+    strided = base[:600].view(20, 30)[:, ::2]  # not contiguous: copied
+    assert elements_only(strided).data_ptr() != strided.data_ptr() and torch.equal(elements_only(strided), strided)
+    assert elements_only(base) is base  # owns its storage: as it is
+
+
+def test_the_stream_checksums_and_sizes_what_it_writes_whatever_the_write_sizes(tmp_path: Path) -> None:
+    """Small writes gathered, large ones checksummed on the helper thread while written, writeback started
+    every 8 MiB: the file's CRC32 and size are the stream's."""
+    import random
+    import zlib
+
+    from elastic_pretrain.checkpoint.file_write import PARALLEL_CRC, WRITEBACK, CrcStream
+
+    rng = random.Random(0)
+    sizes = [rng.choice([1, 7, 100, 4096, PARALLEL_CRC - 1, PARALLEL_CRC, 3 * PARALLEL_CRC + 5]) for _ in range(60)]
+    sizes += [WRITEBACK + 1, 0, 3]
+    path = tmp_path / "f"
+    with open(path, "wb") as raw:
+        stream = CrcStream(raw)
+        for n in sizes:
+            assert stream.write(memoryview(rng.randbytes(n))) == n
+            assert stream.tell() == raw.tell() + len(stream.gathered)
+        stream.close()
+    data = path.read_bytes()
+    assert stream.size == len(data) == sum(sizes) and stream.crc == zlib.crc32(data) == crc32_file(path)
+
+
+def test_torch_save_record_checksums_are_off_only_inside_the_write() -> None:
+    before = torch.serialization.get_crc32_options()
+    with pytest.raises(RuntimeError, match="boom"), no_record_checksums():
+        assert torch.serialization.get_crc32_options() is False
+        raise RuntimeError("boom")
+    assert torch.serialization.get_crc32_options() == before
+
+
 def test_staging_copies_the_elements_into_one_buffer_per_structure_and_the_writer_saves_just_those() -> None:
     flat = torch.arange(40, dtype=torch.float32)
     a, b = flat[:10].view(2, 5), flat[20:26].to(torch.bfloat16)  # a view of a larger buffer, another dtype
@@ -121,8 +192,9 @@ def test_staging_copies_the_elements_into_one_buffer_per_structure_and_the_write
 
 
 def test_the_files_are_megatrons_bytes_and_checksummed_as_written(parts, tmp_path: Path) -> None:
-    """The same buckets written by megatron's per-file writer and by ours: the same bytes and write results;
-    the record is the file's size and CRC32 without reading it back."""
+    """The same buckets written by megatron's per-file writer and by ours: the same bytes (with torch.save's
+    per-record CRC32 off in both, as ours writes) and write results; the record is the file's size and
+    CRC32 without reading it back; checkpoints written so load (async and sync: the same tensors)."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     from elastic_pretrain.checkpoint.store import take_writer_records
@@ -142,9 +214,10 @@ def test_the_files_are_megatrons_bytes_and_checksummed_as_written(parts, tmp_pat
         local: Any = queue.Queue()
         count: Any = queue.Queue()
         count.put(i)
-        FileSystemWriterAsync.write_preloaded_data(
-            transform_list, i, (str(theirs / Path(path).name), key, data), local, count, True
-        )  # fmt: skip
+        with no_record_checksums():  # ours leaves the zip records' CRC32 out (the file's CRC32 covers them)
+            FileSystemWriterAsync.write_preloaded_data(
+                transform_list, i, (str(theirs / Path(path).name), key, data), local, count, True
+            )  # fmt: skip
         _, their_results = local.get_nowait()
         assert their_results == mine[i]
         assert (theirs / Path(path).name).read_bytes() == Path(path).read_bytes()

@@ -124,6 +124,8 @@ class SnapshotWriter(filesystem_async.FileSystemWriterAsync):
                     self.write_buckets.append((path, name, (bytes_data, tensor_data)))
         assert len(self.write_buckets) <= self.thread_count, (len(self.write_buckets), self.thread_count)
         self.results_queue = filesystem_async._get_write_results_queue() if self.write_buckets else None
+        global _last_writer
+        _last_writer = self
 
     def get_save_function_and_args(self) -> tuple[Any, Any, list[Any]]:
         save_fn, preload_fn, args = super().get_save_function_and_args()
@@ -157,13 +159,96 @@ def _writer(cls: type) -> Iterator[None]:
         mcore_torch.FileSystemWriterAsync = filesystem_async.FileSystemWriterAsync  # type: ignore[misc]
 
 
+_last_writer: SnapshotWriter | None = None  # the writer megatron's async_save made last (training thread only)
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What a save of one structure writes, from the last full save: the files' write items and the tensors
+    they read (views of the live parameters and Adam state), and where those tensors' memory was."""
+
+    memory: list[tuple[Any, ...]]
+    buckets: list[WriteBucket]
+
+
+def _memory(sharded_state_dict: Any) -> list[tuple[Any, ...]]:
+    """Where every tensor of a (preprocessed) sharded state dict is: address, shape, strides, dtype, device."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return [(t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device) for v in nested_values(sharded_state_dict)
+            if isinstance(v, ShardedTensor) and isinstance(t := v.data, torch.Tensor)]  # fmt: skip
+
+
 class SnapshotSaveStrategy(TorchDistSaveShardedStrategy):
     """The torch_dist save strategy with :class:`SnapshotWriter` (a synchronous save is the same request,
-    executed at once)."""
+    executed at once), and a **repeat save** once megatron has validated its cached plan for the structure.
+
+    A repeat save skips megatron's translation to torch DCP, planning and write buckets — a third of what an
+    async save costs the training thread: the state dict's structure is the one the plan was made for
+    (:class:`SaveStrategies` checked it on every rank) and every tensor is at the same address with the same
+    shape and strides as in the last full save (checked here), so the last full save's write items and
+    tensors — views of that same memory — are this save's, and only the sharded objects (values: pickled
+    again) and the file names (this checkpoint's directory) change. Files byte-identical to a full save's
+    (tested); ``.metadata`` is megatron's cached global metadata, as in megatron's own cached saves. A tensor
+    anywhere at another address (a parameter or Adam state reallocated) takes the full path."""
+
+    plan: _Plan | None = None
+    repeats = 0  # saves that took the repeat path
 
     def async_save(self, sharded_state_dict: Any, checkpoint_dir: Any) -> Any:
+        global _last_writer
+        memory = _memory(sharded_state_dict)
+        if self.plan is not None and self.plan.memory == memory and self.validated_cache_reuse:
+            self.repeats += 1
+            return self._repeat(sharded_state_dict, checkpoint_dir, self.plan)
+        _last_writer = None
         with _writer(SnapshotWriter):
-            return super().async_save(sharded_state_dict, checkpoint_dir)
+            request = super().async_save(sharded_state_dict, checkpoint_dir)
+        made, _last_writer = _last_writer, None
+        # megatron reuses its plan once a second save planned the same (validated_cache_reuse): so do we
+        ready = self.validated_cache_reuse and made is not None and not self.use_msc_enabled()
+        self.plan = _Plan(memory, list(made.write_buckets or [])) if ready and made is not None else None
+        return request
+
+    @staticmethod
+    def use_msc_enabled() -> bool:
+        from megatron.core.msc_utils import MultiStorageClientFeature
+
+        return bool(MultiStorageClientFeature.is_enabled())
+
+    def _repeat(self, sharded_state_dict: Any, checkpoint_dir: Any, plan: _Plan) -> Any:
+        """megatron's async_save request for the cached plan, without translating or planning again."""
+        import io
+
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedObject, is_main_replica
+        from megatron.core.dist_checkpointing.strategies.state_dict_saver import _DistWrapper
+
+        objects: dict[str, list[Any]] = {}  # megatron's grouping (_replace_state_dict_keys_with_sharded_keys)
+        for v in nested_values(sharded_state_dict):
+            if isinstance(v, ShardedObject) and (is_main_replica(v.replica_id) or not self.keep_only_main_replica):
+                objects.setdefault(v.unique_key, []).append(v.data)
+
+        def pickled(key: str) -> io.BytesIO:  # megatron's _mcore_to_torch_sharded_object
+            out = io.BytesIO()
+            torch.save(objects[key], out)
+            return out
+
+        writer = SnapshotWriter(checkpoint_dir, separation_hint=self.separation_hint, thread_count=self.thread_count,
+                                use_msc=False)  # fmt: skip
+        coordinator = 0
+        dist_wrapper = _DistWrapper(None, True, coordinator)
+        writer.set_up_storage_writer(dist_wrapper.is_coordinator)
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        writer.write_buckets = [
+            (os.path.join(writer.checkpoint_dir, name), name,
+             ([(item, pickled(item.index.fqn)) for item, _ in bytes_data], tensor_data))
+            for _, name, (bytes_data, tensor_data) in plan.buckets
+        ]  # fmt: skip
+        writer.results_queue = filesystem_async._get_write_results_queue() if writer.write_buckets else None
+        metadata = self.cached_global_metadata if dist_wrapper.is_coordinator else None
+        return self._get_save_and_finalize_callbacks(writer, (writer, metadata, dist_wrapper))
 
 
 _FIELDS: dict[type, tuple[str, ...]] = {}  # a sharded class's dataclass fields, but its data

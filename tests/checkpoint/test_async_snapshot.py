@@ -197,3 +197,92 @@ def test_a_writer_record_that_does_not_match_the_file_is_not_taken(tmp_path: Pat
     assert file_records(tmp_path, [f], {f.name: [size, 7]}) == {f.name: [size, 7]}  # taken as the writer's
     assert file_records(tmp_path, [f], {f.name: [size + 1, 7]}) == {f.name: [size, crc]}  # another size
     assert file_records(tmp_path, [f], {f.name: "junk"}) == {f.name: [size, crc]}  # type: ignore[dict-item]
+
+
+def _inner(saves: SaveStrategies) -> Any:
+    """The SnapshotSaveStrategy under the (DP = 1: absent) fully parallel wrapper."""
+    return getattr(saves.strategy, "base_strategy", saves.strategy)
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {f.name: f.read_bytes() for f in sorted(d.iterdir()) if f.is_file() and f.name != ".metadata"}
+
+
+def _metadata(d: Path) -> Any:
+    from elastic_pretrain.checkpoint.safe_load import load_metadata
+
+    with open(d / ".metadata", "rb") as f:
+        return load_metadata(f)
+
+
+def test_repeat_saves_write_what_a_full_save_writes(parts, tmp_path: Path) -> None:
+    """From the third save of a structure on (megatron's plan validated), a save reuses the last full save's
+    write items: the files are byte for byte those of a full save of the same state, and hold the values of
+    the moment of the save."""
+    from elastic_pretrain.checkpoint.tensors import load_tensors
+
+    _, _, _, net, optimizer = parts
+    saves = parallel_io.trainer_saves()
+    want = {}
+    for i in (1, 2, 3, 4):
+        train_a_little(net, optimizer, by=0.25 * i)
+        want[i] = snapshot(net, optimizer)
+        (tmp_path / f"s{i}").mkdir()
+        save_tensors(net, optimizer, tmp_path / f"s{i}", saves)
+    assert _inner(saves).repeats == 2  # saves 3 and 4
+    full = parallel_io.trainer_saves()  # a fresh strategy: the full path (first save of the structure)
+    (tmp_path / "full").mkdir()
+    save_tensors(net, optimizer, tmp_path / "full", full)
+    assert _inner(full).repeats == 0
+    assert _files(tmp_path / "s4") == _files(tmp_path / "full")
+    ours, theirs = _metadata(tmp_path / "s4"), _metadata(tmp_path / "full")
+    assert ours.state_dict_metadata == theirs.state_dict_metadata and ours.storage_data == theirs.storage_data
+    for i in (3, 2):
+        load_tensors(net, optimizer, tmp_path / f"s{i}", adam_step=1.0)
+        assert not differing(snapshot(net, optimizer), want[i])
+
+
+def test_a_reallocated_tensor_takes_the_full_path(parts, tmp_path: Path) -> None:
+    from elastic_pretrain.checkpoint.tensors import load_tensors
+
+    _, _, _, net, optimizer = parts
+    saves = parallel_io.trainer_saves()
+    for i in (1, 2, 3):
+        (tmp_path / f"s{i}").mkdir()
+        save_tensors(net, optimizer, tmp_path / f"s{i}", saves)
+    assert _inner(saves).repeats == 1
+    _, _, _, _, t = next(iter(owned_slices(optimizer, net)))
+    inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+    state = next(st for st in inner.state.values() if st["exp_avg"].untyped_storage().data_ptr()
+                 == t["exp_avg"].untyped_storage().data_ptr())  # fmt: skip
+    state["exp_avg"] = state["exp_avg"].clone() + 3.0  # reallocated (and changed)
+    want = snapshot(net, optimizer)
+    (tmp_path / "s4").mkdir()
+    save_tensors(net, optimizer, tmp_path / "s4", saves)
+    assert _inner(saves).repeats == 1  # not a repeat: an Adam moment moved
+    train_a_little(net, optimizer, by=1.0)
+    load_tensors(net, optimizer, tmp_path / "s4", adam_step=1.0)
+    assert not differing(snapshot(net, optimizer), want)
+
+
+def test_a_repeat_save_pickles_the_sharded_objects_again(mesh1, tmp_path: Path) -> None:
+    """Sharded objects are values (TE's FP8 metadata on a GPU): each save writes the current ones."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    weight = torch.arange(12.0).view(3, 4)
+    saves = parallel_io.trainer_saves()
+    for i in (1, 2, 3, 4):
+        state = {"w": ShardedTensor.from_rank_offsets("w", weight),
+                 "extra": ShardedObject("extra", {"amax": float(i)}, (1,), (0,))}  # fmt: skip
+        strategy, validate = saves.for_state(state)
+        (tmp_path / f"s{i}").mkdir()
+        dist_checkpointing.save(state, str(tmp_path / f"s{i}"), sharded_strategy=strategy,
+                                validate_access_integrity=validate)  # fmt: skip
+    assert _inner(saves).repeats == 2
+    template = {"w": ShardedTensor.from_rank_offsets("w", torch.empty(3, 4)),
+                "extra": ShardedObject("extra", None, (1,), (0,))}  # fmt: skip
+    from elastic_pretrain.checkpoint.safe_load import load_sharded
+
+    loaded = load_sharded(template, tmp_path / "s4", what="test")
+    assert loaded["extra"] == {"amax": 4.0} and torch.equal(loaded["w"], weight)

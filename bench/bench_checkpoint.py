@@ -291,8 +291,9 @@ def report(rounds: list[dict[str, Any]], first: dict[str, float], nbytes: int, c
                      ("raw torch.save + fsync", "raw_fsync"), ("sync save", "sync"),
                      ("raw torch.load", "raw_in"), ("load (load_tensors)", "sync_in")):
         print(f"  {label:26s}{spread(col[k])} s   {statistics.median(col[k]) / gib:.2f} s/GiB")
-    print(f"  async save: stall         {spread(stall)} s   (the call {spread([r['async']['call'] for r in rounds])}, "
-          f"waiting for the staging copy {spread([r['async']['waited'] for r in rounds])})")
+    print(f"  async save, then at once a write to every saved tensor (no step between): blocked {spread(stall)} s "
+          f"(the call {spread([r['async']['call'] for r in rounds])}, waiting for the staging copy "
+          f"{spread([r['async']['waited'] for r in rounds])})")
     stall_cpu, sync_cpu = [row["async"]["stall_cpu"] for row in rounds], [row["sync_cpu"] for row in rounds]
     print(f"  the call, CPU time        {spread(stall_cpu)} s   (sync save, CPU time with its writer: "
           f"{spread(sync_cpu)} s; torch.save + fsync: {spread([row['raw_fsync_cpu'] for row in rounds])} s)")
@@ -315,8 +316,8 @@ def report(rounds: list[dict[str, Any]], first: dict[str, float], nbytes: int, c
     ratio("sync save throughput vs torch.save without record CRC32s", col["raw_nocrc"], col["sync"])
     ratio("sync save throughput vs torch.save + fsync (durable)", col["raw_fsync"], col["sync"])
     ratio("load throughput vs torch.load", col["raw_in"], col["sync_in"])
-    ratio("async stall vs sync save (the call + the waits)", stall, col["sync"], "{:.3f}")
-    ratio("the same, then a training step", step_stall, col["sync"], "{:.3f}")
+    ratio("async stall (the call + the optimizer step's wait) vs sync save", step_stall, col["sync"], "{:.3f}")
+    ratio("the same, with a write to every tensor at once (no step)", stall, col["sync"], "{:.3f}")
     ratio("the call + (the next step - a plain step), vs sync save", [a["call"] + d for a, d in zip(nxt, delta)],
           col["sync"], "{:.3f}")
     ratio("the call's CPU time vs sync save's", stall_cpu, sync_cpu, "{:.3f}")

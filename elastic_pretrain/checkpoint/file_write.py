@@ -67,8 +67,9 @@ class CrcStream:
     them (``sync_file_range``), so the fsync at the end waits for the last piece rather than for the whole
     file. Durability still comes from that fsync; :meth:`close` writes what is gathered."""
 
-    def __init__(self, raw: Any) -> None:
+    def __init__(self, raw: Any, parallel: bool = True) -> None:
         self.raw, self.crc, self.size = raw, 0, 0
+        self.parallel = parallel  # checksum large writes on the helper thread (False: on this one)
         self.gathered = bytearray()
         self.handed = 0  # bytes handed to the disk so far
 
@@ -82,11 +83,15 @@ class CrcStream:
                 self._write_gathered()
             return n
         self._write_gathered()
-        crc = _crc_thread().submit(zlib.crc32, view, self.crc)
-        try:
+        if self.parallel:
+            crc = _crc_thread().submit(zlib.crc32, view, self.crc)
+            try:
+                self.raw.write(view)
+            finally:
+                self.crc = crc.result()
+        else:
+            self.crc = zlib.crc32(view, self.crc)
             self.raw.write(view)
-        finally:
-            self.crc = crc.result()
         if _start_writeback is not None and self.size - self.handed >= WRITEBACK:
             self.raw.flush()
             _start_writeback(self.raw.fileno(), self.handed, self.size - self.handed, SYNC_FILE_RANGE_WRITE)
@@ -153,15 +158,17 @@ def no_record_checksums() -> Iterator[None]:
         torch.serialization.set_crc32_options(before)
 
 
-def write_bucket(transform_list: list[Any], bucket: WriteBucket) -> tuple[list[Any], list[int]]:
-    """Write one file of a write plan (fsynced); (its DCP ``WriteResult``s, [size, crc32] of the file)."""
+def write_bucket(transform_list: list[Any], bucket: WriteBucket, parallel: bool = True) -> tuple[list[Any], list[int]]:
+    """Write one file of a write plan (fsynced); (its DCP ``WriteResult``s, [size, crc32] of the file).
+    ``parallel``: checksum large writes on a helper thread (a sync save, which training waits for); a
+    background writer checksums on its own thread and leaves the other core to training."""
     file_name, storage_key, (bytes_data, tensor_data) = bucket
     kwargs = _format_kwargs()
     _write_item: Any = dcp_filesystem._write_item  # megatron's call: (transforms, stream, data, item, key)
     # stream transforms (none in megatron's writer) go through DCP's own _write_item
     direct = all(not getattr(t, "extensions", ()) for t in transform_list)
     with open(file_name, "wb") as raw, no_record_checksums():
-        stream = CrcStream(raw)
+        stream = CrcStream(raw, parallel)
         results = []
         for item, data in [*bytes_data, *tensor_data]:
             if isinstance(data, torch.Tensor) and data.device.type != "cpu":
@@ -177,7 +184,9 @@ def write_bucket(transform_list: list[Any], bucket: WriteBucket) -> tuple[list[A
     return results, [stream.size, stream.crc]
 
 
-def write_buckets(transform_list: list[Any], rank: int, buckets: list[WriteBucket], results_queue: Any) -> None:
+def write_buckets(
+    transform_list: list[Any], rank: int, buckets: list[WriteBucket], results_queue: Any, parallel: bool = True
+) -> None:
     """Write every file of ``buckets`` in this process, then report as megatron's writer does: ``{bucket
     index: WriteResults}`` (or the exception) into ``results_queue``, read by megatron's finalize. The
     files' records (size, CRC32) go beside them for the commit (checkpoint/store.py)."""
@@ -187,7 +196,7 @@ def write_buckets(transform_list: list[Any], rank: int, buckets: list[WriteBucke
     try:
         results, records = {}, {}
         for i, bucket in enumerate(buckets):
-            results[i], records[Path(bucket[0]).name] = write_bucket(transform_list, bucket)
+            results[i], records[Path(bucket[0]).name] = write_bucket(transform_list, bucket, parallel)
         if buckets:
             write_records(Path(buckets[0][0]).parent, rank, records)
         out = results

@@ -79,14 +79,15 @@ def _write_snapshot(parent_pid: int, transform_list: list[Any], use_msc: bool, r
     file in this process, checksumming it as it is written (checkpoint/writer.py). In a forked writer torch
     gets one thread: a copy there must not enter an OpenMP pool that the fork left behind (a synchronous save
     runs this in the trainer itself, whose threads stay as they are)."""
-    if os.getpid() != parent_pid:
+    forked = os.getpid() != parent_pid
+    if forked:
         torch.set_num_threads(1)
     if use_msc:  # multistorageclient URLs: megatron's writer (forks per file; the commit checksums the files)
         filesystem_async.FileSystemWriterAsync.write_preloaded_data_multiproc(
             transform_list, use_msc, rank, compact(buckets), results_queue
         )  # fmt: skip
         return
-    write_buckets(transform_list, rank, compact(buckets), results_queue)
+    write_buckets(transform_list, rank, compact(buckets), results_queue, parallel=not forked)
 
 
 def snapshot_request(request: Any) -> tuple[list[Any], int, list[WriteBucket], Any]:

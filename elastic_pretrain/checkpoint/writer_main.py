@@ -4,6 +4,7 @@ process to its rank's life before anything slow (torch) is imported."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 from elastic_pretrain.checkpoint.helper_manager import die_with_parent
@@ -12,6 +13,7 @@ if TYPE_CHECKING:
     import torch
 
 Slot = tuple[int, tuple[int, ...], "torch.dtype"]  # a staged tensor: (byte offset in the buffer, shape, dtype)
+WRITER_NICE = 10  # the writer's niceness above its rank's
 
 
 def writer_main(parent_pid: int, requests: Any, done: Any) -> None:
@@ -22,6 +24,7 @@ def writer_main(parent_pid: int, requests: Any, done: Any) -> None:
     from elastic_pretrain.checkpoint.file_write import write_buckets
 
     torch.set_num_threads(1)
+    os.nice(WRITER_NICE)  # training first: the write has until the next save (which waits for it) to finish
     buffer: Any = None  # the staging buffer (shared memory) and a memoryview of it
     view: Any = None
     while (msg := requests.get()) is not None:
@@ -33,7 +36,7 @@ def writer_main(parent_pid: int, requests: Any, done: Any) -> None:
         error = None
         try:
             buckets = [(p, k, (b, [(item, staged_tensor(view, s)) for item, s in items])) for p, k, (b, items) in slots]
-            write_buckets(transform_list, rank, buckets, results_queue)
+            write_buckets(transform_list, rank, buckets, results_queue, parallel=False)
         except BaseException as err:  # write_buckets reports its own errors; this is anything else
             error = f"{type(err).__name__}: {err}"
         done.put((call_idx, error))

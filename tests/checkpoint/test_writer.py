@@ -59,6 +59,26 @@ def test_saves_fork_nothing_and_one_writer_process_writes_every_async_save(parts
         verify(c.path)
 
 
+def test_inline_staging_copies_before_the_save_returns(parts) -> None:
+    """The hand-off of device tensors (a GPU's, whose copy is the device-to-host copy) and of
+    ``background=False``: the copy is done when the save returns — no thread, no optimizer hook — so a
+    change made right after it, without waiting, never reaches the checkpoint."""
+    from elastic_pretrain.checkpoint.store import read_trainer_state
+
+    job, mesh, run_dir, net, optimizer = parts
+    ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
+    assert ckpt.queue is not None and ckpt.queue.writer is not None
+    ckpt.queue.writer.background = False
+    want = snapshot(net, optimizer)
+    ckpt.save(1)
+    assert ckpt.queue.writer.copying is None and ckpt.queue.writer.guard is None
+    train_a_little(net, optimizer, by=2.0)
+    ckpt.close()
+    step_dir = RunFiles(run_dir).step_dir(1)
+    ckpt.restore(step_dir, read_trainer_state(step_dir))
+    assert not differing(snapshot(net, optimizer), want)
+
+
 def test_the_fork_writer_still_snapshots(parts) -> None:
     """``checkpoint.async_writer=fork``: megatron's writer forked per save; the checkpoint holds the values
     from before training changed them."""

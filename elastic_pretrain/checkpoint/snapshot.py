@@ -160,6 +160,17 @@ def _writer(cls: type) -> Iterator[None]:
         mcore_torch.FileSystemWriterAsync = filesystem_async.FileSystemWriterAsync  # type: ignore[misc]
 
 
+_NONES: dict[int, bytes] = {}  # torch.save([None] * n), by n
+
+
+def _torch_save(obj: Any) -> bytes:
+    import io
+
+    out = io.BytesIO()
+    torch.save(obj, out)
+    return out.getvalue()
+
+
 _last_writer: SnapshotWriter | None = None  # the writer megatron's async_save made last (training thread only)
 
 
@@ -232,9 +243,12 @@ class SnapshotSaveStrategy(TorchDistSaveShardedStrategy):
                 objects.setdefault(v.unique_key, []).append(v.data)
 
         def pickled(key: str) -> io.BytesIO:  # megatron's _mcore_to_torch_sharded_object
-            out = io.BytesIO()
-            torch.save(objects[key], out)
-            return out
+            data = objects[key]
+            if all(d is None for d in data):  # a layer without extra state (every one on a CPU): bytes kept
+                if (kept := _NONES.get(len(data))) is None:
+                    kept = _NONES[len(data)] = _torch_save(data)
+                return io.BytesIO(kept)
+            return io.BytesIO(_torch_save(data))
 
         writer = SnapshotWriter(checkpoint_dir, separation_hint=self.separation_hint, thread_count=self.thread_count,
                                 use_msc=False)  # fmt: skip

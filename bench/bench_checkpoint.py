@@ -1,7 +1,8 @@
 """Checkpoint cost: a synchronous save and a load against a raw ``torch.save``/``torch.load`` of the same
 tensors, and the time training is blocked by an async save against a sync one, phase by phase.
 
-    nice -n 10 .venv/bin/python bench/bench_checkpoint.py [--repeats 7] [--hidden 384] [--writer persistent|fork]
+    .venv/bin/python bench/bench_checkpoint.py [--repeats 7] [--hidden 384] [--writer persistent|fork]
+                                               [--staging background|inline] [--json out.json]
 
 Two baselines for a save: ``torch.save`` as it is (the bytes reach the page cache; nothing is on disk when
 it returns), and ``torch.save`` followed by an ``fsync`` of its file — the same bytes made durable, which is
@@ -16,8 +17,12 @@ so that every ratio compares neighbours in time (the development machine is shar
 between rounds), each after an ``os.sync()`` (no operation pays for writing back the previous one's pages);
 a warm-up round first. Prints min/median/max over the rounds (no asserts).
 
-The async save's stall is split into phases (timers around the functions it calls): the state dicts,
-the structure check, megatron's validation and translation, planning, preparing the writes and the fork;
+The async save's stall is what the training thread is blocked for: the save's call, plus (the staging copy
+runs on a thread beside the next step) the wait of the next optimizer step for that copy — measured around
+a real training step of the model (one micro-batch of random tokens), whose time against a plain step's
+shows what the copy and the writer cost the step beside them. The save's call is split into phases (timers
+around the functions it calls): the state dicts, the structure check, megatron's validation and
+translation, planning, preparing the writes and the fork (a repeat save: the address check and its request);
 "after the save" is what the first write to every saved tensor costs right after the save returns, against
 the same writes with no writer alive: with ``--writer fork`` each page the forked writer still shares is
 copied then (copy-on-write), a cost the next training step pays; with the persistent writer (the default,

@@ -15,7 +15,7 @@ import zlib
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import torch
 from torch.distributed.checkpoint import filesystem as dcp_filesystem
@@ -129,7 +129,7 @@ def _write_item_direct(stream: CrcStream, data: Any, item: Any, storage_key: str
     if item.type == WriteItemType.BYTE_IO:
         stream.write(data.getbuffer())
     else:
-        torch.save(data, stream)
+        torch.save(data, cast(IO[bytes], stream))  # (it writes, tells, flushes: all torch.save calls)
     length = stream.size - offset
     return WriteResult(index=item.index, size_in_bytes=length,
                        storage_data=dcp_filesystem._StorageInfo(storage_key, offset, length))  # fmt: skip

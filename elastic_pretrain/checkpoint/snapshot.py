@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import io
 import os
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -164,8 +165,6 @@ _NONES: dict[int, bytes] = {}  # torch.save([None] * n), by n
 
 
 def _torch_save(obj: Any) -> bytes:
-    import io
-
     out = io.BytesIO()
     torch.save(obj, out)
     return out.getvalue()
@@ -219,8 +218,8 @@ class SnapshotSaveStrategy(TorchDistSaveShardedStrategy):
             request = super().async_save(sharded_state_dict, checkpoint_dir)
         made, _last_writer = _last_writer, None
         # megatron reuses its plan once a second save planned the same (validated_cache_reuse): so do we
-        ready = self.validated_cache_reuse and made is not None and not self.use_msc_enabled()
-        self.plan = _Plan(memory, list(made.write_buckets or [])) if ready and made is not None else None
+        ready = made is not None and self.validated_cache_reuse and not self.use_msc_enabled()
+        self.plan = _Plan(memory, list(made.write_buckets or [])) if ready else None
         return request
 
     @staticmethod
@@ -231,8 +230,6 @@ class SnapshotSaveStrategy(TorchDistSaveShardedStrategy):
 
     def _repeat(self, sharded_state_dict: Any, checkpoint_dir: Any, plan: _Plan) -> Any:
         """megatron's async_save request for the cached plan, without translating or planning again."""
-        import io
-
         from megatron.core.dist_checkpointing.dict_utils import nested_values
         from megatron.core.dist_checkpointing.mapping import ShardedObject, is_main_replica
         from megatron.core.dist_checkpointing.strategies.state_dict_saver import _DistWrapper

@@ -54,11 +54,9 @@ class TrainALittle(torch.optim.Optimizer):
         train_a_little(self.net, self.inner, self.by)
 
 
-@pytest.mark.parametrize("how", ["optimizer step", "settle, then in place"])
-def test_async_checkpoints_hold_the_values_from_before_training_changed_them(parts, monkeypatch, how: str) -> None:
-    """The staging copy runs on a thread, here made slow (0.3 s), so that a change racing it would land in
-    the checkpoint: an optimizer step, or anything that calls ``settle()`` first, waits for it."""
-    job, mesh, run_dir, net, optimizer = parts
+@pytest.fixture
+def slow_staging(monkeypatch):  # type: ignore[no-untyped-def]
+    """The staging copy made slow (0.3 s before it starts): a change racing it lands in the checkpoint."""
     copy = Staging.copy
 
     def slow_copy(self: Staging, live: list[torch.Tensor]) -> None:
@@ -66,6 +64,19 @@ def test_async_checkpoints_hold_the_values_from_before_training_changed_them(par
         copy(self, live)
 
     monkeypatch.setattr(Staging, "copy", slow_copy)
+
+
+def restore_step(ckpt: Checkpointer, run_dir: Path, step: int) -> None:
+    """Load the committed checkpoint of ``step`` into the checkpointer's tensors and objects."""
+    step_dir = RunFiles(run_dir).step_dir(step)
+    ckpt.restore(step_dir, read_trainer_state(step_dir))
+
+
+@pytest.mark.parametrize("how", ["optimizer step", "settle, then in place"])
+def test_async_checkpoints_hold_the_values_from_before_training_changed_them(parts, slow_staging, how: str) -> None:
+    """The staging copy runs on a thread, here made slow (0.3 s), so that a change racing it would land in
+    the checkpoint: an optimizer step, or anything that calls ``settle()`` first, waits for it."""
+    job, mesh, run_dir, net, optimizer = parts
     ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
     assert job.checkpoint.async_save and job.checkpoint.async_writer == "persistent"
     trainer_step = TrainALittle(net, optimizer)
@@ -86,31 +97,22 @@ def test_async_checkpoints_hold_the_values_from_before_training_changed_them(par
     assert ckpt.strategy.rebuilt == 1  # one structure: validated and planned once, reused three times
     after = snapshot(net, optimizer)
     for step in (1, 2, 3, 4):
-        step_dir = RunFiles(run_dir).step_dir(step)
-        ckpt.restore(step_dir, read_trainer_state(step_dir))
+        restore_step(ckpt, run_dir, step)
         got = snapshot(net, optimizer)
         assert not differing(got, want[step]), f"step {step}: {differing(got, want[step])[:3]}"
         assert differing(got, after)  # the modification was real: the checkpoint is not today's state
 
 
-def test_a_change_that_does_not_wait_for_the_staging_copy_reaches_the_checkpoint(parts, monkeypatch) -> None:
+def test_a_change_that_does_not_wait_for_the_staging_copy_reaches_the_checkpoint(parts, slow_staging) -> None:
     """The control of the test above: the same slow copy, the change made in place without waiting — the
     checkpoint holds changed values (so the test above would see a missing wait)."""
     job, mesh, run_dir, net, optimizer = parts
-    copy = Staging.copy
-
-    def slow_copy(self: Staging, live: list[torch.Tensor]) -> None:
-        time.sleep(0.3)
-        copy(self, live)
-
-    monkeypatch.setattr(Staging, "copy", slow_copy)
     ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
     want = snapshot(net, optimizer)
     ckpt.save(1)
     train_a_little(net, optimizer, by=5.0)
     ckpt.close()
-    step_dir = RunFiles(run_dir).step_dir(1)
-    ckpt.restore(step_dir, read_trainer_state(step_dir))
+    restore_step(ckpt, run_dir, 1)
     assert differing(snapshot(net, optimizer), want)
 
 

@@ -28,7 +28,7 @@ from elastic_pretrain.checkpoint.writer import Staging
 from elastic_pretrain.checkpoint.writer_main import staged_tensor
 from elastic_pretrain.rundir import RunFiles
 from tests.checkpoint.runs import differing
-from tests.checkpoint.test_async_snapshot import snapshot, train_a_little
+from tests.checkpoint.test_async_snapshot import restore_step, snapshot, train_a_little
 
 
 def _no_fork(*args: Any, **kwargs: Any) -> int:
@@ -63,8 +63,6 @@ def test_inline_staging_copies_before_the_save_returns(parts) -> None:
     """The hand-off of device tensors (a GPU's, whose copy is the device-to-host copy) and of
     ``background=False``: the copy is done when the save returns — no thread, no optimizer hook — so a
     change made right after it, without waiting, never reaches the checkpoint."""
-    from elastic_pretrain.checkpoint.store import read_trainer_state
-
     job, mesh, run_dir, net, optimizer = parts
     ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
     assert ckpt.queue is not None and ckpt.queue.writer is not None
@@ -74,15 +72,13 @@ def test_inline_staging_copies_before_the_save_returns(parts) -> None:
     assert ckpt.queue.writer.copying is None and ckpt.queue.writer.guard is None
     train_a_little(net, optimizer, by=2.0)
     ckpt.close()
-    step_dir = RunFiles(run_dir).step_dir(1)
-    ckpt.restore(step_dir, read_trainer_state(step_dir))
+    restore_step(ckpt, run_dir, 1)
     assert not differing(snapshot(net, optimizer), want)
 
 
 def test_the_fork_writer_still_snapshots(parts) -> None:
     """``checkpoint.async_writer=fork``: megatron's writer forked per save; the checkpoint holds the values
     from before training changed them."""
-    from elastic_pretrain.checkpoint.store import read_trainer_state
 
     job, mesh, run_dir, net, optimizer = parts
     job = dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, async_writer="fork"))
@@ -92,8 +88,7 @@ def test_the_fork_writer_still_snapshots(parts) -> None:
     ckpt.save(1)
     train_a_little(net, optimizer, by=2.0)
     ckpt.close()
-    step_dir = RunFiles(run_dir).step_dir(1)
-    ckpt.restore(step_dir, read_trainer_state(step_dir))
+    restore_step(ckpt, run_dir, 1)
     assert not differing(snapshot(net, optimizer), want)
 
 

@@ -218,8 +218,8 @@ class SnapshotSaveStrategy(TorchDistSaveShardedStrategy):
             request = super().async_save(sharded_state_dict, checkpoint_dir)
         made, _last_writer = _last_writer, None
         # megatron reuses its plan once a second save planned the same (validated_cache_reuse): so do we
-        ready = made is not None and self.validated_cache_reuse and not self.use_msc_enabled()
-        self.plan = _Plan(memory, list(made.write_buckets or [])) if ready else None
+        ready = self.validated_cache_reuse and not self.use_msc_enabled()
+        self.plan = _Plan(memory, list(made.write_buckets or [])) if made is not None and ready else None
         return request
 
     @staticmethod

@@ -23,7 +23,9 @@ def _wait(path: Path) -> None:
 
 
 def main(folder: Path) -> int:
-    (folder / "started").write_text(f"{os.getpid()}\n")
+    # written whole, then renamed: the test reads the pid as soon as ``started`` exists
+    (folder / "started.tmp").write_text(f"{os.getpid()}\n")
+    os.replace(folder / "started.tmp", folder / "started")
     _wait(folder / "install")
     with StopRequest() as stop:
         (folder / "ready").write_text("")

@@ -2,7 +2,8 @@
 
 megatron-core assumes CUDA in a handful of places. On a machine without CUDA we apply exactly these
 ten patches (each was shown necessary by removing it; ``shared/notes/megatron-cpu.md``), and only
-there: :func:`apply_cpu_patches` is a no-op when ``torch.cuda.is_available()``.
+there: :func:`apply_cpu_patches` is a no-op when ``torch.cuda.is_available()``. An eleventh,
+``eager_jit_fuser``, is for speed, not correctness: it keeps torch.compile's import out of every CPU process.
 
 Every patch names the megatron-core code it works around as a :class:`Probe` (module, attribute,
 source fragment). ``tests/parallel/test_cpu_compat.py`` checks every probe, so a megatron-core
@@ -273,6 +274,24 @@ def _sharded_tensor_init_data() -> None:
     ShardedTensor.init_data = init_data  # type: ignore[method-assign]
 
 
+# 11 -----------------------------------------------------------------------------------------------
+def _eager_jit_fuser() -> None:
+    from megatron.core import jit
+
+    jit.disable_jit_fuser()
+
+
+def after_megatron_jit(module: Any) -> None:
+    """``megatron.core.jit`` has just run and nothing has imported its ``jit_fuser`` yet (the import hook in
+    ``elastic_pretrain/_import_hooks.py`` calls this): on CPU, make it the no-op decorator before megatron's
+    modules decorate their fused functions with it."""
+    if needs_cpu_patches():
+        module.disable_jit_fuser()
+        AT_IMPORT.append("eager_jit_fuser")
+
+
+AT_IMPORT: list[str] = []  # patches the import hook applied in this process
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         "rng_tracker",
@@ -356,6 +375,18 @@ PATCHES: tuple[Patch, ...] = (
         (Probe("megatron.core.dist_checkpointing.exchange_utils", "_get_empty_tensor_for_exchange",
                'sh_ten.init_data("cuda")'),),
         _sharded_tensor_init_data,
+    ),
+    Patch(
+        "eager_jit_fuser",
+        "megatron.core.jit sets jit_fuser = torch.compile at import, and decorating megatron's ~20 fused "
+        "functions with it imports torch._dynamo and torch._inductor: 2.6 s of CPU in every process, a third of "
+        "a training rank's import. On CPU the fusions are off (parallel/megatron.py), so none of those functions "
+        "runs; the no-op decorator keeps them plain. Applied by the import hook (elastic_pretrain/_import_hooks.py) "
+        "as megatron.core.jit is imported, before anything decorates with it; apply_cpu_patches only covers "
+        "functions decorated later, if megatron was imported before elastic_pretrain.",
+        (Probe("megatron.core.jit", "enable_jit_fuser", "jit_fuser = torch.compile"),
+         Probe("megatron.core.jit", "disable_jit_fuser", "jit_fuser = noop_decorator")),
+        _eager_jit_fuser,
     ),
 )
 

@@ -14,8 +14,15 @@ from elastic_pretrain.errors import UserError
 
 
 def import_deepspeed() -> Any:
-    """``deepspeed``, on its CPU accelerator (gloo) when there is no CUDA; one line naming the install if absent."""
-    if not torch.cuda.is_available():
+    """``deepspeed``, on its CPU accelerator (gloo) when there is no CUDA; one line naming the install if absent.
+
+    On CPU, DeepSpeed's communication backend would JIT-build its shared-memory all-reduce op
+    (``deepspeed_shm_comm``: ninja and the C++ compiler, 70-100 s on a 2-core machine, again for every new
+    virtual environment) when the first engine starts. That op serves only ``inference_all_reduce`` (DeepSpeed's
+    inference tensor parallelism), which training never calls: training's collectives are torch.distributed's
+    on gloo. So it is marked incompatible here, and DeepSpeed's backend starts without it."""
+    cpu = not torch.cuda.is_available()
+    if cpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read once, at DeepSpeed's first import
     try:
         import deepspeed
@@ -24,7 +31,12 @@ def import_deepspeed() -> Any:
             f"engine=deepspeed needs DeepSpeed ({err}): pip install -c requirements/constraints-cpu.txt "
             "'elastic-pretrain[deepspeed]' (scripts/setup.sh installs it), or set engine=megatron"
         ) from None
+    if cpu:
+        deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False  # read by deepspeed.comm.torch.build_shm_op
     return deepspeed
+
+
+SHM_COMM_OP = "deepspeed_shm_comm"
 
 
 def is_deepspeed(step: Path) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 
@@ -107,3 +108,26 @@ def test_the_deepspeed_pin_is_the_locked_and_installed_version() -> None:
     assert extra == lock == [f"deepspeed=={importlib.metadata.version('deepspeed')}"]
     setup = (REPO / "scripts" / "setup.sh").read_text()
     assert 'DS_BUILD_OPS=0 "${PIP[@]}" --no-deps -r requirements/lock-cpu.txt' in setup
+
+
+def test_deepspeed_on_cpu_starts_its_backend_without_building_the_shm_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's CPU backend would JIT-build ``deepspeed_shm_comm`` (70-100 s, a C++ compiler) at the first
+    engine of every virtual environment, for an op only its inference all-reduce uses: import_deepspeed marks
+    it incompatible, and the backend's build step returns None without loading (building) anything."""
+    pytest.importorskip("deepspeed")
+    import torch
+
+    from elastic_pretrain.engine.weights import SHM_COMM_OP, import_deepspeed
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU only: with CUDA, DeepSpeed's accelerator is CUDA's")
+    deepspeed = import_deepspeed()
+    from deepspeed.accelerator import get_accelerator
+
+    ds_comm = importlib.import_module("deepspeed.comm.torch")  # `from deepspeed.comm import torch` is torch
+
+    builder = type(get_accelerator().create_op_builder("ShareMemCommBuilder"))
+    assert builder.NAME == SHM_COMM_OP
+    monkeypatch.setattr(builder, "load", lambda *a, **k: pytest.fail("DeepSpeed would build its shm op"))
+    assert deepspeed.ops.__compatible_ops__[SHM_COMM_OP] is False
+    assert ds_comm.build_shm_op() is None

@@ -1,7 +1,7 @@
 """The schedule controller: the one object that owns depth during training.
 
-Phase ``fixed`` (every micro-batch at ``schedule.fixed_loops``: 1 in ELR's recipe, default the anchor
-``schedule.loops``) until ``switch_at`` of the run's tokens,
+Phase ``fixed`` (every micro-batch at ``schedule.fixed_loops``: 1 in ELR's recipe and the default of a
+late switch to a mixed sampler, else the anchor ``schedule.loops``) until ``switch_at`` of the run's tokens,
 then ``mixed``, where the configured sampler picks each micro-batch's loop count ℓ and the exits
 that are supervised. Draws are pure functions of (seed, step, micro-batch, replica), so a resumed
 run draws exactly what an uninterrupted run would, and all TP/PP ranks of one replica agree — and
@@ -25,6 +25,8 @@ Order = Literal["draw", "deep_first"]
 Balance = Literal["off", "compute"]
 UnusedPassInit = Literal["copy_pass0", "as_initialised"]
 ExitAxis = Literal["loop", "layer"]
+# Samplers that mix ℓ across replicas/steps after the switch: ELR's mixed phase.
+MIXED_SAMPLERS = ("independent_rank", "per_step")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -34,7 +36,10 @@ class ScheduleConfig:
     sampler: Sampler = field("fixed", doc="How ℓ is chosen in the mixed phase (see docs/elastic-depth.md).")
     loops: int | None = field(None, doc="The anchor depth (sampler fixed, telescopic); None = L_max.")
     fixed_loops: int | None = field(
-        None, doc="ℓ of the fixed phase before switch_at (ELR's late switch: 1); None = the anchor (loops)."
+        None,
+        doc="ℓ of the fixed phase before switch_at. None = 1 for a late switch (0 < switch_at < 1) to a mixed "
+        "sampler (independent_rank, per_step: ELR pretrains at one loop, the non-looped baseline's compute), "
+        "else the anchor (loops).",
     )
     init_unused_passes: UnusedPassInit = field(
         "copy_pass0",
@@ -109,6 +114,11 @@ class ScheduleConfig:
                               f"(got {self.sampler}); remove balance or set sampler: independent_rank")
         if self.sampler == "fixed_exits" and not self.exits:
             raise ConfigError("exits: fixed_exits needs the list of supervised exits, e.g. exits: [1, 2, 4]")
+        if self.fixed_loops is None and self.sampler in MIXED_SAMPLERS and 0.0 < self.switch_at < 1.0:
+            # ELR's recipe: "pretrain at a fixed loop count (one loop), then switch to mixed depth". An unset
+            # value used to fall back to the anchor (L_max): a job called ELR trained its fixed phase at 4
+            # loops, 4x the compute ELR's baseline spends (issue 32). The resolved config says 1.
+            self.fixed_loops = 1
         if self.sampler != "fixed" and self.switch_at == 1.0:
             raise ConfigError(
                 f"schedule.sampler: {self.sampler} never runs with switch_at: 1.0 (the whole run stays at fixed depth):"

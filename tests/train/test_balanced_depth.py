@@ -73,7 +73,7 @@ def test_tokens_per_loop_count_follow_the_sampler_weights():
 def test_fixed_phase_deals_equal_counts_at_fixed_depth():
     ctl = controller(switch_at=0.5)
     for hand in deal(ctl, 0, 4, 2, 3):
-        assert len(hand) == 3 and all(p.loops == 4 for _, p in hand)
+        assert len(hand) == 3 and all(p.loops == 1 for _, p in hand)  # ELR: a late switch pretrains at ℓ = 1
 
 
 def test_deal_is_a_pure_function_of_seed_and_step():

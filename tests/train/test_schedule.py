@@ -18,7 +18,7 @@ def ctl(**kw) -> ScheduleController:
 
 
 def test_switch_at_fraction_of_tokens():
-    c = ctl(sampler="independent_rank", switch_at=0.75)
+    c = ctl(sampler="independent_rank", switch_at=0.75, fixed_loops=4)
     assert c.phase == "fixed"
     assert not c.update(step=7, tokens_seen=740)
     assert c.plan(step=7, micro=0, replica=0) == DepthPlan(4, (4,))
@@ -42,11 +42,38 @@ def test_late_switch_from_one_loop():
     }
     assert c.update(step=8, tokens_seen=750) and c.unused_passes() == range(1, 4)
     assert {c.plan(step=s, micro=0, replica=0).loops for s in range(8, 60)} == {1, 2, 3, 4}
-    # default: the fixed phase runs the anchor (L_max, or schedule.loops): no pass is left unused
-    default = ctl(sampler="independent_rank", switch_at=0.75, loops=3)
-    assert default.plan(step=0, micro=0, replica=0) == DepthPlan(3, (3,))
-    assert default.update(step=8, tokens_seen=750) and default.unused_passes() == range(3, 4)
+    # an explicit anchor depth for the fixed phase: only the passes above it are left unused
+    anchored = ctl(sampler="independent_rank", switch_at=0.75, loops=3, fixed_loops=3)
+    assert anchored.plan(step=0, micro=0, replica=0) == DepthPlan(3, (3,))
+    assert anchored.update(step=8, tokens_seen=750) and anchored.unused_passes() == range(3, 4)
     assert ctl(sampler="independent_rank", switch_at=0.0, fixed_loops=1).unused_passes() == range(0)
+
+
+@pytest.mark.parametrize("sampler", ["independent_rank", "per_step"])
+def test_a_late_switch_to_mixed_depth_defaults_to_elrs_one_loop_phase(sampler):
+    """Issue 32: an unset fixed_loops fell back to the anchor (L_max), so a job called ELR pretrained at 4
+    loops. A late switch to a mixed sampler resolves it to 1 (ELR's schedule); the other cases keep the anchor."""
+    late = ScheduleConfig(sampler=sampler, switch_at=0.75)
+    assert late.fixed_loops == 1
+    c = ScheduleController(late, max_loops=4, total_tokens=TOTAL, seed=3)
+    assert {c.plan(step=s, micro=0, replica=r) for s in range(7) for r in range(3)} == {DepthPlan(1, (1,))}
+    assert ScheduleConfig(sampler=sampler, switch_at=0.0).fixed_loops is None  # mixed from scratch: no fixed phase
+    assert ScheduleConfig(sampler="telescopic", switch_at=0.75).fixed_loops is None  # TLM: the anchor
+    assert ScheduleConfig(sampler=sampler, switch_at=0.75, fixed_loops=4).fixed_loops == 4  # explicit wins
+
+
+def test_the_recipes_called_elr_train_the_fixed_phase_at_one_loop():
+    """Every shipped run recipe that switches late to a mixed sampler (tiny-cpu, gpu-{1,2,16}node) trains ELR's
+    fixed phase at ℓ = 1, as resolved from the file."""
+    from pathlib import Path
+
+    from elastic_pretrain.job import load_job
+
+    root = Path(__file__).resolve().parents[2] / "jobs"
+    for name in ("tiny-cpu", "gpu-1node", "gpu-2node", "gpu-16node"):
+        sched = load_job(root / f"{name}.yaml").schedule
+        assert sched.sampler == "independent_rank" and 0 < sched.switch_at < 1, name
+        assert sched.fixed_loops == 1, name
 
 
 def test_per_step_with_the_one_loop_override():

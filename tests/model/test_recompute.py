@@ -101,11 +101,14 @@ def saved_bytes(cfg: ModelConfig, recompute: str, loops: int, *, batch: int = 2,
     params = {p.untyped_storage().data_ptr() for p in net.parameters()}
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(3))
     seen: dict[int, int] = {}
+    alive: list[torch.UntypedStorage] = []  # no address reuse within the forward: a freed storage's address
+    # handed to a later one made two storages count as one (the count then depended on the allocator's history)
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage.data_ptr() not in params:
             seen[storage.data_ptr()] = storage.nbytes()
+            alive.append(storage)
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -8,6 +8,7 @@ of the checkpoint is read (not the optimizer state), with the same restricted un
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -141,16 +142,28 @@ def _generate(args: argparse.Namespace) -> int:
     from elastic_pretrain.model.inference import generate
     from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 
-    loops: int | str = args.loops if args.loops == "auto" else _int_loops(args.loops)
+    _check_sampling(args)
     ckpt = resolve_checkpoint(Path(args.checkpoint))
-    if loops == "auto" and not args.decider and read_trainer_state(ckpt).get("config", {}).get("decider") is None:
+    has_decider = bool(args.decider) or read_trainer_state(ckpt).get("config", {}).get("decider") is not None
+    # Unset --loops: the decider's adaptive depth where there is one, else every pass (L_max) — a pretrained
+    # checkpoint has no decider, and 'auto' used to fail on every one of them (issue 33).
+    loops: int | str = ("auto" if has_decider else "max") if args.loops is None else args.loops
+    loops = loops if loops in ("auto", "max") else _int_loops(str(loops))
+    if loops == "auto" and not has_decider:
         raise _no_decider(ckpt)  # before building anything
     init_mesh(ParallelConfig(), seed=args.seed)
     try:
         job, model = load_model(ckpt)
+        if loops == "max":
+            loops = model.cfg.max_loops
+        if isinstance(loops, int) and not 1 <= loops <= model.cfg.max_loops:
+            raise UserError(f"--loops {loops}: this model runs 1..{model.cfg.max_loops} passes: pick one of them or 'auto'")
         tok = load_tokenizer(job.data.tokenizer)
         stop = pick_decider(model, ckpt, args.decider).stopper(args.threshold) if loops == "auto" else None
         prompt = tok.encode(args.prompt) or [tok.eos_id]
+        _check_context(len(prompt), args.max_new_tokens, job.data.seq_len)
+        how = "per-token adaptive depth (the iteration decider)" if loops == "auto" else f"{loops} passes per token"
+        print(f"[depth: {how}; L_max = {model.cfg.max_loops}; pass --loops N or auto to choose]", file=sys.stderr)
         out = generate(
             model, prompt, loops=loops, max_new_tokens=args.max_new_tokens, kv_cache=args.kv_cache,  # type: ignore[arg-type]
             temperature=args.temperature, stop=stop, eos_id=tok.eos_id,
@@ -170,7 +183,25 @@ def _int_loops(text: str) -> int:
     try:
         return int(text)
     except ValueError:
-        raise UserError(f"--loops: {text!r} is neither a loop count nor 'auto'") from None
+        raise UserError(f"--loops: {text!r} is neither a loop count, 'max' nor 'auto'") from None
+
+
+def _check_sampling(args: argparse.Namespace) -> None:
+    """Sampling flags the decoder would otherwise take silently (issue 33)."""
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise UserError(f"--temperature {args.temperature}: must be a finite number >= 0 (0 = greedy)")
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
+
+
+def _check_context(prompt_tokens: int, new_tokens: int, context: int) -> None:
+    """The model was trained on positions 0..seq_len-1: RoPE positions past them were never seen."""
+    if prompt_tokens + new_tokens > context:
+        raise UserError(
+            f"the prompt ({prompt_tokens} tokens) plus --max-new-tokens {new_tokens} exceeds the model's context of "
+            f"{context} tokens (data.seq_len it was trained at): shorten the prompt or lower --max-new-tokens to "
+            f"{max(context - prompt_tokens, 0)}"
+        )
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
@@ -205,7 +236,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="sample from a checkpoint at a fixed loop count or with adaptive depth")
     g.add_argument("checkpoint", help="step_<N> directory, or a run directory (its newest committed step)")
     g.add_argument("--prompt", default="def ", help="prompt text")
-    g.add_argument("--loops", default="auto", help="passes per token, or 'auto' (the iteration decider)")
+    g.add_argument(
+        "--loops",
+        default=None,
+        help="passes per token, 'max' (L_max) or 'auto' (the iteration decider); default: auto where the checkpoint "
+        "has a decider (or --decider is given), else max",
+    )
     g.add_argument("--decider", help="--loops auto: a decider file (save_decider) instead of the checkpoint's")
     g.add_argument("--threshold", type=float, default=None, help="decider threshold (default: its config)")
     g.add_argument("--kv-cache", choices=["last-loop", "per-loop"], default="last-loop")

@@ -66,3 +66,20 @@ def test_generate_command_fixed_and_auto(run_dir: Path, tmp_path: Path) -> None:
     assert "mean passes/token 4.00" in auto.stdout and "KV cache last-loop: 2304 bytes/token" in auto.stdout
     bad = subprocess.run([CLI, "generate", str(run_dir), "--loops", "auto"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode != 0 and "has no iteration decider: train a decider job" in bad.stderr
+
+
+def test_generate_defaults_to_every_pass_without_a_decider_and_refuses_what_it_cannot_do(run_dir: Path) -> None:
+    """Issue 33: `generate RUN --prompt x` failed on every pretrained checkpoint (--loops defaulted to auto,
+    which needs a decider); a negative temperature and a length past the trained context were taken silently."""
+    plain = cli("generate", str(run_dir), "--prompt", "x", "--max-new-tokens", "3")
+    assert "mean passes/token 4.00" in plain.stdout  # L_max = 4 passes
+    assert "[depth: 4 passes per token; L_max = 4" in plain.stderr
+    for flags, words in (
+        (["--temperature", "-1"], "--temperature -1.0: must be a finite number >= 0"),
+        (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+        (["--max-new-tokens", "5000"], "exceeds the model's context of 128 tokens"),
+        (["--loops", "9"], "--loops 9: this model runs 1..4 passes"),
+    ):
+        bad = subprocess.run([CLI, "generate", str(run_dir), *flags], cwd=REPO, capture_output=True, text=True)
+        assert bad.returncode == 2 and words in bad.stderr, (flags, bad.stderr)
+        assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) <= 2, bad.stderr

@@ -157,7 +157,8 @@ def _generate(args: argparse.Namespace) -> int:
         if loops == "max":
             loops = model.cfg.max_loops
         if isinstance(loops, int) and not 1 <= loops <= model.cfg.max_loops:
-            raise UserError(f"--loops {loops}: this model runs 1..{model.cfg.max_loops} passes: pick one of them or 'auto'")
+            top = model.cfg.max_loops
+            raise UserError(f"--loops {loops}: this model runs 1..{top} passes: pick one of them, 'max' or 'auto'")
         tok = load_tokenizer(job.data.tokenizer)
         stop = pick_decider(model, ckpt, args.decider).stopper(args.threshold) if loops == "auto" else None
         prompt = tok.encode(args.prompt) or [tok.eos_id]

@@ -96,10 +96,50 @@ def _train(args: argparse.Namespace) -> int:
 
         check_layout(job, args.nproc_per_node)  # once, here, not once per rank after torch imports
         return _launch(args, [*args.overrides, *(f"{flag}={path}" for flag, path in path_flags(args).items())])
+    if "RANK" not in os.environ:  # one process, no launcher: say how to start the ranks the job needs
+        _check_one_process(job)
     from elastic_pretrain.train.trainer import train
 
     train(job)
     return 0
+
+
+def _check_one_process(job: Any) -> None:
+    """Without ``--nproc-per-node`` (and not under torchrun/srun) the job runs as one rank: a layout that needs
+    more ranks gets the launcher flag in its message, not only the divisibility rule it breaks (issue 33)."""
+    from elastic_pretrain.config import ConfigError
+    from elastic_pretrain.errors import UserError
+    from elastic_pretrain.parallel.validate import check_layout
+
+    try:
+        check_layout(job, 1)
+    except ConfigError as single:
+        need = next((n for n in range(2, 65) if _layout_ok(job, n)), None)
+        hint = (f"add --nproc-per-node {need} (this job's smallest world size)" if need
+                else "add --nproc-per-node N")
+        raise UserError(f"{single} — train without --nproc-per-node runs one process: {hint}, "
+                        "or run it as one process with parallel=single") from None
+
+
+def _layout_ok(job: Any, world_size: int) -> bool:
+    from elastic_pretrain.config import ConfigError
+    from elastic_pretrain.parallel.validate import check_layout
+
+    try:
+        check_layout(job, world_size)
+    except ConfigError:
+        return False
+    return True
+
+
+def _nproc(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of processes") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: give at least 1 process per node (omit the flag under torchrun/srun)")
+    return n
 
 
 def job_from_args(args: argparse.Namespace) -> Any:
@@ -174,7 +214,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--nproc-per-node",
-        type=int,
+        type=_nproc,
         metavar="N",
         help="start torchrun with N local ranks (validates the job first); omit under torchrun/srun",
     )

@@ -83,6 +83,10 @@ def test_malformed_yaml_names_the_line(tmp_path: Path):
         (["train", "jobs/tiny-cpu.yaml", "schedule.loops=5"], "schedule.loops=5 is outside [1, 4]"),
         (["train", "jobs/missing.yaml"], "jobs/missing.yaml: no such file"),
         (["train"], "the following arguments are required"),
+        # issue 33: without a launcher the job runs as one rank; the EP error named no launcher flag
+        (["train", "jobs/tiny-cpu.yaml", "train.steps=10", "train.warmup_steps=1"],
+         "add --nproc-per-node 2 (this job's smallest world size), or run it as one process with parallel=single"),
+        (["train", "jobs/tiny-cpu.yaml", "--nproc-per-node", "0"], "0: give at least 1 process per node"),
     ],
 )
 def test_cli_errors_are_one_line_without_traceback(args, message):

@@ -103,6 +103,13 @@ class ModelConfig:
                 raise ConfigError(f"{name}: must be >= 0, got {getattr(self, name)}")
         if self.hidden_size % self.num_heads:
             raise ConfigError(f"num_heads: {self.num_heads} does not divide hidden_size {self.hidden_size}")
+        if (self.hidden_size // self.num_heads) % 2:
+            # RoPE rotates each head's channels in pairs: an odd head dimension fails inside every rank (issue 33)
+            head = self.hidden_size // self.num_heads
+            raise ConfigError(
+                f"hidden_size {self.hidden_size} / num_heads {self.num_heads} = head dimension {head}, which rotary "
+                f"position embeddings need even: use hidden_size {self.num_heads * (head + 1)} or another num_heads"
+            )
         if self.num_query_groups is not None and (
             self.num_query_groups < 1 or self.num_heads % self.num_query_groups
         ):

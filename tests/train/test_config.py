@@ -87,6 +87,8 @@ def test_malformed_yaml_names_the_line(tmp_path: Path):
         (["train", "jobs/tiny-cpu.yaml", "train.steps=10", "train.warmup_steps=1"],
          "add --nproc-per-node 2 (this job's smallest world size), or run it as one process with parallel=single"),
         (["train", "jobs/tiny-cpu.yaml", "--nproc-per-node", "0"], "0: give at least 1 process per node"),
+        (["train", "jobs/tiny-cpu.yaml", "--nproc-per-node", "2", "model.hidden_size=100"],
+         "head dimension 25, which rotary position embeddings need even: use hidden_size 104"),
     ],
 )
 def test_cli_errors_are_one_line_without_traceback(args, message):

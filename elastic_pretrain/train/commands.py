@@ -95,13 +95,35 @@ def _train(args: argparse.Namespace) -> int:
         from elastic_pretrain.parallel.validate import check_layout
 
         check_layout(job, args.nproc_per_node)  # once, here, not once per rank after torch imports
+        _prepare_run_dir(job.run_path)
         return _launch(args, [*args.overrides, *(f"{flag}={path}" for flag, path in path_flags(args).items())])
     if "RANK" not in os.environ:  # one process, no launcher: say how to start the ranks the job needs
         _check_one_process(job)
+        _prepare_run_dir(job.run_path)
     from elastic_pretrain.train.trainer import train
 
     train(job)
     return 0
+
+
+def _prepare_run_dir(run_dir: Path) -> None:
+    """The run directory exists as a directory before any rank starts: a path naming a file (or under one, or
+    unwritable) used to surface as a gloo error and a torchrun report, 106 lines (issue 33)."""
+    from elastic_pretrain.errors import UserError
+
+    if run_dir.is_symlink():
+        raise UserError(f"run directory {run_dir} is a symbolic link: give the real directory (--run-dir)")
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"run directory {run_dir} exists and is not a directory: pick another --run-dir or move it")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-probe-{os.getpid()}"
+        probe.touch(exist_ok=False)
+        probe.unlink()
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise UserError(f"run directory {run_dir}: {reason} ({err.filename or run_dir}): pick a --run-dir you can "
+                        "write to") from None
 
 
 def _check_one_process(job: Any) -> None:

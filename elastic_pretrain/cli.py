@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import NoReturn
 
@@ -34,8 +35,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml), read without importing torch."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("elastic-pretrain")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed: pip install -e .)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="elastic-pretrain", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"elastic-pretrain {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     for name in COMMAND_MODULES:
         try:
@@ -67,6 +79,9 @@ def main(argv: list[str] | None = None) -> int:
         if not report_user_error(str(err)):  # a rank under train --nproc-per-node: the launcher prints it once
             print(f"elastic-pretrain {args.command}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `elastic-pretrain config --reference | head`: the reader left, nothing is wrong here
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at interpreter exit
+        return 1
     except Exception:
         if peer_reported():  # another rank stopped on a user error and broke a collective here
             return 2

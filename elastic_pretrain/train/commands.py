@@ -190,6 +190,15 @@ def path_flags(args: argparse.Namespace) -> dict[str, str]:
 def _show(args: argparse.Namespace) -> int:
     from elastic_pretrain.job import dump_job, load_job
 
+    if args.explain or args.reference:
+        from elastic_pretrain.config_reference import explain, reference
+
+        print(explain(args.explain) if args.explain else reference(), end="" if args.reference else "\n")
+        return 0
+    if args.job is None:
+        from elastic_pretrain.errors import UserError
+
+        raise UserError("config: give a job file (jobs/tiny-cpu.yaml), or --explain KEY, or --reference")
     overrides = list(args.overrides)
     if args.gpu_memory is not None:
         overrides.append(f"slurm.gpu_memory={args.gpu_memory}")
@@ -242,8 +251,10 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.set_defaults(handler=_train)
     c = sub.add_parser("config", help="print the resolved job config (presets and overrides applied)")
-    c.add_argument("job")
+    c.add_argument("job", nargs="?", help="job YAML (not needed with --explain / --reference)")
     c.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    c.add_argument("--explain", metavar="KEY", help="what a key (schedule.fixed_loops) or a section (schedule) means")
+    c.add_argument("--reference", action="store_true", help="print every key with its type, default and meaning")
     c.add_argument(
         "--world-size",
         type=int,

@@ -196,8 +196,11 @@ class ProgressPrinter:
             if "decider/bce" in a
             else ""
         )
+        # after the switch the step's micro-batches ran different ℓ: its loss averages over the depths drawn,
+        # so it is not comparable with the fixed phase's (the per-ℓ values in parentheses are)
+        loss = "loss" if not self.controller.mixed else "loss (mixed ℓ)"
         print(
-            f"step {state.step:>5}/{total} [{100 * state.step / total:5.1f}%] loss {result.loss:.4f} ({per_loop})"
+            f"step {state.step:>5}/{total} [{100 * state.step / total:5.1f}%] {loss} {result.loss:.4f} ({per_loop})"
             f"{decider} | lr {result.lr:.2e} | gnorm {result.grad_norm:.2f}"
             f" | {self.job.tokens_per_step / mean_s:,.0f} tok/s | {self.controller.phase}"
             f"{depth_note(a) if self.controller.mixed else ''}"

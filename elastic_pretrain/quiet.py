@@ -39,5 +39,6 @@ def quiet_logs() -> None:
         datefmt="%H:%M:%S",
     )
     third_party_warnings()
-    for name in ("megatron", "megatron.core"):
+    # libraries' INFO lines the user cannot act on: numexpr's thread count, matplotlib's font cache
+    for name in ("megatron", "megatron.core", "numexpr", "matplotlib"):
         logging.getLogger(name).setLevel(logging.WARNING)

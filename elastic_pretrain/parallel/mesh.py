@@ -88,7 +88,8 @@ def init_mesh(cfg: ParallelConfig, *, seed: int) -> Mesh:
     )
     applied = cpu_compat.apply_cpu_patches()
     if applied and dist.get_rank() == 0:
-        log.info("CUDA absent: applied megatron-core CPU patches %s", ", ".join(applied))
+        # the list is for whoever debugs the CPU path (docs/cpu-patches.md), not the default output (issue 33)
+        log.debug("CUDA absent: applied megatron-core CPU patches %s", ", ".join(applied))
     seed_everything(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     return Mesh(

@@ -73,15 +73,23 @@ class Session:
         return {"scheduler": self.scheduler, "controller": ControllerState(self), "data": self.batches}
 
     def describe(self) -> str:
+        """The banner: the shape as the job file states it and as flattened (Foil), and one parameter line."""
+        from elastic_pretrain.model.params import count_parameters, format_count
+
         n_params = sum(p.numel() for p in self.net.parameters())
         n_train = sum(p.numel() for p in self.net.parameters() if p.requires_grad)
-        cfg = self.job.model
-        trained = f" ({n_train:,} trained)" if n_train != n_params else ""
+        cfg, sched = self.job.model, self.job.schedule
+        counts = count_parameters(cfg)
+        here = f"; {format_count(n_params)} on this rank" if n_params != counts.total else ""
+        trained = f", {format_count(n_train)} trained" if n_train != n_params else ""
+        flat = (f" -> flattened x{cfg.flatten}: {cfg.core_layers_built} x {cfg.max_loops} passes x "
+                f"{cfg.experts_built} experts" if cfg.flatten != 1 else "")  # fmt: skip
+        fixed = f", fixed phase at {sched.fixed_loops} loop(s)" if sched.fixed_loops and sched.switch_at > 0 else ""
         return (
-            f"model: {n_params / 1e6:.2f}M parameters on this rank{trained} | prelude {cfg.prelude_layers} + core "
-            f"{cfg.core_layers_built} x {cfg.max_loops} passes + coda {cfg.coda_layers} | "
-            f"{cfg.experts_built} experts top-{cfg.moe_top_k} (flatten {cfg.flatten}) | "
-            f"sampler {self.job.schedule.sampler}, switch at {self.job.schedule.switch_at:.2f} of tokens"
+            f"model: prelude {cfg.prelude_layers} + core {cfg.core_layers} layers x {cfg.loops} loops x "
+            f"{cfg.num_experts} experts{flat} (top-{cfg.moe_top_k}, L_max {cfg.max_loops}) + coda {cfg.coda_layers}"
+            f" | parameters {format_count(counts.total)} total, {format_count(counts.active)} active per token"
+            f"{here}{trained} | sampler {sched.sampler}, switch at {sched.switch_at:.2f} of tokens{fixed}"
         )
 
 

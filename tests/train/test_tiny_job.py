@@ -51,7 +51,15 @@ def test_tiny_job_trains_and_reports_every_loop_count(tmp_path):
     assert summary["depth_efficiency"] == pytest.approx(
         sum(h["depth_efficiency"] for h in summary["history"]) / 30)
     assert run.data.metrics["depth_efficiency"] == pytest.approx(1 - run.data.metrics["ghost_pass_fraction"])
-    assert "mixed depth eff " in proc.stdout
+    assert "mixed depth eff " in proc.stdout and "loss (mixed ℓ)" in proc.stdout
+    # issue 33: the banner gives the shape as the job file states it and as flattened, and one parameter line
+    from elastic_pretrain.job import load_job
+    from elastic_pretrain.model.params import count_parameters, format_count
+
+    counts = count_parameters(load_job(REPO / "jobs" / "tiny-cpu.yaml").model)
+    assert "core 2 layers x 2 loops x 4 experts -> flattened x2: 1 x 4 passes x 8 experts" in proc.stdout
+    assert f"parameters {format_count(counts.total)} total, {format_count(counts.active)} active" in proc.stdout
+    assert "CPU patches" not in proc.stdout + proc.stderr and "NumExpr" not in proc.stdout + proc.stderr
 
 
 def test_tiny_model_trains_from_webdataset_shards(tmp_path):

@@ -65,6 +65,8 @@ def loss_by_loops(model: Any, tokens_NT1: torch.Tensor, loops: Sequence[int] | N
     )
     was_training = model.training
     model.eval()
+    if pipeline is None:  # through the pipeline, its schedule flags the first micro-batch itself
+        net.set_is_first_microbatch()  # TE layers re-quantize their FP8 weights: the optimizer may have moved them
     try:
         if pipeline is not None:
             sums, count = _pipeline_sums(pipeline, tokens_NT1, runs, wanted, batch_size)

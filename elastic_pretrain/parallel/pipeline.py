@@ -53,6 +53,15 @@ class PassChunk(torch.nn.Module):
     def set_input_tensor(self, input_tensor: Tensor | list[Tensor | None] | None) -> None:
         self.input_tensor = input_tensor[0] if isinstance(input_tensor, list) else input_tensor
 
+    def set_is_first_microbatch(self) -> None:
+        """megatron's schedule calls this before a chunk's first micro-batch of a step (and of an evaluation).
+        Transformer Engine's layers cache their FP8 weights and re-quantize only on a call flagged this way:
+        a chunk without it ran every step on the weights cast at step 1 (issue 30). The chunks share the stage's
+        modules and chunk 0 runs first on every stage, so chunk 0 flags them all (megatron's own walk over the
+        model's modules) and the others nothing: each module re-quantizes once per step, at its first call."""
+        if self.pass_idx == 0:
+            self.net.set_is_first_microbatch()
+
 
 class Pipeline:
     """The chunks of this stage and the schedule that runs them (forward+backward, or forward only)."""

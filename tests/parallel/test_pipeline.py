@@ -14,6 +14,9 @@ resumed at PP=2 (D) and B's at PP=1 (C). The resumed runs must continue exactly 
 ones: per-step losses (rel 1e-6), final parameters and Adam moments (rtol 1e-5, atol 1e-8 — fp32; the
 same sums in a different grouping at most), validation loss per loop count and routing health (rel
 1e-6 / 1e-5: the pipeline accumulates per-micro-batch sums in another order).
+
+FP8 weight cache (tests/dist/fp8_weight_cache.py): at PP=2 every TE-style layer of both stages re-quantizes its
+weight exactly once per step and in evaluation, never computing with a copy of an older weight.
 """
 
 from __future__ import annotations
@@ -153,3 +156,20 @@ def test_pipeline_stages_start_from_their_own_initialisation(launch: Path) -> No
     a = [h["loss"] for h in _summary(runs, "A")["history"]]
     assert b[0] != a[0]
     assert b[-1] < b[0] - 0.2
+
+
+@pytest.mark.slow
+def test_fp8_weights_follow_the_optimizer_at_pp2(launch: Path) -> None:
+    """Issue 30, item 2: megatron's schedule flags a chunk's modules through ``PassChunk.set_is_first_microbatch``;
+    before it had none, so from step 2 on every TE GEMM ran on the FP8 weights cast at step 1. Chunk 0 flags
+    the stage's modules once per step (the other chunks, sharing them, must not re-flag)."""
+    from tests.dist.fp8_weight_cache import check_phases
+
+    stages = []
+    for rank in range(2):
+        result = json.loads((launch / "fp8_cache" / f"fp8_cache_rank{rank}.json").read_text())
+        check_phases(result)
+        stages.append(result["stage"])
+        # stage 0 holds the prelude and core layer 0, stage 1 core layer 1 and the coda: each its shared experts
+        assert any(".experts." in n for n in result["layers"])
+    assert stages == [0, 1]

@@ -169,9 +169,10 @@ def decider_loss(model: LoopedMoEModel, decider: IterationDecider, ids_BT: Tenso
 def _per_token_loss(model: LoopedMoEModel, decider: IterationDecider, ids_BT: Tensor, labels_BT: Tensor) -> DeciderLoss:
     """``backbone: per_token``: LM loss at each token's exit + BCE over the nested labels (one process)."""
     vocab = model.cfg.vocab_size
-    run = run_per_token(
-        model, decider, ids_BT, lambda h: token_ce(model.logits(h)[..., :vocab].transpose(0, 1), labels_BT)
-    )
+    with model.fp8_forward():  # one FP8 autocast for the run under delayed scaling (model/looped.py)
+        run = run_per_token(
+            model, decider, ids_BT, lambda h: token_ce(model.logits(h)[..., :vocab].transpose(0, 1), labels_BT)
+        )
     targets = labels_from_gain(run.gain_LBT(), decider.cfg.coverage)
     bce_sum, count = per_token_bce(run, targets, decider.cfg.pos_weight)
     bce = bce_sum / count.clamp(min=1)

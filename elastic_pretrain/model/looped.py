@@ -14,10 +14,12 @@ process-group code: it receives a megatron ``TransformerConfig`` built by ``para
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
+import functools
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from functools import partial
-from typing import Any, Literal
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 
 import torch
 from megatron.core import tensor_parallel
@@ -42,6 +44,9 @@ from elastic_pretrain.model.replay_dispatch import check_replayable, moe_forward
 from elastic_pretrain.model.routing import RoutingProbe
 
 GhostKind = Literal["moe_calls", "full_passes"]
+P = ParamSpec("P")
+R = TypeVar("R")
+LoopedModelT = TypeVar("LoopedModelT", bound="LoopedMoEModel")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,18 +61,63 @@ class LayerSpecs:
     norm: ModuleSpec | type
 
 
+# Inside the one FP8 autocast of a forward under delayed scaling (fp8_forward); per thread of execution
+_IN_DELAYED_FP8: contextvars.ContextVar[bool] = contextvars.ContextVar("in_delayed_fp8", default=False)
+
+
+def _delayed(config: TransformerConfig) -> bool:
+    return bool(config.fp8) and str(getattr(config.fp8_recipe, "value", config.fp8_recipe)) == "delayed"
+
+
 def fp8_context(config: TransformerConfig, layer_number: int) -> contextlib.AbstractContextManager[Any]:
     """megatron's FP8 autocast for one layer (global 1-based ``layer_number``); a no-op without ``config.fp8``.
 
     megatron enters it inside ``TransformerBlock``, which the looped model does not use: it calls layers
     (and their attention/MLP halves) itself, so it enters the context around every layer call — each
-    (core layer, pass), each prelude/coda layer — as the block does per layer.
+    (core layer, pass), each prelude/coda layer — as the block does per layer. Not for ``delayed`` scaling:
+    there the block enters one autocast around all its layers (every exit of a delayed-scaling autocast
+    reduces and updates the amax histories; megatron refuses per-layer entry for it), and so does the looped
+    model, around its whole forward (:func:`fp8_forward`); a layer run outside that is a bug, not bf16.
     """
     if not config.fp8:
+        return contextlib.nullcontext()
+    if _delayed(config):
+        if not _IN_DELAYED_FP8.get():
+            raise RuntimeError("model.fp8=delayed: a layer ran outside its forward's FP8 autocast (fp8_forward)")
         return contextlib.nullcontext()
     from megatron.core import fp8_utils  # looked up per call: tests stand in for TE's autocast here
 
     return fp8_utils.get_fp8_context(config, layer_number - 1)
+
+
+@contextlib.contextmanager
+def fp8_forward(config: TransformerConfig) -> Iterator[None]:
+    """The one FP8 autocast of a forward under ``delayed`` scaling (megatron's ``TransformerBlock`` outer
+    context: all layers, ``layer_no=-1``); re-entrant (an inner forward entry point adds nothing) and a no-op for
+    the other recipes, which enter it per layer (:func:`fp8_context`). Under it the ghost MoE calls of mixed
+    depth run in FP8 too: their one all-zero token and its zero gradients add nothing to any amax."""
+    if not _delayed(config) or _IN_DELAYED_FP8.get():
+        yield
+        return
+    from megatron.core import fp8_utils
+
+    token = _IN_DELAYED_FP8.set(True)
+    try:
+        with fp8_utils.get_fp8_context(config):
+            yield
+    finally:
+        _IN_DELAYED_FP8.reset(token)
+
+
+def _in_fp8_forward(method: Callable[Concatenate[LoopedModelT, P], R]) -> Callable[Concatenate[LoopedModelT, P], R]:
+    """Run a forward entry point of the model inside :func:`fp8_forward`."""
+
+    @functools.wraps(method)
+    def wrapper(self: LoopedModelT, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        with fp8_forward(self.config):
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 def attention_only(spec: ModuleSpec) -> ModuleSpec:
@@ -327,6 +377,11 @@ class LoopedMoEModel(LanguageModule):
     def set_input_tensor(self, input_tensor: Tensor | None) -> None:  # megatron schedule hook (PP=1: unused)
         self.input_tensor = input_tensor
 
+    def fp8_forward(self) -> contextlib.AbstractContextManager[None]:
+        """The forward-wide FP8 autocast of ``delayed`` scaling (see the module's :func:`fp8_forward`): for a caller
+        that runs several of the model's entry points as one forward (a pipeline chunk and its head)."""
+        return fp8_forward(self.config)
+
     @property
     def one_exit_per_run(self) -> bool:
         """Whether an evaluation at several ℓ needs one run per ℓ (not one L_max run with an exit per ℓ): the
@@ -355,6 +410,7 @@ class LoopedMoEModel(LanguageModule):
         """Pass 0's attention into ``passes`` on every core layer of this stage (see CoreLayer.copy_pass0_attention)."""
         return [p for core in self.core_layers() for p in core.copy_pass0_attention(passes)]
 
+    @_in_fp8_forward
     def run_loops(self, input_ids_BT: Tensor, *, loops: int, exits: Sequence[int], sync_loops: int | None = None,
                   keep: list[Tensor] | None = None) -> tuple[dict[int, Tensor], Tensor | None]:
         """Hidden states after the coda and final norm at each exit loop count (sequence-first).
@@ -419,6 +475,7 @@ class LoopedMoEModel(LanguageModule):
             states[loops] = GhostJoin.apply(h_TBD, z_TBD)
         return {e: self._head_states(states[e], rope) for e in sorted(states)}
 
+    @_in_fp8_forward
     def run_layers(self, input_ids_BT: Tensor, *, exits: Sequence[int]) -> dict[int, Tensor]:
         """``schedule.exit_axis: layer`` (TLM's own axis): hidden states after core layer k, then the coda and the
         final norm (shared by every exit, as the output layer is), for each k in ``exits``; one pass.
@@ -448,6 +505,7 @@ class LoopedMoEModel(LanguageModule):
                 out[k] = self._head_states(h_TBD, rope)
         return out
 
+    @_in_fp8_forward
     def run_chunk(self, h_TBD: Tensor | None, input_ids_BT: Tensor, *, pass_idx: int, loops: int, sync_loops: int,
                   key: Hashable) -> Tensor:
         """Virtual pipeline chunk ``pass_idx`` of this stage, for a micro-batch that runs ℓ = ``loops``.
@@ -466,6 +524,7 @@ class LoopedMoEModel(LanguageModule):
             return h_TBD + 0.0 * self._ghost_pass(h_TBD)  # keeps the ghost's backward all-to-alls in the graph
         return h_TBD.view_as(h_TBD)  # identity chunk: no compute, the activation moves on
 
+    @_in_fp8_forward
     def head_losses(self, h_TBD: Tensor, input_ids_BT: Tensor, labels_BT: Tensor) -> Tensor:
         """Per-token CE ``[B, T]`` of hidden states that finished their passes (last stage only)."""
         rope = self.rotary_pos_emb(input_ids_BT.shape[1])
@@ -606,6 +665,7 @@ class LoopedMoEModel(LanguageModule):
             logits_TBV = logits_TBV.masked_fill(mask.to(logits_TBV.device), float("-inf"))
         return logits_TBV
 
+    @_in_fp8_forward
     def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
                 labels: Tensor | None = None, *, loops: int | None = None, exits: Sequence[int] = (),
                 sync_loops: int | None = None, exit_axis: Literal["loop", "layer"] = "loop") -> dict[int, Tensor]:
@@ -640,6 +700,7 @@ class LoopedMoEModel(LanguageModule):
             out[loops] = out[loops] + 0.0 * ghost
         return out
 
+    @_in_fp8_forward
     def forward_decider(self, input_ids: Tensor, labels: Tensor) -> tuple[dict[int, Tensor], Tensor] | PerTokenRun:
         """Decider training (TaH2): one L_max run with an exit at every pass.
 

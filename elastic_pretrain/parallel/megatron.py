@@ -43,6 +43,7 @@ def _precision_kwargs(model: ModelConfig, parallel: ParallelConfig) -> dict[str,
             "NGC PyTorch container): run on a GPU machine with TE, or set model.fp8=off"
         )
     model.check_fp8_layout(tensor=parallel.tensor, tokens=None)
+    check_fp8_device(model.fp8, device_capability())
     return dict(
         # E4M3 forward / E5M2 gradients for the per-tensor recipes; the block-scaled ones use E4M3 throughout
         fp8="hybrid" if model.fp8 in ("delayed", "tensorwise") else "e4m3",
@@ -52,6 +53,33 @@ def _precision_kwargs(model: ModelConfig, parallel: ParallelConfig) -> dict[str,
         # replica runs the same passes. Current/block scaling needs no history reduction.
         tp_only_amax_red=model.fp8 == "delayed",
     )
+
+
+# The oldest GPU each recipe's GEMMs run on (Transformer Engine 2.9-2.11's own checks, made at its first autocast):
+# FP8 from Ada/Hopper, 128-element block scaling from Hopper (with CUDA >= 12.9), MXFP8 on Blackwell only.
+FP8_MIN_CAPABILITY: dict[str, tuple[tuple[int, int], str, str]] = {
+    "delayed": ((8, 9), "Ada or Hopper", "off"),
+    "tensorwise": ((8, 9), "Ada or Hopper", "off"),
+    "blockwise": ((9, 0), "Hopper", "tensorwise"),
+    "mxfp8": ((10, 0), "Blackwell", "blockwise (Hopper) or tensorwise"),
+}
+
+
+def device_capability() -> tuple[int, int]:
+    """The CUDA compute capability of this process's device (tests stand in a value here)."""
+    major, minor = torch.cuda.get_device_capability()
+    return int(major), int(minor)
+
+
+def check_fp8_device(recipe: str, capability: tuple[int, int]) -> None:
+    """Refuse a recipe this GPU cannot run, in one line when the model is built (on the GPU machine), instead of
+    Transformer Engine's assertion inside the first forward."""
+    need, name, instead = FP8_MIN_CAPABILITY[recipe]
+    if capability < need:
+        raise ConfigError(
+            f"model.fp8={recipe} needs a GPU of compute capability {need[0]}.{need[1]} or higher ({name}); this one "
+            f"is {capability[0]}.{capability[1]}: set model.fp8={instead}"
+        )
 
 
 def _recompute_kwargs(recompute: Recompute) -> dict[str, Any]:

@@ -86,6 +86,10 @@ class _ChunkForward:
         self.exit_losses: dict[int, dict[int, torch.Tensor]] = {}
 
     def __call__(self, data_iterator: Iterator[tuple[int, MicroBatch]], chunk: PassChunk) -> tuple[Any, Any]:
+        with chunk.net.fp8_forward():  # delayed scaling: one FP8 autocast per chunk forward, its head included
+            return self._forward(data_iterator, chunk)
+
+    def _forward(self, data_iterator: Iterator[tuple[int, MicroBatch]], chunk: PassChunk) -> tuple[Any, Any]:
         m, mb = next(data_iterator)
         net, j, plan = chunk.net, chunk.pass_idx, mb.plan
         inputs, labels = mb.tokens_BT1[:, :-1].contiguous(), mb.tokens_BT1[:, 1:].contiguous()

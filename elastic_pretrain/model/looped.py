@@ -297,7 +297,8 @@ class LoopedMoEModel(LanguageModule):
     """
 
     def __init__(self, cfg: ModelConfig, config: TransformerConfig, specs: LayerSpecs, *, padded_vocab: int,
-                 stage: int = 0, stages: int = 1, decider: DeciderConfig | None = None) -> None:
+                 stage: int = 0, stages: int = 1, decider: DeciderConfig | None = None,
+                 head_config: TransformerConfig | None = None) -> None:
         super().__init__(config=config)
         self.cfg = cfg
         self.padded_vocab = padded_vocab
@@ -366,9 +367,11 @@ class LoopedMoEModel(LanguageModule):
         if self.post_process:
             self.final_layernorm = build_module(specs.norm, config=config, hidden_size=config.hidden_size,
                                                 eps=config.layernorm_epsilon)
+            # head_config: the model's config, or a copy without fused weight-gradient accumulation where its
+            # (Apex) kernel is missing (parallel/megatron.py output_layer_config)
             self.output_layer = tensor_parallel.ColumnParallelLinear(
-                config.hidden_size, padded_vocab, config=config, init_method=config.init_method, bias=False,
-                skip_bias_add=False, gather_output=False, skip_weight_param_allocation=cfg.tie_embeddings,
+                config.hidden_size, padded_vocab, config=head_config or config, init_method=config.init_method,
+                bias=False, skip_bias_add=False, gather_output=False, skip_weight_param_allocation=cfg.tie_embeddings,
             )
         if cfg.tie_embeddings:
             self.setup_embeddings_and_output_layer()

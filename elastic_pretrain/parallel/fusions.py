@@ -10,6 +10,7 @@ error naming the fix — never a silent fallback that would change what a cluste
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
 import logging
 
@@ -61,3 +62,33 @@ def resolve(model: ModelConfig) -> Fusions:
         # megatron's fused top-k never consults RouterReplay: passes >= 1 would route afresh, silently
         log.info("model.route_replay: router fusion stays off (the fused top-k cannot replay routes)")
     return Fusions(kernels=kernels, router=kernels and not model.route_replay, grouped_gemm=grouped)
+
+
+def apex_wgrad_available() -> bool:
+    """Apex's ``fused_weight_gradient_mlp_cuda`` imports: megatron's own linears (the output layer) need it for
+    fused weight-gradient accumulation, and refuse to build with it on otherwise (the same import test)."""
+    try:
+        importlib.import_module("fused_weight_gradient_mlp_cuda")
+    except ImportError:
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class WgradFusion:
+    """Where weight gradients are accumulated in the GEMM, straight into megatron DDP's fp32 ``main_grad``."""
+
+    te: bool  # Transformer Engine's linears (``fuse_wgrad_accumulation``): every layer's GEMMs, experts included
+    head: bool  # the output layer, megatron's local ColumnParallelLinear (Apex's kernel)
+
+
+def wgrad_fusion(*, main_grad: bool) -> WgradFusion:
+    """Fused weight-gradient accumulation on this machine, for a model whose parameters get megatron DDP's
+    ``main_grad`` buffers (``main_grad``: the trainer's models; not DeepSpeed's or a bare model, where a fused
+    GEMM would have nothing to write into).
+
+    Without it a shared module's weight gradient is summed over the ℓ passes of a micro-batch in the
+    parameter's dtype (bf16) by autograd before it reaches the fp32 ``main_grad`` (issue 30, item 6); with it
+    every pass's GEMM adds its product into ``main_grad`` in fp32."""
+    te = main_grad and cuda_te_available()
+    return WgradFusion(te=te, head=te and apex_wgrad_available())

@@ -6,6 +6,7 @@ the local spec, with one log line saying so.
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any, Literal
 
@@ -91,9 +92,12 @@ def _recompute_kwargs(recompute: Recompute) -> dict[str, Any]:
 
 
 def transformer_config(
-    model: ModelConfig, parallel: ParallelConfig, *, recompute: Recompute = "none"
+    model: ModelConfig, parallel: ParallelConfig, *, recompute: Recompute = "none", main_grad: bool = False
 ) -> TransformerConfig:
-    """The megatron ``TransformerConfig`` for our model on this layout (CPU-safe settings when no CUDA)."""
+    """The megatron ``TransformerConfig`` for our model on this layout (CPU-safe settings when no CUDA).
+
+    ``main_grad``: the model will be wrapped in megatron's DDP, whose fp32 ``main_grad`` buffers the fused
+    weight-gradient accumulation writes into (``fusions.wgrad_fusion``)."""
     on_gpu = torch.cuda.is_available()
     dtype = torch.bfloat16 if model.dtype == "bf16" else torch.float32
     model.check_fp8_recompute(recompute)
@@ -132,12 +136,36 @@ def transformer_config(
         moe_token_dispatcher_type=model.moe_dispatcher,
         moe_enable_routing_replay=model.route_replay,
         use_cpu_initialization=not on_gpu,
-        # Apex-only kernels (the output layer is megatron's local ColumnParallelLinear): off everywhere
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        persist_layer_norm=False,  # an Apex-only kernel
+        **_wgrad_kwargs(main_grad),
         **_fusion_kwargs(model),
         **kwargs,
     )
+
+
+def _wgrad_kwargs(main_grad: bool) -> dict[str, Any]:
+    """Fused weight-gradient accumulation in Transformer Engine's linears (docs/gpu.md, "Fusions").
+
+    With it, TE's GEMM for a call made with ``is_first_microbatch=True`` *overwrites* ``main_grad`` instead of
+    adding to it (TE's shortcut for a module called once per micro-batch). The looped model calls its shared
+    modules ℓ times per micro-batch (the MoE MLPs, tied attention, the coda once per exit), so that overwrite
+    would drop the other calls' gradients of the first micro-batch. ``disable_parameter_transpose_cache``
+    makes megatron's TE layers pass ``is_first_microbatch=None``: every call accumulates, and every call
+    quantizes its weight afresh under FP8 (no cached FP8 weight to go stale; the cost is one weight cast per
+    call instead of one per step)."""
+    fused = fusions.wgrad_fusion(main_grad=main_grad).te
+    return dict(gradient_accumulation_fusion=fused, disable_parameter_transpose_cache=fused)
+
+
+def output_layer_config(config: TransformerConfig) -> TransformerConfig:
+    """The output layer's config: the model's, with fused weight-gradient accumulation only where Apex's
+    kernel imports (the output layer is megatron's local ColumnParallelLinear, which refuses to build without
+    it; TE's linears need no Apex)."""
+    if not config.gradient_accumulation_fusion or fusions.apex_wgrad_available():
+        return config
+    head = copy.copy(config)
+    head.gradient_accumulation_fusion = False
+    return head
 
 
 def _fusion_kwargs(model: ModelConfig) -> dict[str, Any]:
@@ -190,19 +218,20 @@ def layer_specs(model: ModelConfig, backend: Literal["te", "local"] | None = Non
 
 def build_model(
     model: ModelConfig, parallel: ParallelConfig, *, decider: DeciderConfig | None = None,
-    recompute: Recompute = "none",
+    recompute: Recompute = "none", main_grad: bool = False,
 ) -> LoopedMoEModel:
     """Build the looped model (this pipeline stage's part of it) for the current process's place in the
     (already initialised) mesh (with an iteration decider submodule when ``decider`` is given: a decider job
-    or its checkpoints; ``recompute``: ``train.recompute``)."""
+    or its checkpoints; ``recompute``: ``train.recompute``; ``main_grad``: it will be wrapped in megatron's
+    DDP, see :func:`transformer_config`)."""
     from megatron.core import parallel_state
 
     check_pipeline(model, parallel)
-    tconfig = transformer_config(model, parallel, recompute=recompute)
+    tconfig = transformer_config(model, parallel, recompute=recompute, main_grad=main_grad)
     net = LoopedMoEModel(model, tconfig, layer_specs(model),
                          padded_vocab=padded_vocab_size(model.vocab_size, parallel.tensor),
                          stage=parallel_state.get_pipeline_model_parallel_rank(), stages=parallel.pipeline,
-                         decider=decider)
+                         decider=decider, head_config=output_layer_config(tconfig))
     net.recompute = recompute
     mark_tp_replicated_experts(net, parallel)
 

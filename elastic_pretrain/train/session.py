@@ -189,7 +189,8 @@ def wrap_ddp(job: JobConfig, net: LoopedMoEModel, *, bucket_size: int | None = N
 def build_session(job: JobConfig, mesh: Mesh) -> Session:
     tokenizer = load_tokenizer(job.data.tokenizer)
     job.check_vocab(tokenizer.vocab_size)
-    net = build_model(job.model, job.parallel, decider=job.decider, recompute=job.train.recompute)
+    # main_grad: wrapped in megatron's DDP below (fused weight-gradient accumulation writes into its buffers)
+    net = build_model(job.model, job.parallel, decider=job.decider, recompute=job.train.recompute, main_grad=True)
     if job.decider is not None and job.decider.backbone == "frozen":
         freeze_backbone(net)
     model = wrap_ddp(job, net)

@@ -1,5 +1,6 @@
 """Throughput switches (parallel/fusions.py): auto = on with CUDA + TE and off without; an explicit request
-on a machine without them is a one-line error; the resolved values reach megatron's TransformerConfig."""
+on a machine without them is a one-line error; the resolved values reach megatron's TransformerConfig.
+Fused weight-gradient accumulation per machine (CUDA, TE and Apex stood in)."""
 
 from __future__ import annotations
 
@@ -23,12 +24,13 @@ SWITCHES = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fus
             "cross_entropy_loss_fusion", "moe_permute_fusion", "moe_router_fusion", "moe_grouped_gemm")
 
 
-def resolved_kwargs(monkeypatch, model: ModelConfig) -> dict[str, Any]:
+def resolved_kwargs(monkeypatch, model: ModelConfig, **options: Any) -> dict[str, Any]:
     """The keyword arguments transformer_config() hands megatron's TransformerConfig (recorded: the real one
     checks in __post_init__ that TE's fused kernels import, which they cannot here)."""
     seen: dict[str, Any] = {}
-    monkeypatch.setattr(megatron, "TransformerConfig", lambda **kw: seen.update(kw) or kw)
-    megatron.transformer_config(model, ParallelConfig())
+    with monkeypatch.context() as patch:
+        patch.setattr(megatron, "TransformerConfig", lambda **kw: seen.update(kw) or kw)
+        megatron.transformer_config(model, ParallelConfig(), **options)
     fields = {f.name for f in dataclasses.fields(TransformerConfig)}
     assert set(seen) <= fields, set(seen) - fields  # every switch is a real TransformerConfig field
     return seen
@@ -98,3 +100,66 @@ def test_unquoted_on_off_in_yaml_are_the_switch_values():
     assert (model.fusions, model.moe_grouped_gemm) == ("on", "off")
     with pytest.raises(ConfigError, match="is not one of"):
         build(ModelConfig, {"dtype": True})  # no on/off among its values: still refused
+
+
+@pytest.mark.parametrize(("cuda_te", "apex", "main_grad", "layers", "head"), [
+    (False, False, True, False, False),  # a CPU machine (this one): nothing changes
+    (True, True, True, True, True),  # CUDA + TE + Apex, the trainer's model (megatron DDP)
+    (True, False, True, True, False),  # CUDA + TE without Apex: TE's linears only, the output layer unfused
+    (True, True, False, False, False),  # a bare model (DeepSpeed, benches): no main_grad to accumulate into
+], ids=["cpu", "cuda-te-apex", "cuda-te-no-apex", "no-main-grad"])
+def test_fused_weight_gradient_accumulation_resolves_per_machine(monkeypatch, cuda_te, apex, main_grad, layers, head):
+    """Issue 30, item 6: without it the ℓ passes' weight gradients of a shared expert are summed in bf16 by
+    autograd before reaching the fp32 main_grad. With TE's fused accumulation every pass's wgrad GEMM adds
+    into main_grad — and megatron's TE layers must then pass is_first_microbatch=None, or TE's first-micro-batch
+    call would overwrite main_grad, dropping the other passes' gradients (disable_parameter_transpose_cache)."""
+    config = megatron.transformer_config(ModelConfig(), ParallelConfig())  # this CPU machine's, the real class
+    assert (config.gradient_accumulation_fusion, config.disable_parameter_transpose_cache) == (False, False)
+    monkeypatch.setattr(fusions, "cuda_te_available", lambda: cuda_te)
+    monkeypatch.setattr(fusions, "apex_wgrad_available", lambda: apex)
+    kw = resolved_kwargs(monkeypatch, ModelConfig(), main_grad=main_grad)
+    assert kw["gradient_accumulation_fusion"] is layers
+    assert kw["disable_parameter_transpose_cache"] is layers
+    assert fusions.wgrad_fusion(main_grad=main_grad) == fusions.WgradFusion(te=layers, head=head)
+    config.gradient_accumulation_fusion = layers  # what that machine's TransformerConfig holds
+    out = megatron.output_layer_config(config)
+    assert out.gradient_accumulation_fusion is head
+    assert (out is config) == (head == layers)  # a copy only where the head differs; the layers keep theirs
+    assert config.gradient_accumulation_fusion is layers
+
+
+def test_without_apex_the_output_layer_builds_from_its_own_config(mesh1):
+    """megatron's ColumnParallelLinear (the output layer) refuses fused accumulation without Apex's kernel —
+    this machine has none — while TE's linears need none: the head gets a config with it off."""
+    from megatron.core import tensor_parallel
+
+    assert not fusions.apex_wgrad_available()
+    config = megatron.transformer_config(ModelConfig(), ParallelConfig())
+    config.gradient_accumulation_fusion = True  # as on a CUDA + TE machine, for the TE layers
+
+    def head(cfg: TransformerConfig) -> Any:
+        return tensor_parallel.ColumnParallelLinear(64, 128, config=cfg, init_method=cfg.init_method, bias=False)
+
+    with pytest.raises(RuntimeError, match="fused_weight_gradient_mlp_cuda"):
+        head(config)
+    assert head(megatron.output_layer_config(config)).gradient_accumulation_fusion is False
+
+
+def test_the_trainer_builds_its_model_for_megatron_ddp(monkeypatch):
+    """The trainer's model gets main_grad buffers (megatron DDP), so it asks for the fused accumulation."""
+    from elastic_pretrain.job import load_job
+    from elastic_pretrain.train import session
+
+    seen: dict[str, Any] = {}
+
+    class Built(Exception):
+        pass
+
+    def build_model(*args: Any, **kwargs: Any) -> None:
+        seen.update(kwargs)
+        raise Built
+
+    monkeypatch.setattr(session, "build_model", build_model)
+    with pytest.raises(Built):
+        session.build_session(load_job(REPO / "jobs" / "tiny-cpu.yaml", []), None)  # type: ignore[arg-type]
+    assert seen["main_grad"] is True

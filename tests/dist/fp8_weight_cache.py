@@ -46,12 +46,40 @@ def quantize(w: torch.Tensor) -> torch.Tensor:
     return w.detach().to(torch.bfloat16).to(w.dtype)
 
 
+class FusedWgrad(torch.autograd.Function):
+    """TE's ``fuse_wgrad_accumulation``: the weight gradient goes straight into ``weight.main_grad`` — added to it,
+    except for a call made with ``is_first_microbatch=True``, whose wgrad GEMM *overwrites* it (TE 2.9-2.11
+    ``linear.py``/``grouped_linear.py``: ``accumulate = fuse_wgrad_accumulation and not is_first_microbatch``);
+    autograd gets a zero gradient for the weight and megatron's DDP hook skips it (``grad_added_to_main_grad``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.nn.Parameter, values: torch.Tensor,
+                first: bool | None) -> torch.Tensor:
+        ctx.save_for_backward(x, values)
+        ctx.weight, ctx.first = weight, first
+        return F.linear(x, values)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+        x, values = ctx.saved_tensors
+        weight: Any = ctx.weight
+        wgrad = grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        if ctx.first:  # True: TE writes the GEMM's output over main_grad
+            weight.main_grad.copy_(wgrad)
+        else:  # False or None: accumulates
+            weight.main_grad.add_(wgrad)
+        weight.grad_added_to_main_grad = True
+        return grad @ values, torch.zeros_like(weight), None, None
+
+
 class CachedWeightLinear:
-    """Mixed into megatron's Column/RowParallelLinear (TP = 1): TE's weight cache behind megatron's TE wrapper."""
+    """Mixed into megatron's Column/RowParallelLinear (TP = 1): TE's weight cache behind megatron's TE wrapper,
+    and with ``fuse_wgrad_accumulation`` TE's fused weight-gradient accumulation (:class:`FusedWgrad`)."""
 
     weight: torch.nn.Parameter
     is_first_microbatch: bool
     disable_parameter_transpose_cache: bool
+    fuse_wgrad_accumulation: bool
     cached: torch.Tensor | None
     refreshes: int
     stale_calls: int
@@ -63,6 +91,8 @@ class CachedWeightLinear:
             self.refreshes += 1
         self.is_first_microbatch = False  # megatron's TE wrapper, after every call
         self.stale_calls += int(not torch.equal(self.cached, quantize(self.weight)))
+        if self.fuse_wgrad_accumulation:
+            return FusedWgrad.apply(input_, self.weight, self.cached, first), None
         # the cached values forward; the weight gradient to the weight itself (as TE's FP8 GEMMs do)
         weight = self.weight + (self.cached - self.weight).detach()
         return F.linear(input_, weight), None
@@ -77,7 +107,9 @@ def install_stand_ins(net: torch.nn.Module) -> dict[str, Any]:
         if base.__name__ in ("ColumnParallelLinear", "RowParallelLinear") and name != "output_layer":
             module.__class__ = type(f"TE{base.__name__}", (CachedWeightLinear, base), {})
             module.is_first_microbatch = True  # as megatron's TE wrappers start
+            # megatron's TE wrappers read both from the config
             module.disable_parameter_transpose_cache = net.config.disable_parameter_transpose_cache  # type: ignore[union-attr]
+            module.fuse_wgrad_accumulation = net.config.gradient_accumulation_fusion  # type: ignore[union-attr]
             module.cached, module.refreshes, module.stale_calls = None, 0, 0
             found[name] = module
     assert found
@@ -85,8 +117,8 @@ def install_stand_ins(net: torch.nn.Module) -> dict[str, Any]:
 
 
 def run(par: ParallelConfig, *, pp_size: int, dp_rank: int = 0) -> dict[str, Any]:
-    """3 training steps and an evaluation on an initialised mesh; per phase, each stand-in's re-quantizations and
-    stale calls."""
+    """``STEPS`` training steps and an evaluation on an initialised mesh; per phase, each stand-in's
+    re-quantizations and stale calls."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     from elastic_pretrain.eval.loss import loss_by_loops

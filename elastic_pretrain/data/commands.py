@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -29,6 +30,25 @@ def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> DataCo
     """Recipe YAML (or preset name) + dotted overrides -> validated :class:`DataConfig`."""
     raw = apply_overrides(load_yaml(resolve_recipe(name_or_path)), list(overrides or []))
     return build(DataConfig, raw)
+
+
+def check_eval_recipe(cfg: DataConfig, trained: DataConfig, vocab_size: int, *, flag: str = "--data") -> None:
+    """The user's recipe (``eval --data``) can measure this model: its tokenizer is the one the model was
+    trained with (only the file's location may differ) and fits the model's vocabulary.
+
+    The recipe, not the checkpoint, says where data is read, fetched and cached: a checkpoint from
+    someone else chose ``local: ~`` and ``split: .ssh``, and a refetch replaced ``~/.ssh/authorized_keys``
+    (issue 35, item 3). The checkpoint's own ``data`` section only tells which tokenizer to expect."""
+    from elastic_pretrain.data.tokenizer import load_tokenizer
+
+    mine, theirs = (dataclasses.replace(t, path=None) for t in (cfg.tokenizer, trained.tokenizer))
+    if mine != theirs:
+        raise ConfigError(
+            f"{flag}: the recipe's tokenizer ({mine}) is not the one the checkpoint was trained with ({theirs}); "
+            "give a recipe whose held-out data was tokenised like the model's"
+        )
+    if load_tokenizer(cfg.tokenizer).vocab_size > vocab_size:
+        raise ConfigError(f"{flag}: the recipe's tokenizer has more ids than the model's {vocab_size}; use the model's")
 
 
 def _prepare(args: argparse.Namespace) -> int:

@@ -22,6 +22,14 @@ ShardFormat = Literal["mds", "wds"]
 
 # scheme://... (s3, gs, oci, azure, hf, sftp, file, http(s), ...); a bare path is local.
 _URI = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
+# Split and shard names: prepare-data writes train/val and shard.00000.mds / shard-000000.tar / index.json.
+# No leading dot: a split '.ssh' under a cache rooted at ~ is ~/.ssh (issue 35, item 3).
+_DATA_NAME = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*")
+
+
+def is_data_name(name: object) -> bool:
+    """A split or shard name: letters, digits, ``_``, ``-`` and inner dots, not starting with a dot."""
+    return isinstance(name, str) and bool(_DATA_NAME.fullmatch(name))
 
 
 def is_remote(path: str) -> bool:
@@ -91,8 +99,11 @@ class StreamConfig:
             raise ConfigError(f"weight: {self.weight} must be > 0 (drop the stream instead of weighting it 0)")
         if is_remote(self.path) and not self.local:
             raise ConfigError(f"local: remote stream {self.path} needs a local cache directory, e.g. local: cache/x")
-        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.split):
-            raise ConfigError(f"split: {self.split!r} must be a plain directory name such as train or val")
+        if not is_data_name(self.split):
+            raise ConfigError(
+                f"split: {self.split!r} must be a plain directory name such as train or val "
+                "(letters, digits, '_', '-', '.', not starting with '.')"
+            )
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -18,9 +18,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from elastic_pretrain.data.config import is_data_name
 from elastic_pretrain.data.tokenizer import Tokenizer
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.files import is_plain_name, write_atomic
+from elastic_pretrain.files import write_atomic
 
 MANIFEST = "manifest.json"
 VERSION = 1
@@ -29,7 +32,8 @@ DTYPES = ("uint16", "uint32")  # token_dtype(): the only arrays prepare-data wri
 
 
 def _is_count(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    # below 2**63: counts become numpy int64 offsets (a 5000-digit "count" was an OverflowError)
+    return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 63
 
 
 def _is_sha256(v: object) -> bool:
@@ -92,24 +96,36 @@ class Manifest:
         return manifest
 
     def check_shape(self) -> None:
-        """Every name a file path is built from is one plain file name, every count an integer.
+        """Every name a file path is built from is a plain file name, every count an integer that the
+        shard's bytes can hold.
 
         Shard and split names come from a file that may be someone else's (docs/security.md):
-        ``../x`` or ``/abs`` would make a refetch delete and rewrite a file outside the cache."""
+        ``../x``, ``/abs`` or ``.ssh`` would make a refetch delete and rewrite a file outside the cache.
+        Sample counts size the WebDataset order table (8 bytes per row): a shard of B bytes holds at most
+        B / row-bytes rows, so a claim of 2**31 rows needs 2**31 rows' worth of (claimed) shard bytes."""
         if self.format not in FORMATS:
             raise TypeError(f"format {self.format!r} is not one of {', '.join(FORMATS)}")
-        if not _is_count(self.seq_len) or self.dtype not in DTYPES:
+        if not (_is_count(self.seq_len) and self.seq_len < 1 << 31) or self.dtype not in DTYPES:
             raise TypeError(f"seq_len {self.seq_len!r} / dtype {self.dtype!r} are not a length and {DTYPES}")
+        for key in ("tokenizer", "recipe", "stats", "splits"):
+            if not isinstance(getattr(self, key), dict):
+                raise TypeError(f"{key} is {type(getattr(self, key)).__name__}, not a mapping")
+        row = (self.seq_len + 1) * np.dtype(self.dtype).itemsize
         for split, info in self.splits.items():
             names = [split] + [s.name for s in info.shards]
-            bad = next((n for n in names if not is_plain_name(n)), None)
+            bad = next((n for n in names if not is_data_name(n)), None)
             if bad is not None:
-                raise TypeError(f"{bad!r} is not a plain file name (letters, digits, '.', '_', '-')")
+                raise TypeError(f"{bad!r} is not a plain file name (letters, digits, '_', '-', inner '.')")
             if info.index_sha256 is not None and not _is_sha256(info.index_sha256):
                 raise TypeError(f"splits.{split}.index_sha256 is not a sha256 hex digest")
             for s in info.shards:
                 if not (_is_count(s.samples) and _is_count(s.bytes) and _is_sha256(s.sha256)):
                     raise TypeError(f"shard {s.name}: samples/bytes/sha256 are not counts and a hex digest")
+                if s.samples * row > s.bytes:
+                    raise TypeError(
+                        f"shard {s.name} claims {s.samples} rows of {row} bytes in {s.bytes} bytes, "
+                        "more than it can hold"
+                    )
 
     def split(self, name: str, where: str) -> SplitInfo:
         if name not in self.splits:
@@ -129,7 +145,8 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     try:
         obj = json.loads(p.read_text())
         manifest = Manifest.from_json(obj)
-    except (json.JSONDecodeError, TypeError, KeyError, AttributeError, UnicodeDecodeError) as err:
+    # ValueError: also json's "Exceeds the limit (4300 digits) for integer string conversion"
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as err:
         raise UserError(f"{p}: malformed manifest ({err}); delete the directory and run prepare-data again") from None
     if manifest.version != VERSION:
         raise UserError(f"{p}: manifest version {manifest.version}, expected {VERSION}; run prepare-data again")

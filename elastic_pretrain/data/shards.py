@@ -4,8 +4,9 @@ MDS goes through mosaicml-streaming's own ``MDSWriter`` and shard reader (``read
 ``MDSReader.get_item``: random access by sample); the reader is built from the entry prepare-data
 writes (one raw ``ndarray`` token column), checked against ``index.json``, whose sha256 is in the
 manifest. WebDataset is written with ``wds.TarWriter`` and read member by member with ``tarfile``
-and ``np.load(allow_pickle=False)``, one shard at a time: webdataset's default decoders would
-unpickle ``.pyd``/``.pkl`` members and ``torch.load`` ``.pth`` ones (docs/security.md).
+and our own ``.npy`` header check (no pickles, nothing allocated beyond the member), one shard at a
+time: webdataset's default decoders would unpickle ``.pyd``/``.pkl`` members and ``torch.load``
+``.pth`` ones (docs/security.md).
 
 Why not ``StreamingDataset``: its sample order, partitioning and resume state are its own
 (canonical nodes, shared memory keyed by the local directory, file locks in the system temp dir,
@@ -26,7 +27,9 @@ import hashlib
 import io
 import json
 import logging
+import os
 import re
+import stat
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from elastic_pretrain.data.config import DataConfig, StreamConfig, is_remote, local_path
+from elastic_pretrain.data.config import DataConfig, StreamConfig, is_data_name, is_remote, local_path
 from elastic_pretrain.data.manifest import (
     MANIFEST,
     Manifest,
@@ -45,10 +48,10 @@ from elastic_pretrain.data.manifest import (
     sha256_file,
     verify_shard,
 )
-from elastic_pretrain.data.streaming_compat import import_streaming_lean
+from elastic_pretrain.data.streaming_compat import cloud_downloader, import_streaming_lean
 from elastic_pretrain.data.tokenizer import Tokenizer
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.files import inside, is_plain_name
+from elastic_pretrain.files import inside
 
 log = logging.getLogger(__name__)
 WDS_PATTERN = "shard-%06d.tar"
@@ -174,13 +177,11 @@ def fetch(remote: str, local: Path, *, timeout: float = 120.0) -> Path:
     """Download ``remote`` to ``local`` once (streaming's downloader; tmp + rename inside, lock outside)."""
     if local.is_file():
         return local
-    import_streaming_lean()
-    from streaming.base.storage import CloudDownloader
-
+    downloader = cloud_downloader()
     with _file_lock(local):
         if not local.is_file():
             try:
-                CloudDownloader.direct_download(remote, str(local), timeout)
+                downloader.direct_download(remote, str(local), timeout)
             except Exception as err:  # boto/gcs/hf raise many types; the message is what matters
                 raise UserError(
                     f"cannot fetch {remote} ({type(err).__name__}: {err}); check the URI, "
@@ -189,12 +190,19 @@ def fetch(remote: str, local: Path, *, timeout: float = 120.0) -> Path:
     return local
 
 
+CACHE_MARKER = ".elastic-pretrain-cache"  # written in a cache root that elastic-pretrain created
+
+
 class StreamFiles:
     """Where a stream's files live locally: the directory itself, or a cache filled from a remote.
 
     With ``local`` set, ``path`` is a source to copy from even when it is a plain directory or
     ``file://`` URI (a slow shared filesystem cached on local disk; also how the tests exercise the
     remote code path without network). Without ``local``, a local ``path`` is read in place.
+
+    A cache root that does not exist yet (or is an empty directory) is claimed with the file
+    :data:`CACHE_MARKER`; a damaged cached copy is deleted for a refetch only under such a root, so a
+    ``local:`` naming ``~`` or a folder of the user's own never loses a file (issue 35, item 3).
     """
 
     def __init__(self, stream: StreamConfig) -> None:
@@ -211,22 +219,45 @@ class StreamFiles:
         The names come from the manifest, which may be someone else's (docs/security.md); read_manifest
         already refuses other names: this is the last line before a delete or a download."""
         path = self.root / split / name
-        if not (is_plain_name(split) and is_plain_name(name)) or not inside(path, self.root):
+        if not (is_data_name(split) and is_data_name(name)) or not inside(path, self.root):
             raise UserError(
                 f"{self.where}: the manifest names {split}/{name}, which is not a file inside {self.root}; "
                 "the manifest is damaged or hostile: delete the cache and prepare the data again"
             )
         return path
 
+    def claim_cache(self) -> None:
+        """Create the cache root with its marker, or mark an existing empty directory (the ranks of one
+        machine may race here: the marker is created exclusively, and either one's is as good)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with os.scandir(self.root) as entries:
+            if os.path.lexists(self.root / CACHE_MARKER) or any(entries):
+                return
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(self.root / CACHE_MARKER, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644))
+
+    def owns_cache(self) -> bool:
+        try:
+            return stat.S_ISREG(os.lstat(self.root / CACHE_MARKER).st_mode)
+        except OSError:
+            return False
+
     def refetch(self, split: str, name: str) -> Path:
         """Drop a cached copy that failed verification and download it again (remote streams only)."""
         local = self.local(split, name)
+        if not self.owns_cache():
+            raise UserError(
+                f"{self.where}: cached {split}/{name} fails verification, and {self.root} has no {CACHE_MARKER} "
+                "(elastic-pretrain did not create that folder, so it deletes nothing there); delete the "
+                "damaged file yourself or point the stream's local: at a new folder"
+            )
         with _file_lock(local):
             local.unlink(missing_ok=True)
         return self.file(split, name)
 
     def manifest(self) -> Manifest:
         if self.remote:
+            self.claim_cache()
             fetch(f"{self.remote.rstrip('/')}/{MANIFEST}", self.root / MANIFEST)
         return read_manifest(self.root)
 
@@ -257,6 +288,8 @@ class SplitReader:
         shards = split.shards
         if cfg.on_bad_shard == "skip":
             shards = [s for s in shards if self._check(s, raise_error=False)]
+        elif cfg.format == "wds":
+            self._check_present_sizes(shards)
         if not shards or sum(s.samples for s in shards) == 0:
             raise UserError(f"{self.where}: no readable sequences; re-run prepare-data or drop the stream")
         self.shards = shards
@@ -268,6 +301,20 @@ class SplitReader:
 
     def __len__(self) -> int:
         return int(self.offsets[-1])
+
+    def _check_present_sizes(self, shards: list[ShardInfo]) -> None:
+        """Compare the size of every shard file already on disk with the manifest (a stat each, no read).
+
+        A WebDataset stream's order holds one int64 per row of an epoch (order.py), sized by the
+        manifest's sample counts, which check_shape bounds by the shards' claimed bytes: this makes
+        those claims the files' real sizes before any table is built (a lying manifest asked for
+        14.9 GiB, issue 35 item 7). Shards of a remote stream not fetched yet are checked on fetch."""
+        for info in shards:
+            path = self.files.local(self.split_name, info.name)
+            with contextlib.suppress(OSError):
+                size = path.stat().st_size
+                if size != info.bytes:
+                    self._check(info)  # the one-line error of a damaged shard (or a refetch of a cached one)
 
     def _check(self, info: ShardInfo, *, raise_error: bool = True) -> bool:
         try:
@@ -300,7 +347,7 @@ class SplitReader:
         k = int(np.searchsorted(self.offsets, index, side="right")) - 1
         local = index - int(self.offsets[k])
         mds = self.cfg.format == "mds"
-        row = self._mds_reader(k).get_item(local)["tokens"] if mds else self._wds_rows(k)[local]
+        row = self._mds_row(k, local) if mds else self._wds_rows(k)[local]
         if row.shape != (self.cfg.seq_len + 1,):
             raise UserError(
                 f"{self.where}: shard {self.shards[k].name} holds rows of {row.shape}, expected "
@@ -308,15 +355,26 @@ class SplitReader:
             )
         return row
 
+    def _mds_row(self, k: int, local: int) -> np.ndarray:
+        try:
+            row: np.ndarray = self._mds_reader(k).get_item(local)["tokens"]
+        except (ValueError, IndexError, OSError) as err:  # changed under us since check_mds_layout
+            raise UserError(
+                f"{self.where}: shard {self.shards[k].name} row {local} cannot be read ({type(err).__name__}: "
+                f"{err}); delete it and re-run prepare-data (or re-download)"
+            ) from None
+        return row
+
     def _mds_reader(self, k: int) -> Any:
         name = self.shards[k].name
         if name not in self._mds:
             path = self._shard(k)
+            entry = self._mds_index()[name]  # built from the manifest (checked against index.json's)
+            check_mds_layout(path, self.shards[k], self.manifest, self.where)
             import_streaming_lean()
             from streaming.base.format import reader_from_json
 
-            # the entry built from the manifest (checked against index.json), not index.json's own
-            self._mds[name] = reader_from_json(str(path.parent), "", self._mds_index()[name])
+            self._mds[name] = reader_from_json(str(path.parent), "", entry)
         return self._mds[name]
 
     def _mds_index(self) -> dict[str, dict[str, Any]]:
@@ -347,7 +405,8 @@ class SplitReader:
         if name in self._wds:
             self._wds.move_to_end(name)
             return self._wds[name]
-        rows = read_wds_shard(self._shard(k), self.shards[k].samples, self.where, self.manifest.dtype)
+        info = self.shards[k]
+        rows = read_wds_shard(self._shard(k), info.samples, self.where, self.manifest.dtype, self.cfg.seq_len + 1)
         self._wds[name] = rows
         while len(self._wds) > self.cfg.wds_window + 1:  # the window being read, plus one across a boundary
             self._wds.popitem(last=False)
@@ -401,6 +460,28 @@ def check_mds_index(data: bytes, manifest: Manifest, shards: list[ShardInfo], wh
     return out
 
 
+def check_mds_layout(path: Path, info: ShardInfo, manifest: Manifest, where: str) -> None:
+    """The shard's own header agrees with the manifest: ``samples``, then ``samples + 1`` offsets that
+    step by exactly one row and end at the end of the file (how MDSWriter lays out a fixed-size column).
+
+    streaming's reader seeks to whatever offsets the header holds; a header (or an index.json) claiming
+    more rows than the file holds made it read past the end (issue 35, item 8). Read once per shard:
+    4 bytes per row, after the manifest bounded the row count by the file's size."""
+    row = (manifest.seq_len + 1) * np.dtype(manifest.dtype).itemsize
+    n = info.samples
+    with open(path, "rb") as f:
+        head = np.frombuffer(f.read(4 * (n + 2)), dtype="<u4")
+        size = os.fstat(f.fileno()).st_size
+    offsets = head[1:].astype(np.int64)
+    problem = None
+    if len(head) != n + 2 or int(head[0]) != n:
+        problem = f"has a header for {int(head[0]) if len(head) else 0} rows, the manifest says {n}"
+    elif not (offsets[0] >= 4 * (n + 2) and int(offsets[-1]) == size and bool(np.all(np.diff(offsets) == row))):
+        problem = f"has row offsets that do not step by {row} bytes to the end of its {size} bytes"
+    if problem is not None:
+        raise UserError(f"{where}: shard {info.name} {problem}; delete it and re-run prepare-data (or re-download)")
+
+
 def add_index_hashes(manifest: Manifest, out: Path) -> None:
     """Fill in the index.json checksum of each split of a manifest written before it was hashed, once
     index.json matches :func:`mds_entry` for every shard the (already verified) manifest lists."""
@@ -415,13 +496,41 @@ def add_index_hashes(manifest: Manifest, out: Path) -> None:
             info.index_sha256 = hashlib.sha256(data).hexdigest()
 
 
-def read_wds_shard(path: Path, samples: int, where: str, dtype: str | None = None) -> np.ndarray:
+NPY_HEADER_MAX = 4096  # np.save pads its header to 64 bytes; ours are 128
+
+
+def load_token_block(data: bytes, dtype: str | None, row_tokens: int | None = None) -> np.ndarray | str:
+    """A 2-D unsigned ``.npy`` array from ``data``, its header checked against the bytes that follow
+    before anything is allocated (np.load would size its buffer from the header's shape); a string
+    saying what is wrong otherwise. Never unpickles (object arrays are refused by dtype)."""
+    buf = io.BytesIO(data)
+    try:
+        version = np.lib.format.read_magic(buf)
+        if version not in ((1, 0), (2, 0)):
+            return f"is a .npy file of version {version}, np.save writes 1.0"
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, got = read_header(buf)
+    except (ValueError, SyntaxError, TypeError, RecursionError) as err:
+        return f"is not a .npy array ({type(err).__name__}: {err})"
+    ok_dtype = got.kind == "u" and (dtype is None or got == np.dtype(dtype))
+    if len(shape) != 2 or fortran or not ok_dtype or (row_tokens is not None and shape[1] != row_tokens):
+        return f"holds a {got} array of shape {shape}, not rows of {dtype or 'unsigned'} token ids"
+    if shape[0] * shape[1] * got.itemsize != len(data) - buf.tell():
+        return f"declares shape {shape} in {len(data) - buf.tell()} bytes of data"
+    return np.frombuffer(data, dtype=got, offset=buf.tell()).reshape(shape)
+
+
+def read_wds_shard(
+    path: Path, samples: int, where: str, dtype: str | None = None, row_tokens: int | None = None
+) -> np.ndarray:
     """All rows of one tar shard, in key order, as one 2-D array.
 
     Only what WDSSink writes is read: regular members named ``<10-digit key>.tokens.npy``, each a
-    2-D integer ``.npy`` array loaded with ``allow_pickle=False``. Any other member — a ``.pyd``,
-    ``.pkl`` or ``.pth`` that webdataset's default decoders would unpickle, a link, a directory —
-    is refused, so no byte of a shard is ever unpickled (docs/security.md)."""
+    2-D unsigned ``.npy`` array (:func:`load_token_block`). Any other member — a ``.pyd``, ``.pkl`` or
+    ``.pth`` that webdataset's default decoders would unpickle, a link, a directory, a sparse member —
+    is refused, so no byte of a shard is ever unpickled (docs/security.md). A member's declared size
+    must fit the file and the rows the manifest still expects (``row_tokens`` tokens each) before it is
+    read: a sparse member expands to its declared size in zeros."""
 
     def refuse(why: str) -> UserError:
         return UserError(
@@ -429,23 +538,30 @@ def read_wds_shard(path: Path, samples: int, where: str, dtype: str | None = Non
         )
 
     blocks: list[tuple[str, np.ndarray]] = []
+    left = samples  # rows the manifest still expects: with the file's size, bounds each member before it is read
+    row_bytes = row_tokens * np.dtype(dtype).itemsize if row_tokens and dtype else None
     try:
+        size = path.stat().st_size
         with tarfile.open(path, mode="r:") as tar:
             for member in tar:
                 m = WDS_MEMBER.fullmatch(member.name)
-                if m is None or not member.isreg():
+                if m is None or not member.isreg() or member.issparse():
                     raise refuse(
                         f"holds member {member.name!r}, which prepare-data never writes (only "
                         "<key>.tokens.npy token arrays are read)"
                     )
                 f = tar.extractfile(member)
                 assert f is not None  # a regular member
-                block = np.load(io.BytesIO(f.read()), allow_pickle=False)
-                if block.ndim != 2 or block.dtype.kind != "u" or (dtype is not None and block.dtype != dtype):
+                room = size if row_bytes is None else min(size, NPY_HEADER_MAX + max(left, 0) * row_bytes)
+                if member.size > room:  # a sparse member of a 1.5 KB tar declared 2 GiB of zeros
                     raise refuse(
-                        f"member {member.name} holds a {block.dtype} array of shape {block.shape}, "
-                        f"not rows of {dtype or 'unsigned'} token ids"
+                        f"member {member.name} declares {member.size} bytes, more than the file's {size} bytes "
+                        f"or the {left} rows still expected can hold"
                     )
+                block = load_token_block(f.read(member.size), dtype, row_tokens)
+                if isinstance(block, str):
+                    raise refuse(f"member {member.name} {block}")
+                left -= len(block)
                 blocks.append((m.group(1), block))
     except UserError:
         raise

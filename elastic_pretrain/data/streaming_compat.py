@@ -112,6 +112,19 @@ def import_streaming_lean() -> None:
             setattr(sys.modules[parent], child, module)
 
 
+def cloud_downloader() -> Any:
+    """streaming's ``CloudDownloader`` (s3, gs, oci, azure, hf, sftp, dbfs, local paths), importable in a
+    fresh process: ``streaming.base.storage`` imports ``streaming.base.util``, which imports
+    ``streaming.base.format``, whose reader imports ``bytes_to_int`` back from the half-initialised
+    ``util`` (a circular import that the package ``__init__``s happen to order right). Importing
+    ``streaming.base.format`` first completes ``util`` before ``storage`` asks for it (issue 35, item 4)."""
+    import_streaming_lean()
+    import streaming.base.format  # noqa: F401  (before storage: see above)
+    from streaming.base.storage import CloudDownloader
+
+    return CloudDownloader
+
+
 def import_streaming() -> types.ModuleType:
     """``import streaming`` that works on the CPU-only stack. Use this, never a bare import."""
     install_torchvision_standin()

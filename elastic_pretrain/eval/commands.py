@@ -20,6 +20,7 @@ from elastic_pretrain.rundir import CheckpointFiles, RunFiles
 
 def _eval(args: argparse.Namespace) -> int:
     from elastic_pretrain.checkpoint.tensors import load_model
+    from elastic_pretrain.data.commands import check_eval_recipe, load_recipe
     from elastic_pretrain.data.loader import load_validation
     from elastic_pretrain.eval.adaptive import DEFAULT_THRESHOLDS, adaptive_sweep, plot_sweep
     from elastic_pretrain.eval.curves import compare
@@ -28,12 +29,14 @@ def _eval(args: argparse.Namespace) -> int:
     from elastic_pretrain.model.inference import KV_POLICIES, teacher_forced_loss
     from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 
+    data = load_recipe(args.data)  # the user's: a checkpoint never chooses where data is read or cached
     init_mesh(ParallelConfig(), seed=0)
     try:
         ckpt = resolve_checkpoint(Path(args.checkpoint))
         job, model = load_model(ckpt)
+        check_eval_recipe(data, job.data, job.model.vocab_size)
         decider = pick_decider(model, ckpt, args.decider) if args.adaptive else None
-        tokens = load_validation(job.data, num_sequences=args.sequences)
+        tokens = load_validation(data, num_sequences=args.sequences)
         layer = job.schedule.exit_axis == "layer"  # a non-looped stack with layer exits: the 'loops' column is k
         curve = quality_curve(model, tokens, name=f"{job.name} (exit after core layer k)" if layer else job.name,
                               batch_size=args.batch_size, exit_axis=job.schedule.exit_axis)
@@ -208,7 +211,14 @@ def _check_context(prompt_tokens: int, new_tokens: int, context: int) -> None:
 def add_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("eval", help="loss/perplexity per loop count, quality-budget AUC and plot of a checkpoint")
     p.add_argument("checkpoint", help="step_<N> directory, or a run directory (its newest committed step)")
-    p.add_argument("--sequences", type=int, default=64, help="held-out sequences (data.validation of the job)")
+    p.add_argument(
+        "--data",
+        required=True,
+        metavar="RECIPE",
+        help="data recipe (YAML or preset name in data/, e.g. stdlib-code) whose validation stream is read; "
+        "never the data locations saved in the checkpoint",
+    )
+    p.add_argument("--sequences", type=int, default=64, help="held-out sequences (the recipe's validation)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--kv-gap", action="store_true", help="also teacher-forced loss with per-loop vs last-loop KV")
     p.add_argument("--out", help="output folder for eval.md and quality.png (default <checkpoint>/eval)")

@@ -8,7 +8,7 @@ on the byte-level CPython standard library, trains the TaH2 decider on top (froz
 prints: loss per loop count and AUC, KV bytes per token and the teacher-forced loss of both KV-cache
 policies, and a decider threshold sweep against fixed depth (plots into ``--out``). The same tools on
 a run of the real trainer: ``elastic-pretrain train jobs/tiny-cpu.yaml``, then ``jobs/tiny-decider.yaml``,
-then ``elastic-pretrain eval <run> --adaptive --kv-gap`` (docs/evaluation.md).
+then ``elastic-pretrain eval <run> --data stdlib-code --adaptive --kv-gap`` (docs/evaluation.md).
 """
 
 from __future__ import annotations

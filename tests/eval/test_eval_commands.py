@@ -22,7 +22,7 @@ def test_eval_command_writes_table_and_plot(run_dir: Path, tmp_path: Path) -> No
     decider = tmp_path / "decider.pt"
     save_decider(decider, IterationDecider(DeciderConfig(), hidden_size=96, max_loops=4))
     out = tmp_path / "eval"
-    proc = cli("eval", str(run_dir), "--sequences", "4", "--kv-gap", "--out", str(out),
+    proc = cli("eval", str(run_dir), "--data", "stdlib-code", "--sequences", "4", "--kv-gap", "--out", str(out),
                "--adaptive", "--decider", str(decider), "--threshold", "0", "0.5", "1.01")  # fmt: skip
     report = (out / "eval.md").read_text()
     for ell in range(1, 5):

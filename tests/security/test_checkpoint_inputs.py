@@ -120,7 +120,8 @@ def test_dotted_global_in_metadata_is_refused_before_anything_runs(base: Path, t
 
 
 ENTRY_POINTS = {
-    "eval": lambda ckpt, tmp: ["eval", str(ckpt), "--sequences", "2", "--out", str(tmp / "eval")],
+    "eval": lambda ckpt, tmp: ["eval", str(ckpt), "--data", "stdlib-code", "--sequences", "2",
+                               "--out", str(tmp / "eval")],
     "generate": lambda ckpt, tmp: ["generate", str(ckpt), "--prompt", "x", "--loops", "2", "--max-new-tokens", "1"],
     "resume-from": lambda ckpt, tmp: ["train", "jobs/tiny-cpu.yaml", "--run-dir", str(tmp / "other"),
                                       "--resume-from", str(ckpt), *QUICK],
@@ -165,7 +166,7 @@ def test_poisoned_byte_item_is_one_line_not_a_traceback(base: Path, tmp_path: Pa
             meta.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(payload.getvalue()))
     meta_path.write_bytes(pickle.dumps(meta))
     recommit(ckpt)
-    proc = run_cli("eval", str(ckpt), "--sequences", "2", "--out", str(tmp_path / "eval"))
+    proc = run_cli("eval", str(ckpt), "--data", "stdlib-code", "--sequences", "2", "--out", str(tmp_path / "eval"))
     assert not marker.exists()
     one_line_error(proc, "cannot load model tensors", "use another checkpoint")
 
@@ -185,7 +186,7 @@ def test_metadata_naming_a_data_file_outside_the_checkpoint_is_refused(base: Pat
     meta.storage_data = {k: dataclasses.replace(v, relative_path=rel) for k, v in meta.storage_data.items()}
     meta_path.write_bytes(pickle.dumps(meta))
     recommit(ckpt)
-    proc = run_cli("eval", str(ckpt), "--sequences", "2", "--out", str(tmp_path / "eval"))
+    proc = run_cli("eval", str(ckpt), "--data", "stdlib-code", "--sequences", "2", "--out", str(tmp_path / "eval"))
     one_line_error(proc, ".metadata", repr(rel), "not a file inside the checkpoint")
 
 

@@ -34,7 +34,8 @@ def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> DataCo
 
 def check_eval_recipe(cfg: DataConfig, trained: DataConfig, vocab_size: int, *, flag: str = "--data") -> None:
     """The user's recipe (``eval --data``) can measure this model: its tokenizer is the one the model was
-    trained with (only the file's location may differ) and fits the model's vocabulary.
+    trained with (only the file's location may differ) and fits the model's vocabulary, and its rows are
+    no longer than the trained context.
 
     The recipe, not the checkpoint, says where data is read, fetched and cached: a checkpoint from
     someone else chose ``local: ~`` and ``split: .ssh``, and a refetch replaced ``~/.ssh/authorized_keys``
@@ -46,6 +47,11 @@ def check_eval_recipe(cfg: DataConfig, trained: DataConfig, vocab_size: int, *, 
         raise ConfigError(
             f"{flag}: the recipe's tokenizer ({mine}) is not the one the checkpoint was trained with ({theirs}); "
             "give a recipe whose held-out data was tokenised like the model's"
+        )
+    if cfg.seq_len > trained.seq_len:  # RoPE positions past the trained context were never seen
+        raise ConfigError(
+            f"{flag}: the recipe's seq_len {cfg.seq_len} is longer than the {trained.seq_len} the checkpoint was "
+            "trained at; use a recipe with seq_len <= that"
         )
     if load_tokenizer(cfg.tokenizer).vocab_size > vocab_size:
         raise ConfigError(f"{flag}: the recipe's tokenizer has more ids than the model's {vocab_size}; use the model's")

@@ -197,6 +197,26 @@ def test_eval_reads_the_users_recipe_never_the_checkpoints_locations(
         assert "| 4 |" in (out / "eval.md").read_text()
 
 
+def test_eval_recipe_must_fit_the_checkpoint() -> None:
+    """``eval --data``: the user's recipe chooses the locations; the checkpoint's data section only says
+    which tokenizer and context the model has (each mismatch is one line, before any data is read)."""
+    import dataclasses
+
+    from elastic_pretrain.data.commands import check_eval_recipe, load_recipe
+
+    trained = load_recipe("stdlib-code")
+    check_eval_recipe(dataclasses.replace(trained, seq_len=64), trained, 257)  # shorter rows are fine
+    other = dataclasses.replace(trained.tokenizer, kind="tiktoken", name="gpt2")
+    for recipe_, vocab, needle in [
+        (dataclasses.replace(trained, tokenizer=other), 257, "is not the one the checkpoint was trained with"),
+        (trained, 200, "more ids than the model's 200"),
+        (dataclasses.replace(trained, seq_len=256), 257, "seq_len 256 is longer than the 128"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            check_eval_recipe(recipe_, trained, vocab)
+        assert needle in one_line(err) and one_line(err).startswith("--data: ")
+
+
 # --------------------------------------------------- item 4: cached streams in a fresh process
 def test_cached_stream_reads_in_a_fresh_process(prepared: dict[str, DataConfig], tmp_path: Path) -> None:
     """``local:`` set (any recipe with a cache or an s3/gs/hf path): the downloader's import was circular

@@ -32,6 +32,25 @@ def load_recipe(name_or_path: str, overrides: list[str] | None = None) -> DataCo
     return build(DataConfig, raw)
 
 
+def matching_recipe(trained: DataConfig) -> tuple[str, DataConfig] | None:
+    """The user's own recipe (``data/*.yaml`` in the cwd, then the repository) that resolves to exactly the
+    checkpoint's ``data`` section, if one does: then every location ``eval`` reads is one the user's file
+    states, and the checkpoint chose nothing (``eval`` without ``--data``)."""
+    seen: set[Path] = set()
+    for root in (Path.cwd(), _REPO):
+        for path in sorted((root / "data").glob("*.yaml")):
+            if path.resolve() in seen or not path.is_file():
+                continue
+            seen.add(path.resolve())
+            try:
+                cfg = load_recipe(str(path))
+            except ConfigError:
+                continue
+            if cfg == trained:
+                return str(path), cfg
+    return None
+
+
 def check_eval_recipe(cfg: DataConfig, trained: DataConfig, vocab_size: int, *, flag: str = "--data") -> None:
     """The user's recipe (``eval --data``) can measure this model: its tokenizer is the one the model was
     trained with (only the file's location may differ) and fits the model's vocabulary, and its rows are

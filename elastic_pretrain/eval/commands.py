@@ -20,7 +20,7 @@ from elastic_pretrain.rundir import CheckpointFiles, RunFiles
 
 def _eval(args: argparse.Namespace) -> int:
     from elastic_pretrain.checkpoint.tensors import load_model
-    from elastic_pretrain.data.commands import check_eval_recipe, load_recipe
+    from elastic_pretrain.data.commands import check_eval_recipe, load_recipe, matching_recipe
     from elastic_pretrain.data.loader import load_validation
     from elastic_pretrain.eval.adaptive import DEFAULT_THRESHOLDS, adaptive_sweep, plot_sweep
     from elastic_pretrain.eval.curves import compare
@@ -29,11 +29,21 @@ def _eval(args: argparse.Namespace) -> int:
     from elastic_pretrain.model.inference import KV_POLICIES, teacher_forced_loss
     from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 
-    data = load_recipe(args.data)  # the user's: a checkpoint never chooses where data is read or cached
+    data = load_recipe(args.data) if args.data else None  # the user's: a checkpoint never chooses where data is read
     init_mesh(ParallelConfig(), seed=0)
     try:
         ckpt = resolve_checkpoint(Path(args.checkpoint))
         job, model = load_model(ckpt)
+        if data is None:
+            found = matching_recipe(job.data)
+            if found is None:
+                raise UserError(
+                    "eval: give --data RECIPE (e.g. --data stdlib-code): the checkpoint's data section equals none of "
+                    "your recipes in data/, and a checkpoint never chooses where held-out data is read or cached"
+                )
+            print(f"[held-out data: your recipe {found[0]}, identical to the checkpoint's; --data to choose another]",
+                  file=sys.stderr)  # fmt: skip
+            data = found[1]
         check_eval_recipe(data, job.data, job.model.vocab_size)
         decider = pick_decider(model, ckpt, args.decider) if args.adaptive else None
         tokens = load_validation(data, num_sequences=args.sequences)
@@ -213,10 +223,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", help="step_<N> directory, or a run directory (its newest committed step)")
     p.add_argument(
         "--data",
-        required=True,
         metavar="RECIPE",
-        help="data recipe (YAML or preset name in data/, e.g. stdlib-code) whose validation stream is read; "
-        "never the data locations saved in the checkpoint",
+        help="data recipe (YAML or preset name in data/, e.g. stdlib-code) whose validation stream is read; default: "
+        "your recipe in data/ identical to the checkpoint's data section; never the locations saved in the checkpoint",
     )
     p.add_argument("--sequences", type=int, default=64, help="held-out sequences (the recipe's validation)")
     p.add_argument("--batch-size", type=int, default=8)

@@ -455,3 +455,20 @@ def test_mds_rows_past_the_end_of_a_shard_are_one_line(prepared: dict[str, DataC
         read_all(stream(root))
     n = index["shards"][0]["samples"]
     assert f"shard shard.00000.mds has a header for {n - 5} rows, the manifest says {n}" in one_line(err)
+
+
+def test_eval_without_data_uses_only_a_recipe_of_the_users_identical_to_the_checkpoints() -> None:
+    """``eval`` without ``--data``: the user's own recipe is used only when it resolves to exactly the
+    checkpoint's data section (then every location read is one the user's file states); a checkpoint whose
+    data section differs in any location (``local: ~``, ``split``) matches nothing and eval asks for --data."""
+    import dataclasses as dc
+
+    from elastic_pretrain.data.commands import load_recipe, matching_recipe
+
+    mine = load_recipe("stdlib-code")
+    found = matching_recipe(mine)
+    assert found is not None and found[0].endswith("stdlib-code.yaml") and found[1] == mine
+    assert mine.validation is not None
+    for change in ({"local": "~"}, {"split": "ssh"}, {"path": "/elsewhere"}):
+        theirs = dc.replace(mine, validation=dc.replace(mine.validation, **change))
+        assert matching_recipe(theirs) is None, change

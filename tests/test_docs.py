@@ -41,6 +41,7 @@ ALLOWED: dict[str, str] = {
     "docs/tracking.md: slurm.nodelist": "an MLflow tag name (tracking/tracker.py), not a config key",
     "docs/data.md: ../x": "a hostile manifest shard name quoted as an example (refused), not a link",
     "docs/export.md: model.safetensors": "a file of an export folder (docs/export.md), not a config key",
+    "docs/security.md: model.safetensors": "a file of an export folder (docs/export.md), not a config key",
     "docs/gpu.md: bench/.deps/": "made by bench/gpu_check.sh --prepare-deps (git-ignored), not shipped",
 }
 # paths inside a run directory that share a name with a repository folder -> why

@@ -19,6 +19,7 @@ from elastic_pretrain.experiments.runner import (
     Experiment,
     Findings,
     Run,
+    check_runs_root,
     ensure_trained,
     job_diff,
     load_jobs,
@@ -68,8 +69,10 @@ def run_experiment(
     """Train or reuse every (job, seed), analyse each seed, decide the claims over the seeds, write
     ``<out_dir>/<name>.{md,png,json}``; returns the .md path. ``seeds``: runner.parse_seeds."""
     t0 = time.perf_counter()
+    jobs = load_jobs(experiment.name, runs_root, overrides, seeds=seeds, scale=scale)  # config errors first
+    check_runs_root(runs_root)
     runs: list[Run] = []
-    for path, seed, job in load_jobs(experiment.name, runs_root, overrides, seeds=seeds, scale=scale):
+    for path, seed, job in jobs:
         job = job or load_post_training(path, experiment.name, runs_root, overrides, runs, seed=seed, scale=scale)
         runs.append(ensure_trained(path, job, runs_root))
     train_wall = time.perf_counter() - t0

@@ -9,11 +9,15 @@ in this process, or — a job with ``slurm.nproc_per_node: N`` (N > 1; e.g. ``pa
 in N local processes through the launcher of ``elastic-pretrain train --nproc-per-node N``
 (:func:`train_processes`). ``--scale k`` multiplies the widths and the steps of every job
 (:func:`scale_overrides`; for a GPU). A finished run is **reused** when its resolved config
-(``config.yaml``, name and run directory left out) equals the job's — also a run of another experiment
-with the same config — so a rerun that changes nothing only evaluates. A run whose config changed is
-deleted and trained again; an unfinished run with the same config resumes from its checkpoint. A job may
-post-train another job of its set (``decider.init_from: <job>.yaml``): it is loaded, on that job's run of
-the same seed, once that run is trained or found.
+(``config.yaml``, name and run directory left out) equals the job's and the run was trained for the
+experiment and job its directory names (``config.yaml``'s ``run_dir`` and ``name``, which the runner sets):
+its own directory, or the directory of another job set's job with the same config (the late-switch run that
+kv-cache, decider, decider-depths and route-replay share) — never any other folder under ``--runs``
+(issue 35 item 9). So a rerun that changes nothing only evaluates. A run whose config changed is deleted and
+trained again; an unfinished run with the same config resumes from its checkpoint; a directory the runner
+did not write (no or another ``config.yaml``, a link, a file) is never deleted: one line asks to move it.
+A job may post-train another job of its set (``decider.init_from: <job>.yaml``): it is loaded, on that
+job's run of the same seed, once that run is trained or found.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -29,9 +34,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 
-from elastic_pretrain.config import ConfigError, build, flatten, load_yaml, to_dict
+from elastic_pretrain.config import ConfigError, build, flatten, load_yaml, show, to_dict
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.experiments.stats import MIN_SEEDS, Claim, Metrics
+from elastic_pretrain.files import check_regular, read_json_object
 from elastic_pretrain.job import JobConfig, dump_job, load_job
 from elastic_pretrain.rundir import RunFiles
 
@@ -53,6 +59,7 @@ QUICK_OVERRIDES = (
 )
 # Keys that name a run rather than define it (left out of the reuse fingerprint and of the job diff).
 _NAMING_KEYS = ("name", "run_dir")
+MAX_CONFIG_BYTES = 1 << 20  # a run's config.yaml as the trainer writes it: a few KB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,21 +315,56 @@ def fingerprint(config: dict[str, Any]) -> str:
 
 
 def job_fingerprint(job: JobConfig) -> str:
-    return fingerprint(yaml.safe_load(dump_job(job)))  # through YAML: what config.yaml holds
+    return fingerprint(yaml.safe_load(dump_job(job)))  # through YAML: what config.yaml holds (our own text)
 
 
-def run_fingerprint(run_dir: Path) -> str | None:
-    """The run's config through today's schema: a key added since it was trained (``decider: null``) reads as
+def config_fingerprint(raw: dict[str, Any]) -> str:
+    """A run's config through today's schema: a key added since it was trained (``decider: null``) reads as
     its default, so adding a config field does not retrain every finished run (new fields default to the old
     behaviour); a config that no longer builds (a key since removed) is compared as written."""
-    path = RunFiles(run_dir).config
-    if not path.is_file():
-        return None
-    raw = yaml.safe_load(path.read_text())
     try:
         return job_fingerprint(build(JobConfig, raw))
     except ConfigError:
+        pass
+    try:
         return fingerprint(raw)
+    except (TypeError, ValueError):  # YAML's dates, sets or non-string keys: JSON has none, no job has them
+        return "<a config no job has>"
+
+
+_NOT_OURS = "move it out of --runs (the runner deletes only runs it wrote) and rerun"
+
+
+def read_run_config(run_dir: Path) -> dict[str, Any]:
+    """A run directory's ``config.yaml`` through the job files' bounded YAML loader (alias bombs, deep
+    nesting, huge integers, a FIFO or a 1 GB file: one line, never a hang)."""
+    path = RunFiles(run_dir).config
+    what = f"{run_dir} is not a run this runner wrote: {_NOT_OURS}"
+    check_regular(path, what, limit=MAX_CONFIG_BYTES)
+    try:
+        return load_yaml(path)
+    except RecursionError:
+        raise UserError(f"{path}: nested too deeply to be read; {what}") from None
+    except ConfigError as err:
+        raise UserError(f"{err} ({what})") from None
+
+
+def run_fingerprint(run_dir: Path) -> str | None:
+    """The fingerprint of the run in ``run_dir`` (None: it has no ``config.yaml``)."""
+    if not os.path.lexists(RunFiles(run_dir).config):
+        return None
+    return config_fingerprint(read_run_config(run_dir))
+
+
+def trained_for(raw: dict[str, Any], run_dir: Path) -> bool:
+    """The run's ``config.yaml`` says it was trained for the experiment and job its directory names:
+    ``run_dir`` ends in ``<experiment>/<job>-seed<seed>`` and ``name`` is ``<experiment>-<job>-seed<seed>``
+    (what :func:`_load` sets). A run copied or linked in from elsewhere says otherwise."""
+    recorded, name = raw.get("run_dir"), raw.get("name")
+    if not isinstance(recorded, str) or not isinstance(name, str):
+        return False
+    where = run_dir.parts[-2:]
+    return Path(recorded).parts[-2:] == where and name == "-".join(where)
 
 
 def is_finished(run_dir: Path) -> bool:
@@ -330,33 +372,108 @@ def is_finished(run_dir: Path) -> bool:
     return files.finished.is_file() and files.summary.is_file()
 
 
-def find_reusable(job: JobConfig, runs_root: Path) -> Path | None:
-    """A finished run with this job's config: its own run directory first, then any experiment's."""
+def read_summary(run_dir: Path) -> dict[str, Any]:
+    """``summary.json`` of a finished run, with the counters the report reads checked."""
+    path = RunFiles(run_dir).summary
+    summary = read_json_object(path, _NOT_OURS)
+    for key in ("steps", "tokens", "elapsed_s"):
+        value = summary.get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 2**63:
+            raise UserError(f"{path}: {key}={show(value, 40)} is not a non-negative number; {_NOT_OURS}")
+    return summary
+
+
+def own_run(job: JobConfig) -> Literal["none", "finished", "unfinished", "changed"]:
+    """What the job's own run directory holds. Anything the runner did not write there is refused in one
+    line (it would be deleted or trained into otherwise): a link, a file, a folder without ``config.yaml``
+    or one whose ``config.yaml`` names another run."""
+    own = job.run_path
+    if own.is_symlink():
+        raise UserError(f"{own}: a symbolic link where {job.name}'s run directory goes; {_NOT_OURS}")
+    if not own.exists():
+        return "none"
+    if not own.is_dir():
+        raise UserError(f"{own}: a file where {job.name}'s run directory goes; {_NOT_OURS}")
+    if not os.path.lexists(RunFiles(own).config):
+        if any(own.iterdir()):
+            raise UserError(f"{own}: holds no config.yaml, so it is not a run of {job.name}; {_NOT_OURS}")
+        return "none"  # an empty folder: train into it
+    raw = read_run_config(own)
+    if not trained_for(raw, own):
+        raise UserError(
+            f"{own}: its config.yaml says it is run {show(raw.get('name'), 60)} of {show(raw.get('run_dir'), 80)}, "
+            f"not {job.name}; {_NOT_OURS}"
+        )
+    if config_fingerprint(raw) != job_fingerprint(job):
+        return "changed"
+    if is_finished(own):
+        read_summary(own)
+        return "finished"
+    return "unfinished"
+
+
+def shared_runs(job: JobConfig, runs_root: Path, jobs_dir: Path) -> list[Path]:
+    """Where another job set's job of the same seed would have its run: ``<runs>/<set>/<job>-seed<seed>``
+    for every job file in ``jobs_dir`` (the user's own files), never any other folder under ``--runs``."""
+    suffix = f"-seed{job.train.seed}"
+    dirs = [runs_root / p.parent.name / f"{p.stem}{suffix}" for p in sorted(jobs_dir.glob("*/*.yaml"))]
+    return [d for d in dirs if d != job.run_path]
+
+
+def reusable_elsewhere(job: JobConfig, runs_root: Path, jobs_dir: Path) -> Path | None:
+    """A finished run of another job set's job trained with this job's config, or None. Such a run is the
+    other experiment's: one that is not well-formed is skipped (its experiment's next run says why)."""
     want = job_fingerprint(job)
-    configs = runs_root.glob(f"*/*/{RunFiles(Path()).config.name}")  # <experiment>/<job>/config.yaml
-    candidates = [job.run_path, *sorted(p.parent for p in configs)]
-    for run_dir in candidates:
-        if is_finished(run_dir) and run_fingerprint(run_dir) == want:
-            return run_dir
+    for run_dir in shared_runs(job, runs_root, jobs_dir):
+        if run_dir.is_symlink() or not run_dir.is_dir() or not is_finished(run_dir):
+            continue
+        try:
+            raw = read_run_config(run_dir)
+            if trained_for(raw, run_dir) and config_fingerprint(raw) == want:
+                read_summary(run_dir)
+                return run_dir
+        except UserError as err:
+            log.info("%s: not reused (%s)", run_dir, err)
     return None
 
 
+def find_reusable(job: JobConfig, runs_root: Path, jobs_dir: Path = JOBS_DIR) -> Path | None:
+    """A finished run with this job's config, trained for this job or another job set's: its own run
+    directory first (:func:`own_run`), then :func:`reusable_elsewhere`."""
+    if own_run(job) == "finished":
+        return job.run_path
+    return reusable_elsewhere(job, runs_root, jobs_dir)
+
+
+def check_runs_root(runs_root: Path) -> None:
+    """``--runs``: a folder this user can list and write into (created if missing), else one line."""
+    if runs_root.exists() and not runs_root.is_dir():
+        raise UserError(f"--runs {runs_root}: a file, not a folder: name a folder for the run directories")
+    try:
+        runs_root.mkdir(parents=True, exist_ok=True)
+        with os.scandir(runs_root):
+            pass
+    except OSError as err:
+        raise UserError(f"--runs {runs_root}: {err.strerror}: name a folder you can read and write") from None
+    if not os.access(runs_root, os.R_OK | os.W_OK | os.X_OK):
+        raise UserError(f"--runs {runs_root}: not writable by you: name a folder you can read and write")
+
+
 def ensure_trained(path: Path, job: JobConfig, runs_root: Path) -> Run:
-    """Reuse a finished run with the same config, else train this job here (resuming its own
-    unfinished run of the same config; a run directory holding another config is deleted first)."""
+    """Reuse a finished run with the same config (:func:`find_reusable`), else train this job here (resuming
+    its own unfinished run of the same config; its own run directory holding another config is deleted
+    first)."""
     from elastic_pretrain.train.trainer import train
 
-    found = find_reusable(job, runs_root)
+    own = job.run_path
+    state = own_run(job)
+    found = own if state == "finished" else reusable_elsewhere(job, runs_root, path.parent.parent)
     status: Literal["trained", "resumed", "reused"] = "reused"
     if found is None:
-        own = job.run_path
-        status = "trained"
-        if own.exists():
-            if run_fingerprint(own) == job_fingerprint(job):
-                status = "resumed"
-            else:
-                log.info("%s: config changed, training again from scratch", own)
-                shutil.rmtree(own)
+        status = "resumed" if state == "unfinished" else "trained"
+        if state == "changed":
+            log.info("%s: config changed, training again from scratch", own)
+            shutil.rmtree(own)
         t0 = time.perf_counter()
         nproc = processes(job)
         if nproc > 1:
@@ -370,8 +487,7 @@ def ensure_trained(path: Path, job: JobConfig, runs_root: Path) -> Run:
         found = own
     else:
         print(f"{path.stem}: reused {found} (same config)", flush=True)
-    summary = json.loads(RunFiles(found).summary.read_text())
-    return Run(name=path.stem, job=job, job_path=path, run_dir=found, summary=summary, status=status)
+    return Run(name=path.stem, job=job, job_path=path, run_dir=found, summary=read_summary(found), status=status)
 
 
 def train_processes(path: Path, job: JobConfig, nproc: int) -> None:

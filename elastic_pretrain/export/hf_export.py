@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,11 @@ HF_DIR = Path(__file__).parent / "hf"
 MODEL_FILES = ("configuration_elastic.py", "modeling_elastic.py")
 PROVENANCE = "elastic_pretrain.json"
 WEIGHTS = "model.safetensors"
+# config.json's pointers to the copied files: what trust_remote_code=True imports (export/folder.py checks them)
+AUTO_MAP = {
+    "AutoConfig": "configuration_elastic.ElasticLoopedConfig",
+    "AutoModelForCausalLM": "modeling_elastic.ElasticLoopedForCausalLM",
+}
 
 # megatron TransformerConfig settings the standalone model does not implement: (attribute, value it
 # must have, what to say). Checked at export so an unsupported model fails loudly, not numerically.
@@ -111,10 +117,7 @@ def hf_config(net: Any, decider: Any, *, eos_id: int | None) -> Any:
         torch_dtype=torch.bfloat16 if cfg.dtype == "bf16" else torch.float32,
     )  # fmt: skip
     config.architectures = ["ElasticLoopedForCausalLM"]
-    config.auto_map = {
-        "AutoConfig": "configuration_elastic.ElasticLoopedConfig",
-        "AutoModelForCausalLM": "modeling_elastic.ElasticLoopedForCausalLM",
-    }
+    config.auto_map = dict(AUTO_MAP)
     return config
 
 
@@ -166,11 +169,6 @@ def export_hf(ckpt: Path, out: Path) -> Path:
 
 
 def is_export(path: Path) -> bool:
-    """A folder written by :func:`export_hf` (its config names the looped model)."""
-    cfg = path / "config.json"
-    if not cfg.is_file():
-        return False
-    try:
-        return json.loads(cfg.read_text()).get("model_type") == "elastic_looped"
-    except (OSError, ValueError):
-        return False
+    """A folder with a ``config.json`` (as :func:`export_hf` writes; a checkpoint or run directory has none).
+    Whether it is a valid export is for ``export/folder.py`` to say, in one line naming what is wrong."""
+    return os.path.lexists(path / "config.json")

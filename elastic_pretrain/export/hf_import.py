@@ -9,7 +9,6 @@ export, so this fills a model, not a run (docs/export.md).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -39,10 +38,12 @@ def load_export(net: Any, export_dir: Path) -> None:
     import torch
     from safetensors.torch import load_file
 
-    cfg_file, weights = export_dir / "config.json", export_dir / WEIGHTS
-    if not cfg_file.is_file() or not weights.is_file():
-        raise UserError(f"{export_dir}: not an elastic-pretrain export (config.json and {WEIGHTS} expected)")
-    hf = json.loads(cfg_file.read_text())
+    from elastic_pretrain.export.folder import read_config
+    from elastic_pretrain.files import check_regular
+
+    hf = read_config(export_dir)  # bounded, every value checked: the folder may come from elsewhere
+    weights = export_dir / WEIGHTS
+    check_regular(weights, f"is {export_dir} an elastic-pretrain export folder?")
     for key, ours in _SHAPE.items():
         if hf.get(key) != ours(net):
             raise UserError(

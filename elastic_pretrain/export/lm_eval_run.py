@@ -1,7 +1,8 @@
 """lm-eval-harness on an exported model at several loop counts (``elastic-pretrain lm-eval``).
 
-The export is loaded once through transformers (``trust_remote_code``: the standalone modelling file)
-and wrapped in lm-eval's own Hugging Face model class (``HFLM``); for each ℓ the model's default loop
+The export is loaded once as the package's own standalone model class (``export/folder.py``: the folder's
+code files must equal the package's and are never imported; its config is checked before anything is
+allocated) and wrapped in lm-eval's own Hugging Face model class (``HFLM``); for each ℓ the model's default loop
 count (``config.loops``) is set and the tasks run. Tasks are lm-eval's registry plus the project's
 local ones in ``export/tasks/`` (``elastic_tiny_mc``: files only, no network). The table has one row
 per (task, metric) and one column per ℓ, with the forward matmul FLOPs per token at each ℓ
@@ -53,12 +54,10 @@ class LmEvalResult:
 
 def model_config_of(export_dir: Path) -> tuple[Any, int]:
     """(a ``ModelConfig`` with the export's built shape, the training sequence length) for FLOP counts."""
-    from elastic_pretrain.export.hf_export import PROVENANCE
+    from elastic_pretrain.export.folder import read_config, read_provenance
     from elastic_pretrain.model.config import ModelConfig
 
-    hf = json.loads((export_dir / "config.json").read_text())
-    prov_file = export_dir / PROVENANCE
-    prov = json.loads(prov_file.read_text()) if prov_file.is_file() else {}
+    hf = read_config(export_dir)
     cfg = ModelConfig(
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"], num_heads=hf["num_attention_heads"],
         ffn_hidden_size=hf["ffn_hidden_size"], prelude_layers=hf["prelude_layers"], core_layers=hf["core_layers"],
@@ -66,7 +65,7 @@ def model_config_of(export_dir: Path) -> tuple[Any, int]:
         moe_top_k=hf["moe_top_k"], moe_ffn_hidden_size=hf["moe_ffn_hidden_size"], flatten=1,
         edge_mlp=hf["edge_mlp"],
     )  # fmt: skip
-    return cfg, int(prov.get("seq_len") or 2048)
+    return cfg, int(read_provenance(export_dir).get("seq_len") or 2048)
 
 
 def run_lm_eval(
@@ -80,8 +79,12 @@ def run_lm_eval(
     num_fewshot: int | None = None,
 ) -> LmEvalResult:
     from elastic_pretrain.export.compat import hide_broken_torchvision
+    from elastic_pretrain.export.folder import check_code, load_model, load_tokenizer, read_config, read_provenance
     from elastic_pretrain.model.flops import flops_per_token
 
+    check_code(export_dir)  # an altered or malformed folder is refused before anything is loaded
+    hf = read_config(export_dir)
+    read_provenance(export_dir)
     hide_broken_torchvision()
     try:
         import lm_eval
@@ -90,10 +93,9 @@ def run_lm_eval(
     except ImportError:
         raise UserError("lm-eval is not installed: pip install 'elastic-pretrain[lm-eval]' "
                         "(or scripts/setup.sh, which installs requirements/lock-cpu.txt)") from None  # fmt: skip
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(export_dir), trust_remote_code=True).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(export_dir))
+    model = load_model(export_dir)  # the package's class: the folder's code is never imported
+    tokenizer = load_tokenizer(export_dir, hf["eos_token_id"], hf["vocab_size"])
     max_loops = int(model.config.max_loops)
     loops = loops or list(range(1, max_loops + 1))
     if max(loops) > max_loops:

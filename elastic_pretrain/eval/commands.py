@@ -20,7 +20,7 @@ from elastic_pretrain.rundir import CheckpointFiles, RunFiles
 
 def _eval(args: argparse.Namespace) -> int:
     from elastic_pretrain.checkpoint.tensors import load_model
-    from elastic_pretrain.data.commands import check_eval_recipe, load_recipe, matching_recipe
+    from elastic_pretrain.data.recipes import check_eval_recipe, load_recipe, matching_recipe
     from elastic_pretrain.data.loader import load_validation
     from elastic_pretrain.eval.adaptive import DEFAULT_THRESHOLDS, adaptive_sweep, plot_sweep
     from elastic_pretrain.eval.curves import compare

@@ -8,8 +8,8 @@ import pytest
 import yaml
 
 from elastic_pretrain.cli import main
-from elastic_pretrain.data.commands import load_recipe, resolve_recipe
 from elastic_pretrain.data.manifest import read_manifest
+from elastic_pretrain.data.recipes import load_recipe, resolve_recipe
 from tests.data.conftest import write_corpus
 
 REPO = Path(__file__).resolve().parents[2]

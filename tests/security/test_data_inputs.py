@@ -202,7 +202,7 @@ def test_eval_recipe_must_fit_the_checkpoint() -> None:
     which tokenizer and context the model has (each mismatch is one line, before any data is read)."""
     import dataclasses
 
-    from elastic_pretrain.data.commands import check_eval_recipe, load_recipe
+    from elastic_pretrain.data.recipes import check_eval_recipe, load_recipe
 
     trained = load_recipe("stdlib-code")
     check_eval_recipe(dataclasses.replace(trained, seq_len=64), trained, 257)  # shorter rows are fine
@@ -463,7 +463,7 @@ def test_eval_without_data_uses_only_a_recipe_of_the_users_identical_to_the_chec
     data section differs in any location (``local: ~``, ``split``) matches nothing and eval asks for --data."""
     import dataclasses as dc
 
-    from elastic_pretrain.data.commands import load_recipe, matching_recipe
+    from elastic_pretrain.data.recipes import load_recipe, matching_recipe
 
     mine = load_recipe("stdlib-code")
     found = matching_recipe(mine)

@@ -298,7 +298,6 @@ def dump_job(job: JobConfig) -> str:
 
 
 def write_resolved(job: JobConfig, run_dir: Path) -> Path:
-    run_dir.mkdir(parents=True, exist_ok=True)
     out = RunFiles(run_dir).config
-    write_private(out, dump_job(job))
+    write_private(out, dump_job(job), root=run_dir)  # creates run_dir
     return out

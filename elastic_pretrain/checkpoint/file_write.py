@@ -22,6 +22,8 @@ from torch.distributed.checkpoint import filesystem as dcp_filesystem
 from torch.distributed.checkpoint.planner import WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from elastic_pretrain.files import open_new
+
 WriteBucket = tuple[Any, str, tuple[list[Any], list[Any]]]  # filesystem_async.WriteBucket: one file's writes
 
 
@@ -167,7 +169,7 @@ def write_bucket(transform_list: list[Any], bucket: WriteBucket, parallel: bool 
     _write_item: Any = dcp_filesystem._write_item  # megatron's call: (transforms, stream, data, item, key)
     # stream transforms (none in megatron's writer) go through DCP's own _write_item
     direct = all(not getattr(t, "extensions", ()) for t in transform_list)
-    with open(file_name, "wb") as raw, no_record_checksums():
+    with open_new(Path(file_name)) as raw, no_record_checksums():  # no link followed (files.py)
         stream = CrcStream(raw, parallel)
         results = []
         for item, data in [*bytes_data, *tensor_data]:

@@ -9,6 +9,7 @@ from typing import Any
 
 from elastic_pretrain.checkpoint.store import CheckpointStore, read_trainer_state, verify
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import write_atomic
 from elastic_pretrain.rundir import RunFiles
 
 
@@ -42,5 +43,4 @@ def write_index(run_dir: Path) -> Path | None:
     index = RunFiles(run_dir).checkpoint_index
     if not index.parent.is_dir():
         return None
-    index.write_text(json.dumps(checkpoint_index(run_dir), indent=1))
-    return index
+    return write_atomic(index, json.dumps(checkpoint_index(run_dir), indent=1), root=run_dir)

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from elastic_pretrain.checkpoint.store import CheckpointStore, write_atomic
+from elastic_pretrain.checkpoint.store import CheckpointStore
+from elastic_pretrain.files import read_bounded, write_atomic
 
 
 def read_latest(store: CheckpointStore) -> str | None:
@@ -15,9 +16,9 @@ def read_latest(store: CheckpointStore) -> str | None:
     path = store.latest_file
     if path.is_symlink():
         return Path(path.readlink()).name
-    try:
-        return path.read_text().strip() or None
-    except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError):
+    try:  # a FIFO or a device there is a one-line error, not a hang (files.py)
+        return read_bounded(path, "latest").decode("utf-8", "replace").strip() or None
+    except (FileNotFoundError, NotADirectoryError):
         return None
 
 
@@ -44,5 +45,5 @@ def repair_latest(store: CheckpointStore) -> str | None:
     problem, newest = latest_problem(store), store.newest()
     if problem is None or newest is None:
         return None
-    write_atomic(store.latest_file, newest.path.name + "\n")
+    write_atomic(store.latest_file, newest.path.name + "\n", root=store.root.parent)
     return f"{store.latest_file}: {problem}: repaired"

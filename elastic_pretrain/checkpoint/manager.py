@@ -28,12 +28,12 @@ from elastic_pretrain.checkpoint.store import (
     fault_point,
     rank_records,
     read_trainer_state,
-    write_atomic,
 )
 from elastic_pretrain.checkpoint.tensors import ModelTensors, load_tensors, save_tensors
 from elastic_pretrain.checkpoint.writer import WriterQueue
 from elastic_pretrain.config import flatten
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import write_atomic
 from elastic_pretrain.job import JobConfig, decider_changes, public_dict, shape_changes
 from elastic_pretrain.parallel.mesh import Mesh, describe
 from elastic_pretrain.rundir import CheckpointFiles, RunFiles
@@ -200,12 +200,12 @@ class Checkpointer:
         _barrier()
         files = CheckpointFiles(self.store.tmp_dir(step))
         fault_point("before_tensors", rank, step)
-        rng.save(files.rng(rank))
+        rng.save(files.rng(rank), root=files.path)
         use_async = self.queue is not None and not blocking
         request, tensor_state = self.tensors.save(files.tensors, self.strategy, use_async)
         use_async = use_async and request is not None  # engine=deepspeed saves synchronously
         if rank == 0:
-            write_atomic(files.trainer, json.dumps(self._trainer_state(tensor_state), indent=1))
+            write_atomic(files.trainer, json.dumps(self._trainer_state(tensor_state), indent=1), root=files.path)
         if use_async:
             assert self.queue is not None and request is not None
             request.add_finalize_fn(functools.partial(self._commit, step))

@@ -6,6 +6,7 @@ strings, lists and dicts, so loading cannot instantiate arbitrary objects.
 
 from __future__ import annotations
 
+import io
 import random
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import torch
 from megatron.core import tensor_parallel
 
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import atomic_file, read_bounded
 
 
 def capture() -> dict[str, Any]:
@@ -43,12 +45,15 @@ def restore(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["tracker"]))
 
 
-def save(path: Path) -> None:
-    torch.save(capture(), path)
+def save(path: Path, *, root: Path) -> None:
+    with atomic_file(path, root=root) as f:
+        torch.save(capture(), f)
 
 
 def load(path: Path) -> dict[str, Any]:
-    try:
-        return torch.load(path, weights_only=True)
+    try:  # a regular file of a bounded size (files.py): not a FIFO, not a link
+        return torch.load(io.BytesIO(read_bounded(path, "rng")), weights_only=True)
+    except UserError:
+        raise
     except Exception as err:  # truncated zip, bad pickle opcode, disallowed global...
         raise UserError(f"{path}: unreadable RNG state ({type(err).__name__}: {str(err).splitlines()[0]})") from None

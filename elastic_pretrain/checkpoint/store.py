@@ -23,19 +23,19 @@ checkpoint committed, never a half-written one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
-import shutil
 import signal
 import zlib
 from pathlib import Path
 from typing import Any
 
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import ensure_dir, read_bounded, remove_tree, write_atomic
 from elastic_pretrain.files import fsync_dir as _fsync_dir
-from elastic_pretrain.files import write_atomic
 from elastic_pretrain.rundir import (
     COMMIT_FILE,
     LATEST_FILE,
@@ -93,15 +93,15 @@ def write_records(folder: Path, rank: int, records: dict[str, list[int]]) -> Non
     """In the writer, after its (fsynced) files are complete: ``{file name: [size, crc32]}`` beside them
     (checksummed as they were written: checkpoint/writer.py)."""
     if records:
-        write_atomic(folder / WRITER_RECORDS.format(rank=rank), json.dumps(records))
+        write_atomic(folder / WRITER_RECORDS.format(rank=rank), json.dumps(records), root=folder)
 
 
 def take_writer_records(folder: Path, rank: int) -> dict[str, list[int]]:
     """The records :func:`write_writer_records` left in ``folder`` for ``rank`` (removing them), or {}."""
     path = folder / WRITER_RECORDS.format(rank=rank)
     try:
-        records = json.loads(path.read_text())
-    except (OSError, ValueError):
+        records = json.loads(read_bounded(path, "records"))
+    except (OSError, ValueError, UserError):
         return {}
     path.unlink(missing_ok=True)
     return records if isinstance(records, dict) else {}
@@ -169,6 +169,12 @@ class CheckpointStore:
         self.root = root
 
     @property
+    def _parent(self) -> Path:
+        """What the store's writes are relative to: the run directory, so that a ``checkpoints`` planted
+        there as a link is refused rather than written through (files.py)."""
+        return self.root.parent
+
+    @property
     def latest_file(self) -> Path:
         return self.root / LATEST_FILE
 
@@ -188,10 +194,10 @@ class CheckpointStore:
                 f"{path}: is a symbolic link, not the plain file elastic-pretrain writes; delete it "
                 "(resume uses the newest committed step_<N> without it)"
             )
-        if not path.is_file():
+        try:  # a step name is short: a FIFO, a device or anything longer is refused (files.py)
+            text = read_bounded(path, "latest").decode("utf-8", "replace").strip()
+        except (FileNotFoundError, NotADirectoryError):
             return None
-        with open(path, "rb") as f:  # a step name is short: read no more than a bounded prefix
-            text = f.read(64).decode("utf-8", "replace").strip()
         return text if _STEP_DIR.match(text) else None
 
     def committed(self) -> list[Committed]:
@@ -202,9 +208,9 @@ class CheckpointStore:
             return out
         for d in self.root.iterdir():
             m = _STEP_DIR.match(d.name)
-            if m and d.is_dir() and (d / COMMIT_FILE).is_file():
-                try:
-                    marker = check_marker(json.loads((d / COMMIT_FILE).read_text()), d)
+            if m and d.is_dir() and os.path.lexists(d / COMMIT_FILE):
+                try:  # a link, a FIFO or /dev/zero as the marker: a one-line UserError (files.py), not a hang
+                    marker = check_marker(json.loads(read_bounded(d / COMMIT_FILE, "COMMITTED")), d)
                 except (OSError, ValueError) as err:
                     log.warning("%s: unreadable commit marker (%s), ignoring this checkpoint", d / COMMIT_FILE, err)
                     continue
@@ -219,10 +225,9 @@ class CheckpointStore:
     def prepare(self, step: int) -> Path:
         """A fresh, empty ``.tmp-step_<N>/`` (a leftover of a crashed save is removed first)."""
         tmp = self.tmp_dir(step)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        (tmp / MODEL_DIR).mkdir(parents=True)
-        (tmp / RNG_DIR).mkdir()
+        remove_tree(tmp)  # a link at the name is unlinked, its target untouched
+        for sub in (MODEL_DIR, RNG_DIR):
+            ensure_dir(tmp / sub, root=self._parent)  # refuses a planted checkpoints -> elsewhere
         return tmp
 
     def commit(self, step: int, extra_records: dict[str, list[int]], rank: int = 0) -> Path:
@@ -231,7 +236,7 @@ class CheckpointStore:
         own = [p for p in tmp.rglob("*") if p.is_file() and not _rank_written(p)]
         files = {**file_records(tmp, own), **extra_records}
         marker = {"version": FORMAT_VERSION, "step": step, "files": dict(sorted(files.items()))}
-        write_atomic(tmp / COMMIT_FILE, json.dumps(marker, indent=1))
+        write_atomic(tmp / COMMIT_FILE, json.dumps(marker, indent=1), root=self._parent)
         fault_point("after_marker", rank, step)
         final = self.step_dir(step)
         if final.exists():  # the same step saved again (e.g. a resumed run stopped at once): replace it
@@ -239,7 +244,7 @@ class CheckpointStore:
         os.replace(tmp, final)
         _fsync_dir(self.root)
         fault_point("after_rename", rank, step)
-        write_atomic(self.latest_file, step_name(step) + "\n")
+        write_atomic(self.latest_file, step_name(step) + "\n", root=self._parent)
         return final
 
     def retain(self, keep_last: int, keep_every: int) -> list[int]:
@@ -258,16 +263,17 @@ class CheckpointStore:
         """Remove ``.tmp-*``/``.trash-*`` leftovers of a crashed save (call before the first save)."""
         if self.root.is_dir():
             for d in self.root.iterdir():
-                if d.name.startswith((".tmp-", ".trash-")) and d.is_dir():
-                    shutil.rmtree(d, ignore_errors=True)
+                if d.name.startswith((".tmp-", ".trash-")):
+                    with contextlib.suppress(OSError):
+                        remove_tree(d)
 
     def _remove(self, path: Path) -> None:
         # Rename first: a crash mid-delete must not leave a step_<N> with COMMITTED but missing files.
         trash = path.with_name(f".trash-{path.name}")
-        if trash.exists():
-            shutil.rmtree(trash)
-        os.replace(path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        remove_tree(trash)
+        os.replace(path, trash)  # a step_<N> that is a link: the link is renamed, then unlinked
+        with contextlib.suppress(OSError):
+            remove_tree(trash)
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -313,7 +319,7 @@ def verify(ckpt: Path, share: tuple[int, int] | None = None) -> dict[str, Any]:
     ``share=(rank, world)``: only that rank's share of the files (the marker is checked in full)."""
     marker_path = CheckpointFiles(ckpt).committed
     try:
-        marker = json.loads(marker_path.read_text())
+        marker = json.loads(read_bounded(marker_path, "COMMITTED"))
     except FileNotFoundError:
         raise UserError(f"{ckpt}: not a committed checkpoint (no {COMMIT_FILE}; it was never finished)") from None
     except (OSError, ValueError) as err:
@@ -359,7 +365,7 @@ def read_trainer_state(ckpt: Path, require: tuple[str, ...] = ("config",)) -> di
     ``mlflow_run_id`` → ``tracker.run_id``)."""
     path = CheckpointFiles(ckpt).trainer
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(read_bounded(path, "trainer.json"))
     except FileNotFoundError:
         raise UserError(f"{path}: missing; {ckpt} is not an elastic-pretrain checkpoint") from None
     except (OSError, ValueError) as err:

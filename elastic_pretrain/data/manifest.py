@@ -155,8 +155,7 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
 
 def write_manifest(manifest: Manifest, directory: Path) -> Path:
     """Write atomically (tmp + rename), so readers see either no manifest or a complete one."""
-    directory.mkdir(parents=True, exist_ok=True)
-    write_atomic(directory / MANIFEST, json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n")
+    write_atomic(directory / MANIFEST, json.dumps(manifest.to_json(), indent=1, sort_keys=True) + "\n", root=directory)
     return directory / MANIFEST
 
 

@@ -16,7 +16,6 @@ mesh); the megatron side at world size 1 reshards to any layout on resume, the D
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ from elastic_pretrain.engine.full_state import (
 )
 from elastic_pretrain.engine.weights import is_deepspeed
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import copy_file, is_plain_name, write_atomic
 from elastic_pretrain.rundir import CheckpointFiles
 
 
@@ -49,7 +49,7 @@ def convert(step: Path, out_run: Path, *, zero_stage: int = 2, optimizer: bool =
     from elastic_pretrain.config import build
     from elastic_pretrain.job import JobConfig
 
-    verify(step)
+    marker = verify(step)
     meta = read_trainer_state(step)
     source = "deepspeed" if is_deepspeed(step) else "megatron"
     target = "megatron" if source == "deepspeed" else "deepspeed"
@@ -68,14 +68,27 @@ def convert(step: Path, out_run: Path, *, zero_stage: int = 2, optimizer: bool =
     state = _read_state(step, source, _job, net, float(meta.get("adam_step", 0.0))) if optimizer else None
     save = _save_megatron if target == "megatron" else _save_deepspeed
     adam_step = save(job, net, tmp, state)
-    if (step / RNG_DIR).is_dir():  # plain tensors (loaded weights_only); used only at the same layout
-        shutil.copytree(step / RNG_DIR, tmp / RNG_DIR, dirs_exist_ok=True)
+    copy_rng(step, tmp, marker)
     converted = {**meta, "config": config, "adam_step": adam_step,
                  "layout": {**meta.get("layout", {}), "world_size": 1, "tp": 1, "ep": 1, "pp": 1, "dp": 1},
                  "converted_from": {"engine": source, "path": str(step),
                                     "optimizer": "converted" if optimizer else "not converted"}}
-    (tmp / TRAINER_FILE).write_text(json.dumps(converted, indent=1))
+    write_atomic(tmp / TRAINER_FILE, json.dumps(converted, indent=1), root=tmp)
     return store.commit(n, {}, rank=0)
+
+
+def copy_rng(step: Path, tmp: Path, marker: dict[str, Any]) -> list[str]:
+    """Copy the RNG files (plain tensors, loaded weights_only; used only at the same layout) that the source's
+    ``COMMITTED`` lists, each a regular file: anything else in ``rng/`` is not part of the checkpoint, and a
+    link (``rng/rank_00009.pt -> ~/secret``) would copy what it points at into a checkpoint the user shares
+    (issue 35). Returns the names copied."""
+    copied = []
+    for rel in sorted(marker["files"]):
+        parts = Path(rel).parts
+        if len(parts) == 2 and parts[0] == RNG_DIR and is_plain_name(parts[1]):
+            copy_file(step / rel, tmp / rel, root=tmp)  # a link is refused, not followed
+            copied.append(rel)
+    return copied
 
 
 def _read_state(step: Path, source: str, job: Any, net: Any, adam_step: float) -> FullState:

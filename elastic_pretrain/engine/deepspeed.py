@@ -42,6 +42,7 @@ from elastic_pretrain.engine.config import can_mix, ds_config
 from elastic_pretrain.engine.safe_load import load_checkpoint_safely
 from elastic_pretrain.engine.weights import import_deepspeed
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import write_atomic
 from elastic_pretrain.job import JobConfig
 from elastic_pretrain.parallel.mesh import Mesh
 from elastic_pretrain.train.schedule import ExpertLayout
@@ -297,8 +298,7 @@ def build_session(job: JobConfig, mesh: Mesh) -> Any:
     net = build_model(job.model, job.parallel, recompute=job.train.recompute)
     config = ds_config(job, mesh.dp_size, n_params=sum(p.numel() for p in net.parameters()))
     if mesh.is_logging_rank:
-        job.run_path.mkdir(parents=True, exist_ok=True)
-        (job.run_path / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
+        write_atomic(job.run_path / CONFIG_FILE, json.dumps(config, indent=1) + "\n", root=job.run_path)
     os.environ.setdefault("LOCAL_RANK", "0")  # torchrun sets it; DeepSpeed asserts it even for one process
     engine, optimizer, _, _ = deepspeed.initialize(model=LoopedForDeepSpeed(net), model_parameters=param_groups(net),
                                                    config=config)

@@ -184,8 +184,9 @@ def adaptive_sweep(
     return AdaptiveSweep(fixed=tuple(fixed), adaptive=tuple(adaptive))
 
 
-def plot_sweep(sweep: AdaptiveSweep, path: Path) -> Path:
-    """Loss and accuracy against relative compute, fixed depth vs adaptive (PNG, matplotlib Agg)."""
+def plot_sweep(sweep: AdaptiveSweep, path: Path, *, root: Path | None = None) -> Path:
+    """Loss and accuracy against relative compute, fixed depth vs adaptive (PNG, matplotlib Agg); ``root``: as
+    for :func:`~elastic_pretrain.eval.report.save_figure`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -215,4 +216,4 @@ def plot_sweep(sweep: AdaptiveSweep, path: Path) -> Path:
     except BaseException:
         plt.close(fig)
         raise
-    return save_figure(fig, path)
+    return save_figure(fig, path, root=root)

@@ -15,17 +15,18 @@ from typing import Any
 
 from elastic_pretrain.checkpoint.store import resolve_checkpoint
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import ensure_dir, read_text_or_none, write_atomic
 from elastic_pretrain.rundir import CheckpointFiles, RunFiles
 
 
 def _eval(args: argparse.Namespace) -> int:
     from elastic_pretrain.checkpoint.tensors import load_model
-    from elastic_pretrain.data.recipes import check_eval_recipe, load_recipe, matching_recipe
     from elastic_pretrain.data.loader import load_validation
-    from elastic_pretrain.eval.adaptive import DEFAULT_THRESHOLDS, adaptive_sweep, plot_sweep
+    from elastic_pretrain.data.recipes import check_eval_recipe, load_recipe, matching_recipe
+    from elastic_pretrain.eval.adaptive import DEFAULT_THRESHOLDS, adaptive_sweep
     from elastic_pretrain.eval.curves import compare
     from elastic_pretrain.eval.loss import quality_curve
-    from elastic_pretrain.eval.report import comparison_table, markdown_table, plot
+    from elastic_pretrain.eval.report import comparison_table, markdown_table
     from elastic_pretrain.model.inference import KV_POLICIES, teacher_forced_loss
     from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 
@@ -57,24 +58,37 @@ def _eval(args: argparse.Namespace) -> int:
             for policy in KV_POLICIES:
                 tf = teacher_forced_loss(model, tokens, kv_cache=policy, batch_size=args.batch_size)
                 lines.append(f"| {policy} | {tf.kv_bytes_per_token:.0f} | {tf.loss:.4f} |")
-        out = Path(args.out) if args.out else CheckpointFiles(ckpt).eval_dir
-        out.mkdir(parents=True, exist_ok=True)
-        written = [out / "eval.md", plot([curve], out / "quality.png")]
+        sweep = None
         if decider is not None:
             thresholds = args.threshold or DEFAULT_THRESHOLDS
             sweep = adaptive_sweep(model, decider, tokens, thresholds, batch_size=args.batch_size)
             lines.append(sweep.markdown())
             lines.append(comparison_table(compare(list(sweep.curves()))))
-            written.append(plot_sweep(sweep, out / "adaptive.png"))
         report = "\n".join(lines) + "\n"
-        (out / "eval.md").write_text(report)
+        # --out is the user's folder; the default is inside the checkpoint, which may come from someone else
+        out, root = (Path(args.out), Path(args.out)) if args.out else (CheckpointFiles(ckpt).eval_dir, ckpt)
+        written = write_report(out, root, report, curve, sweep)
         print(report + f"\nwritten: {', '.join(str(w) for w in written)}")
         if not args.no_track:
-            adaptive = [sweep.curves()[0]] if decider is not None else []
+            adaptive = [sweep.curves()[0]] if sweep is not None else []
             track_eval(job, ckpt, curve, adaptive, written, uri=args.uri)
     finally:
         teardown()
     return 0
+
+
+def write_report(out: Path, root: Path, report: str, curve: Any, sweep: Any) -> list[Path]:
+    """``eval.md``, ``quality.png`` (and with a ``sweep``, ``adaptive.png``) in ``out``, below ``root``: a link
+    planted at ``out`` or below ``root`` is refused, a link at a file's name replaced, never written through
+    (files.py; issue 35). Returns the files written."""
+    from elastic_pretrain.eval.adaptive import plot_sweep
+    from elastic_pretrain.eval.report import plot
+
+    ensure_dir(out, root=root)
+    written = [write_atomic(out / "eval.md", report, root=root), plot([curve], out / "quality.png", root=root)]
+    if sweep is not None:
+        written.append(plot_sweep(sweep, out / "adaptive.png", root=root))
+    return written
 
 
 def track_eval(
@@ -111,7 +125,7 @@ def track_eval(
     tracker = create_tracker(cfg, run_dir=run_dir, job_name=job.name, rank=0)
     id_file = RunFiles(run_dir).mlflow_run_id  # written at the end of training; the checkpoint's may be unset
     parent = saved_run_id(read_trainer_state(ckpt))
-    parent = parent or (id_file.read_text().strip() if id_file.is_file() else None)
+    parent = parent or read_text_or_none(id_file, "mlflow_run_id")
     tracker.set_tags({"elastic_pretrain.kind": "eval", "elastic_pretrain.checkpoint": str(ckpt.resolve()),
                       **({"mlflow.parentRunId": parent} if parent else {})})  # fmt: skip
     metrics = {"eval/auc": curve.auc}

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_pretrain.eval.curves import Comparison, QualityCurve, compare
+from elastic_pretrain.files import atomic_file
 
 
 def markdown_table(curve: QualityCurve) -> str:
@@ -42,8 +43,11 @@ def comparison_table(cmp: Comparison) -> str:
     return "\n".join(rows) + f"\n\nAUC over relative compute [{cmp.lo:.3f}, {cmp.hi:.3f}] (common range).\n"
 
 
-def plot(curves: Sequence[QualityCurve], path: Path, *, title: str = "quality vs compute") -> Path:
-    """Loss against relative compute for each curve, written as a PNG (matplotlib Agg, no display)."""
+def plot(
+    curves: Sequence[QualityCurve], path: Path, *, title: str = "quality vs compute", root: Path | None = None
+) -> Path:
+    """Loss against relative compute for each curve, written as a PNG (matplotlib Agg, no display); ``root``:
+    as for :func:`save_figure`."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -71,7 +75,7 @@ def plot(curves: Sequence[QualityCurve], path: Path, *, title: str = "quality vs
     except BaseException:
         plt.close(fig)
         raise
-    return save_figure(fig, path)
+    return save_figure(fig, path, root=root)
 
 
 def plot_comparison(curves: Sequence[QualityCurve], path: Path) -> Comparison:
@@ -84,15 +88,17 @@ def plot_comparison(curves: Sequence[QualityCurve], path: Path) -> Comparison:
     return cmp
 
 
-def save_figure(fig: Any, path: str | Path) -> Path:
-    """Lay out, write (creating the folder) and close a matplotlib figure; returns the path."""
+def save_figure(fig: Any, path: str | Path, *, root: Path | None = None) -> Path:
+    """Lay out, write (creating the folder) and close a matplotlib figure; returns the path. ``root``: the
+    directory the caller named (default: the figure's own folder), below which no link is followed: the
+    figure replaces ``path`` through a new file (files.py), so a link planted there is never written through."""
     import matplotlib.pyplot as plt
 
     path = Path(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         fig.tight_layout()
-        fig.savefig(path)
+        with atomic_file(path, root=path.parent if root is None else root) as f:
+            fig.savefig(f, format=path.suffix.lstrip(".") or "png")
     finally:
         plt.close(fig)
     return path

@@ -56,10 +56,10 @@ def figure(path: Path, draw: Callable[[Any], None], *, panels: int = 1) -> None:
     fig, axes = plt.subplots(1, panels, figsize=(5.2 * panels, 3.6), dpi=100)
     try:
         draw(axes)
-        fig.tight_layout()
-        fig.savefig(path)
-    finally:
+    except BaseException:
         plt.close(fig)
+        raise
+    save_figure(fig, path)
 
 
 def claim_table(results: Sequence[ClaimResult]) -> str:

@@ -28,6 +28,7 @@ from elastic_pretrain.experiments.runner import (
     seeds_of,
 )
 from elastic_pretrain.experiments.stats import ClaimResult, evaluate
+from elastic_pretrain.files import ensure_dir, write_atomic
 from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 
 
@@ -88,13 +89,14 @@ def run_experiment(
         claims = [evaluate(c, metrics) for c in experiment.claims]
         wall = time.perf_counter() - t0
         outcome = Outcome(experiment, runs, findings, claims, command, quick, scale, wall, train_wall)
-        out_dir.mkdir(parents=True, exist_ok=True)
+        ensure_dir(out_dir, root=out_dir)
         png = out_dir / f"{experiment.name}.png"
         findings[runs[0].seed].plot(png)
         md = out_dir / f"{experiment.name}.md"
         first = contexts[runs[0].seed]
-        md.write_text(render(first, outcome, png=png.name))
-        (out_dir / f"{experiment.name}.json").write_text(json.dumps(numbers(first, outcome), indent=1) + "\n")
+        write_atomic(md, render(first, outcome, png=png.name), root=out_dir)
+        write_atomic(out_dir / f"{experiment.name}.json", json.dumps(numbers(first, outcome), indent=1) + "\n",
+                     root=out_dir)  # fmt: skip
     finally:
         teardown()
     print(f"written: {md}, {png}, {out_dir / (experiment.name + '.json')}", flush=True)

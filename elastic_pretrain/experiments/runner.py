@@ -37,7 +37,7 @@ import yaml
 from elastic_pretrain.config import ConfigError, build, flatten, load_yaml, show, to_dict
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.experiments.stats import MIN_SEEDS, Claim, Metrics
-from elastic_pretrain.files import check_regular, read_json_object
+from elastic_pretrain.files import LIMITS, check_regular, read_json_object
 from elastic_pretrain.job import JobConfig, dump_job, load_job
 from elastic_pretrain.rundir import RunFiles
 
@@ -375,7 +375,7 @@ def is_finished(run_dir: Path) -> bool:
 def read_summary(run_dir: Path) -> dict[str, Any]:
     """``summary.json`` of a finished run, with the counters the report reads checked."""
     path = RunFiles(run_dir).summary
-    summary = read_json_object(path, _NOT_OURS)
+    summary = read_json_object(path, _NOT_OURS, limit=LIMITS["history"])  # it holds every step: 1 MiB is ~5k
     for key in ("steps", "tokens", "elapsed_s"):
         value = summary.get(key)
         if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < 2**63:
@@ -504,7 +504,7 @@ def train_processes(path: Path, job: JobConfig, nproc: int) -> None:
 
     with tempfile.TemporaryDirectory(prefix="elastic-pretrain-experiment-") as folder:
         resolved = Path(folder) / f"{path.stem}.yaml"
-        write_private(resolved, yaml.safe_dump(to_dict(job), sort_keys=False))
+        write_private(resolved, yaml.safe_dump(to_dict(job), sort_keys=False), root=Path(folder))
         cmd = [sys.executable, "-m", "elastic_pretrain.cli", "train", str(resolved), "--nproc-per-node", str(nproc)]
         code = subprocess.run(cmd, check=False).returncode
     if code != 0:

@@ -41,14 +41,13 @@ def _lm_eval(args: argparse.Namespace) -> int:
         raise UserError("--tasks: name at least one lm-eval task (e.g. elastic_tiny_mc)")
     loops = parse_loops(args.loops)
     with tempfile.TemporaryDirectory(prefix="elastic-export-") as tmp:
-        if is_export(source):
-            model_dir, out = source, Path(args.out) if args.out else source / "lm_eval"
-        else:  # a checkpoint: export it first (one-process load, any layout)
-            model_dir = export_hf(source, Path(tmp) / "hf")
-            out = Path(args.out) if args.out else source / "lm_eval"
+        # a checkpoint: export it first (one-process load, any layout)
+        model_dir = source if is_export(source) else export_hf(source, Path(tmp) / "hf")
+        # --out is the user's folder; the default is inside the export or checkpoint, which may come from others
+        out, root = (Path(args.out), Path(args.out)) if args.out else (source / "lm_eval", source)
         result = run_lm_eval(model_dir, tasks, loops, limit=args.limit, batch_size=args.batch_size,
                              include_path=args.include_path, num_fewshot=args.num_fewshot)  # fmt: skip
-    written = result.write(out)
+    written = result.write(out, root=root)
     print(result.markdown() + f"\nwritten: {', '.join(str(w) for w in written)}")
     return 0
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import copy_file, ensure_dir, write_atomic
 
 HF_DIR = Path(__file__).parent / "hf"
 MODEL_FILES = ("configuration_elastic.py", "modeling_elastic.py")
@@ -132,20 +132,20 @@ def write_export(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"{out} exists and is not an empty folder: pick a new output folder")
     tensors = hf_state_dict(net)
-    out.mkdir(parents=True, exist_ok=True)
+    ensure_dir(out, root=out)  # new or empty (checked above): the libraries below write into a folder of ours
     eos_id = export_tokenizer(tokenizer, out)
     config = hf_config(net, decider, eos_id=eos_id)
     save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
     config.save_pretrained(out)
     for name in MODEL_FILES:
-        shutil.copyfile(HF_DIR / name, out / name)
+        copy_file(HF_DIR / name, out / name, root=out, follow=True)  # the installed package's own files
     meta = {
         "model": dataclasses.asdict(net.cfg),
         "conditioning_active": bool(net.conditioning_active),
         "decider": net.decider is not None,
         **(provenance or {}),
     }
-    (out / PROVENANCE).write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    write_atomic(out / PROVENANCE, json.dumps(meta, indent=2, default=str) + "\n", root=out)
     return out
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import ensure_dir, write_atomic
 
 log = logging.getLogger(__name__)
 TASKS_DIR = Path(__file__).parent / "tasks"
@@ -41,15 +42,16 @@ class LmEvalResult:
             lines.append(f"| {task} | {metric} | {cells} |")
         return "\n".join(lines) + "\n"
 
-    def write(self, out: Path) -> list[Path]:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "lm_eval.md").write_text(self.markdown())
+    def write(self, out: Path, *, root: Path) -> list[Path]:
+        """``lm_eval.md`` and ``lm_eval.json`` in ``out`` (below ``root``: the export folder, or ``--out``); a
+        link planted at ``out`` is refused, one at a file's name replaced, never written through (files.py)."""
+        ensure_dir(out, root=root)
         payload = {
             "loops": self.loops, "flops_per_token": self.flops_per_token,
             "scores": [{"task": t, "metric": m, "by_loops": v} for (t, m), v in sorted(self.scores.items())],
         }  # fmt: skip
-        (out / "lm_eval.json").write_text(json.dumps(payload, indent=2) + "\n")
-        return [out / "lm_eval.md", out / "lm_eval.json"]
+        return [write_atomic(out / "lm_eval.md", self.markdown(), root=root),
+                write_atomic(out / "lm_eval.json", json.dumps(payload, indent=2) + "\n", root=root)]  # fmt: skip
 
 
 def model_config_of(export_dir: Path) -> tuple[Any, int]:

@@ -15,11 +15,11 @@ loaders, which parse it as a tokenizer (nothing else is followed or executed).
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import copy_file, write_atomic
 
 EOS = "<|endoftext|>"
 PROBE = "def f(x):\n    return x + 1  # héllo, wörld — ∑ 😀\n\tclass A: pass\n"
@@ -73,7 +73,7 @@ def export_tokenizer(cfg: Any, out: Path) -> int:
     fast.model_max_length = 1 << 30  # RoPE: no learned length limit
     fast.save_pretrained(str(out))
     if original is not None:
-        shutil.copyfile(original, out / "tokenizer.json")  # the run's file, byte for byte
+        copy_file(original, out / "tokenizer.json", root=out, follow=True)  # the run's file, byte for byte
     check_round_trip(out, ours)
     return int(ours.eos_id)
 
@@ -91,7 +91,8 @@ def _tiktoken_fast(cfg: Any, ours: Any) -> Any:
     eos_name = next(name for name, idx in enc._special_tokens.items() if idx == ours.eos_id)
     with tempfile.TemporaryDirectory() as tmp:
         ranks = Path(tmp) / "ranks.tiktoken"  # named encodings: their ranks, written as a file
-        ranks.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in enc._mergeable_ranks.items()))
+        write_atomic(ranks, "".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in enc._mergeable_ranks.items()),
+                     root=Path(tmp))  # fmt: skip
         pattern = enc._pat_str if cfg.name else (cfg.pattern or GPT2_PATTERN)
         converted = TikTokenConverter(
             vocab_file=str(ranks), pattern=pattern, additional_special_tokens=[eos_name]

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from elastic_pretrain.rundir import RunFiles
 
 
@@ -17,12 +15,3 @@ def last_committed_step(files: RunFiles) -> int | None:
 
     newest = CheckpointStore(files.checkpoints).newest()
     return newest.step if newest else None
-
-
-def read_text_or_none(path: Path) -> str | None:
-    """Stripped contents of a small marker file, ``None`` if it does not exist or is empty."""
-    try:
-        text = path.read_text().strip()
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    return text or None

@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 
 from elastic_pretrain.checkpoint.preempt import STOP_SIGNALS
+from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import write_atomic
 
 ERRORS_ENV = "ELASTIC_PRETRAIN_ERRORS"
 USER_ERROR_EXIT = 2
@@ -50,11 +52,9 @@ def report_user_error(message: str) -> bool:
     if folder is None:
         return False
     path = folder / f"rank_{int(os.environ['RANK']):05d}"
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(message)
-        os.replace(tmp, path)
-    except OSError:  # e.g. the folder is not shared with this node: print it here after all
+        write_atomic(path, message, root=folder)
+    except (OSError, UserError):  # e.g. the folder is not shared with this node: print it here after all
         return False
     return True
 

@@ -7,7 +7,6 @@ so run directories, job names and option values reach Slurm exactly as given.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 import subprocess
 from pathlib import Path
@@ -16,8 +15,9 @@ from elastic_pretrain.checkpoint.latest import latest_problem
 from elastic_pretrain.checkpoint.store import CheckpointStore
 from elastic_pretrain.config import clip
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import ensure_dir, read_text_or_none, write_atomic
 from elastic_pretrain.launch.config import SlurmConfig
-from elastic_pretrain.launch.layout import last_committed_step, read_text_or_none
+from elastic_pretrain.launch.layout import last_committed_step
 from elastic_pretrain.launch.render import LaunchSpec, render
 from elastic_pretrain.rundir import RunFiles
 from elastic_pretrain.tracking.config import write_private
@@ -104,8 +104,8 @@ def submit(cfg: SlurmConfig, spec: LaunchSpec) -> str:
     files = RunFiles(spec.run_dir)
     check_can_submit(files)
     script = render(cfg, spec)
-    files.slurm_dir.mkdir(parents=True, exist_ok=True)
-    write_private(files.script, script)  # it holds slurm.env values and the overrides: owner-only
+    ensure_dir(files.slurm_dir, root=files.run_dir)  # a planted slurm -> elsewhere is refused, not followed
+    write_private(files.script, script, root=files.run_dir)  # it holds slurm.env values and the overrides: owner-only
     files.cancelled.unlink(missing_ok=True)
     proc = run_slurm(["sbatch", "--parsable", str(files.script)], cwd=spec.workdir)
     if proc.returncode != 0:
@@ -113,9 +113,7 @@ def submit(cfg: SlurmConfig, spec: LaunchSpec) -> str:
     job_id = proc.stdout.strip().split(";")[0]
     if not job_id.isdigit():
         raise UserError(f"sbatch printed {proc.stdout.strip()!r} instead of a job id: check its output above")
-    tmp = files.job_id.with_suffix(".tmp")
-    tmp.write_text(job_id + "\n")
-    os.replace(tmp, files.job_id)
+    write_atomic(files.job_id, job_id + "\n", root=files.run_dir)
     return job_id
 
 
@@ -123,7 +121,7 @@ def read_job_id(files: RunFiles) -> str | None:
     """The job id ``submit`` recorded, or None. It is checked to be a number before any Slurm command
     sees it: a run directory may come from someone else, and a crafted value (``--user=...``) would be
     read by squeue/sacct/scancel as an option."""
-    job_id = read_text_or_none(files.job_id)
+    job_id = read_text_or_none(files.job_id, "job_id")  # a FIFO or /dev/zero there: one line, no hang
     if job_id is not None and not re.fullmatch(r"[0-9]{1,20}", job_id):
         raise UserError(
             f"{files.job_id}: holds {clip(job_id, 40)!r}, not a Slurm job id (a number): delete the file "
@@ -213,7 +211,7 @@ def run_status(run_dir: Path) -> RunStatus:
         last_step=last_committed_step(files),
         latest_problem=latest_problem(CheckpointStore(files.checkpoints)),
         finished=files.finished.exists(),
-        mlflow_run_id=read_text_or_none(files.mlflow_run_id),
+        mlflow_run_id=read_text_or_none(files.mlflow_run_id, "mlflow_run_id"),
         log=str(files.log),
     )
 
@@ -224,7 +222,7 @@ def cancel(run_dir: Path) -> str:
     job_id = read_job_id(files)
     if job_id is None:
         raise UserError(f"{run_dir}: no Slurm job recorded ({files.job_id} is missing): was it submitted from here?")
-    files.cancelled.write_text(job_id + "\n")
+    write_atomic(files.cancelled, job_id + "\n", root=run_dir)
     proc = run_slurm(["scancel", job_id])
     if proc.returncode != 0:
         msg = (proc.stderr or proc.stdout).strip().splitlines()

@@ -289,16 +289,18 @@ def passes_at(logit_L_N: Tensor, threshold: float) -> Tensor:
 
 # ---------------------------------------------------------------------------------------------------
 def save_decider(path: Path, decider: IterationDecider) -> None:
-    """A trained decider as plain tensors + config (loads with ``weights_only``)."""
-    torch.save(
-        {
-            "config": dataclasses.asdict(decider.cfg),
-            "hidden_size": decider.norm_h.normalized_shape[0],
-            "max_loops": decider.max_loops,
-            "state": decider.state_dict(),
-        },
-        path,
-    )
+    """A trained decider as plain tensors + config (loads with ``weights_only``), replacing ``path`` through a
+    new file in the folder the caller named (files.py)."""
+    from elastic_pretrain.files import atomic_file
+
+    state = {
+        "config": dataclasses.asdict(decider.cfg),
+        "hidden_size": decider.norm_h.normalized_shape[0],
+        "max_loops": decider.max_loops,
+        "state": decider.state_dict(),
+    }
+    with atomic_file(Path(path), root=Path(path).parent) as f:
+        torch.save(state, f)
 
 
 def load_decider(path: Path) -> IterationDecider:

@@ -11,6 +11,7 @@ from typing import Any
 
 from elastic_pretrain.config import clip
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import read_bounded
 from elastic_pretrain.tracking.config import ENV_TRACKING_URI, local_store_dir, local_store_uri, redact_uri
 from elastic_pretrain.tracking.mlflow_env import is_transient, make_client, short_error
 from elastic_pretrain.tracking.names import LOSS, SYSTEM_PREFIX, loops_of_val_loss, val_loss_loops
@@ -47,8 +48,8 @@ def _run_info(run_dir: Path | None) -> dict[str, Any]:
     if run_dir is None:
         return {}
     path = local_store_dir(run_dir) / "run.json"
-    try:
-        info = json.loads(path.read_text())
+    try:  # a FIFO or /dev/zero there is a one-line error, not a hang (files.py)
+        info = json.loads(read_bounded(path, "run.json"))
     except (OSError, ValueError):
         return {}
     return info if isinstance(info, dict) else {}

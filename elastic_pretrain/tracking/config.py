@@ -99,12 +99,9 @@ def redact_uri(text: str) -> str:
     return _USERINFO.sub(r"\g<scheme>", text)
 
 
-def write_private(path: Path, text: str) -> None:
-    """Replace ``path`` by ``text`` atomically, readable by the owner only (0600): run metadata that may
-    name a tracking server or environment of the job."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    tmp.replace(path)
+def write_private(path: Path, text: str, *, root: Path) -> None:
+    """Replace ``path`` (below ``root``) by ``text`` atomically, readable by the owner only (0600): run
+    metadata that may name a tracking server or environment of the job (files.write_atomic: no link followed)."""
+    from elastic_pretrain.files import write_atomic
+
+    write_atomic(path, text, root=root, mode=0o600)

@@ -11,8 +11,12 @@ the tracker's background thread and needs no display.
 from __future__ import annotations
 
 import csv
+import io
 import math
 from pathlib import Path
+
+from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import atomic_file, read_text_bounded, write_atomic
 
 PNG_NAME = "quality_budget.png"
 CSV_NAME = "quality_budget.csv"
@@ -30,27 +34,28 @@ History = dict[int, dict[int, float]]  # eval step -> {loop count: validation lo
 def read_table(path: Path) -> History:
     """Evals recorded by an earlier attempt of this run (empty if none or unreadable)."""
     history: History = {}
-    try:
-        with path.open(newline="") as f:
-            for row in csv.DictReader(f):
-                history.setdefault(int(row["step"]), {})[int(row["loops"])] = float(row["val_loss"])
-    except (OSError, KeyError, ValueError):
+    try:  # a regular file of bounded size: a FIFO or a link there is not read (files.py)
+        text = read_text_bounded(path, "quality_budget.csv")
+        for row in csv.DictReader(io.StringIO(text, newline="")):
+            history.setdefault(int(row["step"]), {})[int(row["loops"])] = float(row["val_loss"])
+    except (OSError, KeyError, TypeError, ValueError, UserError):
         return {}
     return history
 
 
-def write_table(path: Path, history: History) -> None:
-    tmp = path.with_suffix(".tmp")
-    with tmp.open("w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["step", "loops", "val_loss", "val_ppl"])
-        for step in sorted(history):
-            for loops, loss in sorted(history[step].items()):
-                w.writerow([step, loops, f"{loss:.6g}", f"{perplexity(loss):.6g}"])
-    tmp.replace(path)  # atomic: an artifact upload never sees half a file
+def write_table(path: Path, history: History, *, root: Path) -> None:
+    """The table replaces ``path`` (below ``root``) atomically: an artifact upload never sees half a file, and
+    a link planted at its name (or a temporary one) is never written through (files.py)."""
+    text = io.StringIO(newline="")
+    w = csv.writer(text)
+    w.writerow(["step", "loops", "val_loss", "val_ppl"])
+    for step in sorted(history):
+        for loops, loss in sorted(history[step].items()):
+            w.writerow([step, loops, f"{loss:.6g}", f"{perplexity(loss):.6g}"])
+    write_atomic(path, text.getvalue(), root=root)
 
 
-def write_plot(path: Path, history: History) -> None:
+def write_plot(path: Path, history: History, *, root: Path) -> None:
     """Two panels (loss, perplexity) vs loop count; latest eval solid, earlier ones faded."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -83,6 +88,5 @@ def write_plot(path: Path, history: History) -> None:
     ax_loss.legend(fontsize=8)
     fig.suptitle(f"quality budget at step {latest}")
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, format="png")
-    tmp.replace(path)
+    with atomic_file(path, root=root) as f:
+        fig.savefig(f, format="png")

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from elastic_pretrain.errors import UserError
 from elastic_pretrain.tracking import quality
 from elastic_pretrain.tracking.buffer import Buffer, Staged
 from elastic_pretrain.tracking.config import TrackingConfig, is_local_sqlite, redact_uri, write_private
@@ -260,8 +261,8 @@ class Sender:
             "run_name": run.info.run_name,
         }
         try:
-            write_private(self.store_dir / "run.json", json.dumps(info, indent=2) + "\n")
-        except OSError as err:
+            write_private(self.store_dir / "run.json", json.dumps(info, indent=2) + "\n", root=self.store_dir.parent)
+        except (OSError, UserError) as err:
             log.warning("could not write %s: %s", self.store_dir / "run.json", err)
 
     def _send_params(self) -> None:
@@ -359,10 +360,9 @@ class Sender:
             self.quality_dirty = False
             history = {s: dict(v) for s, v in self.quality_history.items()}
         out = self.store_dir / "quality_budget"
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            quality.write_table(out / quality.CSV_NAME, history)
-            quality.write_plot(out / quality.PNG_NAME, history)
+        try:  # below the run directory, no link followed (files.py)
+            quality.write_table(out / quality.CSV_NAME, history, root=self.store_dir.parent)
+            quality.write_plot(out / quality.PNG_NAME, history, root=self.store_dir.parent)
         except Exception as err:  # a plotting problem must not cost the metrics
             log.warning("quality-budget plot failed: %s", short_error(err))
             return

@@ -35,6 +35,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from elastic_pretrain.config import flatten
+from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import copy_file, ensure_dir, write_atomic
 from elastic_pretrain.tracking import quality
 from elastic_pretrain.tracking.buffer import Buffer, MetricRow, Staged, TrackerStats
 from elastic_pretrain.tracking.config import TrackingConfig, local_store_dir, redact_uri, resolve_uri
@@ -106,7 +108,7 @@ class MlflowTracker(Tracker):
         self.uri = uri
         self.shown_uri = redact_uri(uri)  # logs never show user:password@
         self.store_dir = local_store_dir(run_dir)
-        self.store_dir.mkdir(parents=True, exist_ok=True)
+        ensure_dir(self.store_dir, root=self.store_dir.parent)  # a planted mlflow -> elsewhere is refused
         prepare_environment(cfg.request_timeout_s)  # before any thread imports mlflow
         self._buf = Buffer(cfg.max_buffered)
         self._sender = Sender(
@@ -195,9 +197,9 @@ class MlflowTracker(Tracker):
             stage = self._stage_dir()
             if path.is_dir():
                 shutil.copytree(path, stage / path.name)
-            else:
-                shutil.copy2(path, stage / path.name)
-        except OSError as err:
+            else:  # a link or a FIFO at the source is refused, not followed (files.py)
+                copy_file(path, stage / path.name, root=self.store_dir)
+        except (OSError, UserError) as err:
             log.warning("artifact %s not logged: %s", path, err)
             return
         self._queue_artifact(Staged(stage / path.name, artifact_path, owned=True))
@@ -205,14 +207,13 @@ class MlflowTracker(Tracker):
     def _stage_dir(self) -> Path:
         self._staged_seq += 1
         stage = self.store_dir / "staging" / f"{os.getpid()}-{self._staged_seq:06d}"
-        stage.mkdir(parents=True, exist_ok=True)
-        return stage
+        return ensure_dir(stage, root=self.store_dir)
 
     def _stage_bytes(self, name: str, data: bytes, artifact_path: str | None) -> None:
         try:
             stage = self._stage_dir()
-            (stage / name).write_bytes(data)
-        except OSError as err:
+            write_atomic(stage / name, data, root=self.store_dir)
+        except (OSError, UserError) as err:
             log.warning("artifact %s not logged: %s", name, err)
             return
         self._queue_artifact(Staged(stage / name, artifact_path, owned=True))

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from elastic_pretrain.files import atomic_path
 from elastic_pretrain.rundir import RunFiles
 from elastic_pretrain.train.config import ProfileConfig
 
@@ -26,7 +27,7 @@ class ProfileWindow:
         log_artifact: Callable[[Path, str], None] = lambda p, a: None,
     ) -> None:
         self.cfg, self.rank, self.log_artifact = cfg, rank, log_artifact
-        self.path = RunFiles(run_dir).profile_trace(rank)
+        self.run_dir, self.path = run_dir, RunFiles(run_dir).profile_trace(rank)
         self.prof: torch.profiler.profile | None = None
         self.done = False
 
@@ -46,8 +47,8 @@ class ProfileWindow:
     def finish(self, step: int) -> None:
         assert self.prof is not None
         self.prof.stop()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.prof.export_chrome_trace(str(self.path))
+        with atomic_path(self.path, root=self.run_dir) as tmp:  # profile/ below the run directory (files.py)
+            self.prof.export_chrome_trace(str(tmp))
         self.prof, self.done = None, True
         if self.rank == 0:
             print(f"profile of steps {self.first}..{step} -> {self.path}", flush=True)

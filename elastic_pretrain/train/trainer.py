@@ -9,6 +9,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -22,6 +23,7 @@ from elastic_pretrain.checkpoint.preempt import StopRequest, stop_reason
 from elastic_pretrain.checkpoint.store import CheckpointStore
 from elastic_pretrain.engine import build_session  # job.engine: megatron or deepspeed
 from elastic_pretrain.eval.loss import loss_by_loops
+from elastic_pretrain.files import append_text, read_text_bounded, read_text_or_none, write_atomic
 from elastic_pretrain.job import JobConfig, write_resolved
 from elastic_pretrain.parallel.mesh import Mesh, describe, every_rank, init_mesh, teardown
 from elastic_pretrain.parallel.strict import enter_strict_devices
@@ -262,18 +264,19 @@ class SummaryWriter:
     def __init__(self, run_dir: Path, mesh: Mesh, resumed_step: int = 0, job: JobConfig | None = None) -> None:
         files = RunFiles(run_dir)
         self.path, self.enabled, self.mesh, self.job = files.summary, mesh.is_logging_rank, mesh, job
-        self.history_path, self.stopped_path = files.history, files.stopped
+        self.root, self.history_path, self.stopped_path = run_dir, files.history, files.stopped
         self.history: list[dict[str, Any]] = []
-        if resumed_step and self.history_path.is_file():  # the steps before the checkpoint, from earlier attempts
-            for line in self.history_path.read_text().splitlines():
+        # the steps before the checkpoint, from earlier attempts
+        if resumed_step and os.path.lexists(self.history_path):
+            for line in read_text_bounded(self.history_path, "history").splitlines():
                 try:
                     entry = json.loads(line)
-                except json.JSONDecodeError:  # a line torn by a kill
+                except (json.JSONDecodeError, RecursionError):  # a line torn by a kill
                     continue
-                if entry["step"] <= resumed_step:
+                if isinstance(entry, dict) and isinstance(entry.get("step"), int) and entry["step"] <= resumed_step:
                     self.history.append(entry)
-        if self.enabled:
-            self.history_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
+        if self.enabled:  # rewritten (a link planted at the name is replaced, not followed), then appended to
+            self._rewrite_history()
             self.stopped_path.unlink(missing_ok=True)  # an earlier start's stop speaks for that start only
         self.routing: dict[str, dict[str, float]] = {}
 
@@ -286,8 +289,7 @@ class SummaryWriter:
         }
         self.history.append(entry)
         if self.enabled:
-            with self.history_path.open("a") as f:
-                f.write(json.dumps(entry) + "\n")
+            append_text(self.history_path, json.dumps(entry) + "\n", root=self.root)
         if result.routing:
             self.routing = {f"{layer}/{p}": stats for (layer, p), stats in result.routing.items()}
 
@@ -297,13 +299,16 @@ class SummaryWriter:
         """The steps after the checkpoint are trained again (on later data): drop their lines."""
         self.history = [h for h in self.history if h["step"] <= state.step]
         if self.enabled:
-            self.history_path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
+            self._rewrite_history()
+
+    def _rewrite_history(self) -> None:
+        write_atomic(self.history_path, "".join(json.dumps(h) + "\n" for h in self.history), root=self.root)
 
     def on_stop(self, state: TrainState, reason: str) -> None:
         self.on_end(state, {}, stopped=reason)
         if self.enabled and reason != "stop_at":  # a stop signal: the batch script requeues on it (docs/slurm.md)
             marker = {"step": state.step, "tokens": state.tokens, "reason": reason}
-            self.stopped_path.write_text(json.dumps(marker) + "\n")
+            write_atomic(self.stopped_path, json.dumps(marker) + "\n", root=self.root)
 
     def on_end(self, state: TrainState, val: dict[int, float], stopped: str | None = None) -> None:
         if self.enabled:
@@ -320,7 +325,7 @@ class SummaryWriter:
                 **depth_summary(self.history),
                 "history": self.history,
             }
-            self.path.write_text(json.dumps(summary, indent=1))
+            write_atomic(self.path, json.dumps(summary, indent=1), root=self.root)
 
 
 def depth_summary(history: list[dict[str, Any]]) -> dict[str, float]:
@@ -368,8 +373,8 @@ class TrackingCallback:
         from elastic_pretrain.tracking.tracker import create_tracker, default_tags
 
         job, mesh = self.job, self.mesh
-        if not self.resume_run_id and run_id_file and self.files.mlflow_run_id.is_file():
-            self.resume_run_id = self.files.mlflow_run_id.read_text().strip() or None
+        if not self.resume_run_id and run_id_file:
+            self.resume_run_id = read_text_or_none(self.files.mlflow_run_id, "mlflow_run_id")
         self.tracker = tracker = create_tracker(
             job.tracking, run_dir=self.files.run_dir, job_name=job.name, rank=mesh.rank,
             resume_run_id=self.resume_run_id,
@@ -436,7 +441,7 @@ class TrackingCallback:
         # after close: a run stopped early may have saved its checkpoint before MLflow answered, and
         # then this file is how the resumed run finds its MLflow run (train())
         if self._tracker.run_id:
-            self.files.mlflow_run_id.write_text(self._tracker.run_id)
+            write_atomic(self.files.mlflow_run_id, self._tracker.run_id, root=self.files.run_dir)
 
 
 def fault_callbacks(job: JobConfig, mesh: Mesh, run_dir: Path, faults: FaultMonitor, tracker: Any) -> list[Any]:
@@ -514,7 +519,7 @@ def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
         val = Trainer(job, mesh, session, callbacks, ckpt, stop, state, faults).fit()
         ckpt.close()
         if val is not None and mesh.is_logging_rank:
-            files.finished.write_text(json.dumps({"step": state.step, "tokens": state.tokens}) + "\n")
+            write_atomic(files.finished, json.dumps({"step": state.step, "tokens": state.tokens}) + "\n", root=run_dir)
         done = True
         return val
     finally:

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import atomic_file
 from elastic_pretrain.rundir import RunFiles
 
 HANG_EXIT_CODE = 124  # like timeout(1): the sbatch script requeues on any non-zero exit (slurm.on_failure=requeue)
@@ -52,7 +54,7 @@ class HangWatchdog:
         poll_s: float = 1.0,
     ) -> None:
         self.timeout_s, self.rank, self.on_fire = timeout_s, rank, on_fire
-        self.path = RunFiles(run_dir).hang_dump(rank)
+        self.run_dir, self.path = run_dir, RunFiles(run_dir).hang_dump(rank)
         self.step, self.last = 0, time.monotonic()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(poll_s,), name="hang-watchdog", daemon=True)
@@ -91,11 +93,13 @@ class HangWatchdog:
             f"for {idle:.0f}s after step {self.step} (train.hang_timeout_s={self.timeout_s:g}); "
             f"stacks in {self.path}; exiting {HANG_EXIT_CODE}"
         )
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "w") as f:
-            f.write(line + "\n\n" + format_stacks() + "\n\nfaulthandler:\n")
-            f.flush()
-            faulthandler.dump_traceback(f, all_threads=True)
+        try:  # hang/ below the run directory, no link followed (files.py); the exit below happens regardless
+            with atomic_file(self.path, root=self.run_dir) as f:
+                f.write((line + "\n\n" + format_stacks() + "\n\nfaulthandler:\n").encode())
+                f.flush()
+                faulthandler.dump_traceback(f, all_threads=True)
+        except (OSError, UserError) as err:
+            line += f" (no stack dump: {err})"
         print(line, file=sys.stderr, flush=True)
         threading.Timer(GRACE_S, os._exit, args=(HANG_EXIT_CODE,)).start()  # reporting never keeps it alive
         started = time.monotonic()

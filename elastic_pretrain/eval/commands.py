@@ -31,9 +31,12 @@ def _eval(args: argparse.Namespace) -> int:
     from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 
     data = load_recipe(args.data) if args.data else None  # the user's: a checkpoint never chooses where data is read
+    ckpt = resolve_checkpoint(Path(args.checkpoint))
+    # --out is the user's folder; the default is inside the checkpoint, which may come from someone else
+    out, root = (Path(args.out), Path(args.out)) if args.out else (CheckpointFiles(ckpt).eval_dir, ckpt)
+    ensure_dir(out, root=root)  # a planted eval -> elsewhere is refused before the evaluation, not after
     init_mesh(ParallelConfig(), seed=0)
     try:
-        ckpt = resolve_checkpoint(Path(args.checkpoint))
         job, model = load_model(ckpt)
         if data is None:
             found = matching_recipe(job.data)
@@ -65,8 +68,6 @@ def _eval(args: argparse.Namespace) -> int:
             lines.append(sweep.markdown())
             lines.append(comparison_table(compare(list(sweep.curves()))))
         report = "\n".join(lines) + "\n"
-        # --out is the user's folder; the default is inside the checkpoint, which may come from someone else
-        out, root = (Path(args.out), Path(args.out)) if args.out else (CheckpointFiles(ckpt).eval_dir, ckpt)
         written = write_report(out, root, report, curve, sweep)
         print(report + f"\nwritten: {', '.join(str(w) for w in written)}")
         if not args.no_track:

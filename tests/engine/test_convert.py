@@ -126,3 +126,23 @@ def test_a_weights_only_conversion_evaluates_to_the_same_loss_per_loop(runs: Pat
     back = convert(mega, tmp_path / "back", zero_stage=1, optimizer=False)
     assert is_deepspeed(back) and (back.parent / "latest").is_file()
     assert losses_per_loop(back) == want
+
+
+def test_convert_copies_only_the_listed_rng_files(runs: Path, tmp_path: Path, mesh1: Any) -> None:
+    """Issue 35 item 6, the report's input: ``rng/rank_00009.pt -> ~/secret`` beside the listed RNG file of a
+    shared checkpoint. It came out of the conversion as a regular file holding the secret; now only the
+    files COMMITTED lists are copied, each a regular file (engine/convert.py:copy_rng)."""
+    import shutil
+
+    from elastic_pretrain.engine.convert import convert
+
+    secret = tmp_path / "home" / "secret"
+    secret.parent.mkdir()
+    secret.write_text("the user's own file\n")
+    step = tmp_path / "shared" / "checkpoints" / "step_2"
+    shutil.copytree(runs / "ds" / "checkpoints" / "step_2", step)
+    (step / "rng" / "rank_00009.pt").symlink_to(secret)
+    out = convert(step, tmp_path / "converted", optimizer=False)
+    assert sorted(p.name for p in (out / "rng").iterdir()) == ["rank_00000.pt"]
+    assert (out / "rng" / "rank_00000.pt").read_bytes() == (step / "rng" / "rank_00000.pt").read_bytes()
+    assert not any(b"the user's own file" in p.read_bytes() for p in out.rglob("*") if p.is_file())

@@ -74,6 +74,25 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("elastic_pretrain/data/shards.py", "WDSSink.__init__", "directory.mkdir"): (
         "a new split folder of prepare-data's output (exist_ok=False: an existing one, or a link, is an error)"
     ),
+    ("elastic_pretrain/data/shards.py", "StreamFiles.claim_cache", "self.root.mkdir"): (
+        "the cache root the user's recipe names (data.local), created if missing; never a path from a checkpoint"
+    ),
+    ("elastic_pretrain/data/shards.py", "StreamFiles.claim_cache", "os.open(write flags)"): (
+        "the cache marker, created with O_CREAT | O_EXCL | O_NOFOLLOW: a link at its name fails the create"
+    ),
+    # --- folders the user names on the command line, created or probed before anything is written
+    ("elastic_pretrain/train/commands.py", "_prepare_run_dir", "run_dir.mkdir"): (
+        "the run directory the user names (--run-dir or runs/<name>), refused first if it is a link"
+    ),
+    ("elastic_pretrain/train/commands.py", "_prepare_run_dir", "probe.touch"): (
+        "touch(exist_ok=False) is O_CREAT | O_EXCL: a link at the probe's name fails the create, never followed"
+    ),
+    ("elastic_pretrain/experiments/runner.py", "check_runs_root", "runs_root.mkdir"): (
+        "the --runs folder the user names, created if missing"
+    ),
+    ("elastic_pretrain/cli.py", "main", "os.open(write flags)"): (
+        "opens /dev/null to take stdout after a broken pipe: nothing is written to a file"
+    ),
     ("elastic_pretrain/data/shards.py", "_file_lock", "path.parent.mkdir"): (
         "the dataset cache folder of a remote stream (data/shards.py; issue 35 item 3 checks the cache root)"
     ),

@@ -28,7 +28,7 @@ A name read from a manifest or a checkpoint's metadata becomes a path only if :f
 (one file name: no separator, not ``.``/``..``) and the joined path stays inside its directory (:func:`inside`,
 links followed).
 
-``tests/security/test_run_dir_files.py`` walks the syntax tree of every module and fails on a write that does
+``tests/security/test_no_unsafe_writes.py`` walks the syntax tree of every module and fails on a write that does
 not come through here (an allow-list names the exceptions, each with its reason).
 """
 

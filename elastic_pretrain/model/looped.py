@@ -423,12 +423,17 @@ class LoopedMoEModel(LanguageModule):
         own passes this rank joins each remaining call with zero tokens (forward, and — through the
         returned ``ghost`` scalar, which the caller adds to its loss times zero — backward too).
         Ghost calls come after every real one, so the collectives line up in both directions.
+        The heads (coda + final norm) run last, after the ghost passes, in exit order, as the DeepSpeed path's
+        :meth:`_run_with_full_ghosts` does: with MoE edge layers (``model.edge_mlp: moe``) each coda layer is an
+        all-to-all of the same group, so a head run between passes would pair with a partner's core-layer call and
+        send tokens to the wrong layer's experts (issue 30, item 4). Every member then issues the same sequence:
+        ``sync_loops`` passes of core calls, then one coda run per exit (the samplers give every member of a group
+        as many exits).
         ``keep``: a list that receives the token embedding, then the hidden state after each pass.
         """
         self.cfg.check_loops(loops)
         rope = self.rotary_pos_emb(input_ids_BT.shape[1])
         h_TBD = self._embed(input_ids_BT, rope, keep)
-        out: dict[int, Tensor] = {}
         if self.ghosts == "full_passes":
             return self._run_with_full_ghosts(h_TBD, rope, loops=loops, exits=exits, sync_loops=sync_loops or loops,
                                               keep=keep), None
@@ -437,17 +442,18 @@ class LoopedMoEModel(LanguageModule):
             kv = self._final_kv(h_TBD, loops, exits, sync_loops, rope)  # at ℓ = 1 only to pair with deeper EP partners
             # at ℓ = 1 the final K/V are pass 0's: same-pass attention, whose gradient reaches the earlier tokens' K/V
             kv = kv if loops > 1 else None
+        states: dict[int, Tensor] = {}
         for j in range(loops):
             h_TBD = self._core_pass(h_TBD, j, loops, rope, kv=kv)
             if keep is not None:
                 keep.append(h_TBD)
             if j + 1 in exits:
-                out[j + 1] = self._head_states(h_TBD, rope, kv)
+                states[j + 1] = h_TBD
         ghost = None
         for _ in range(loops, sync_loops or loops):
             g = self._ghost_pass(h_TBD)
             ghost = g if ghost is None else ghost + g
-        return out, ghost
+        return {e: self._head_states(states[e], rope, kv) for e in sorted(states)}, ghost
 
     def _run_with_full_ghosts(self, h_TBD: Tensor, rope: Tensor, *, loops: int, exits: Sequence[int], sync_loops: int,
                               keep: list[Tensor] | None) -> dict[int, Tensor]:

@@ -86,6 +86,16 @@ class JobConfig:
                 "parallel.pipeline=1, no decider, a sampler other than telescopic/fixed_exits, "
                 "or model.kv_training=same_pass"
             )
+        if (self.model.edge_mlp == "moe" and self.parallel.pipeline > 1 and self.parallel.expert > 1
+                and self.schedule.sampler == "telescopic"):
+            # the pipeline computes an extra exit's coda in the chunk of its pass (train/step.py _ChunkForward);
+            # members of an expert-parallel group draw their own exits, so one member's coda all-to-all would pair
+            # with its partner's core-layer call (issue 30, item 4: model/looped.py defers the heads; chunks cannot)
+            raise ConfigError(
+                "model.edge_mlp=moe with parallel.pipeline > 1 and parallel.expert > 1: the telescopic exits of an "
+                "expert-parallel group's members run their MoE coda at different chunks; use model.edge_mlp=dense, "
+                "parallel.pipeline=1, or a sampler other than telescopic"
+            )
         if self.schedule.balance != "off" and self.parallel.pipeline > 1:
             raise ConfigError(  # the pipeline schedule needs the same micro-batch count (a multiple of PP) everywhere
                 f"schedule.balance: {self.schedule.balance} deals replicas different numbers of micro-batches, which "

@@ -104,3 +104,19 @@ def test_members_with_different_plans_issue_the_same_all_to_alls(mesh1, plans, r
     assert len(a) == 4 * (1 + len(plans[0][1])) + (6 if recompute == "pass" else 4) * core_calls, a
     assert [t for t in a if t.startswith("coda")], a
 
+
+def test_pipeline_with_moe_edge_layers_refuses_telescopic_exits_under_expert_parallelism():
+    """The pipeline computes an extra exit's coda in the chunk of its pass, which members of an expert-parallel
+    group with different telescopic exits reach at different points: refused in one line, naming the fixes."""
+    from elastic_pretrain.config import ConfigError
+    from elastic_pretrain.job import load_job
+    from tests.conftest import REPO
+
+    job = REPO / "jobs" / "tiny-cpu.yaml"
+    pp_ep = ["parallel=cpu-pp2", "parallel.expert=2", "model.edge_mlp=moe", "schedule.sampler=telescopic",
+             "model.loop_conditioning=false", "model.flatten=1"]
+    with pytest.raises(ConfigError, match=r"model.edge_mlp=moe with parallel.pipeline > 1 and parallel.expert > 1.*"
+                                          r"use model.edge_mlp=dense, parallel.pipeline=1, or a sampler"):
+        load_job(job, pp_ep)
+    for fix in ("model.edge_mlp=dense", "parallel.expert=1", "schedule.sampler=independent_rank"):
+        load_job(job, [*pp_ep, fix])  # each fix is accepted

@@ -1,6 +1,6 @@
 """GPU-only checks (``pytest -m gpu``; skipped without CUDA): the TE-spec model trains with FP8 inside
 the forward, per-pass recompute gives the TE model's gradients, and the memory estimate's per-pass
-growth matches the measured peak. bench/gpu_check.sh runs these after bench/gpu_check.py."""
+growth matches the measured peak. bench/gpu_check.sh runs these (its pytest_gpu section)."""
 
 from __future__ import annotations
 

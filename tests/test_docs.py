@@ -42,7 +42,7 @@ ALLOWED: dict[str, str] = {
     "docs/data.md: ../x": "a hostile manifest shard name quoted as an example (refused), not a link",
     "docs/export.md: model.safetensors": "a file of an export folder (docs/export.md), not a config key",
     "docs/security.md: model.safetensors": "a file of an export folder (docs/export.md), not a config key",
-    "docs/gpu.md: bench/.deps/": "made by bench/gpu_check.sh --prepare-deps (git-ignored), not shipped",
+    "docs/gpu.md: bench/.wheels/": "made by bench/gpu_deps.sh download (git-ignored), not shipped",
 }
 # paths inside a run directory that share a name with a repository folder -> why
 RUN_DIR_FILES = {

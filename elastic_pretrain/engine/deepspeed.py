@@ -348,12 +348,13 @@ class DeepSpeedSession(Session):
         assert self.ds_tensors is not None
         return self.ds_tensors
 
-    def describe(self) -> str:
-        """As the megatron session's, counting ZeRO-3's partitioned parameters at their full size."""
+    def rank_parameters(self) -> tuple[int, str]:
+        """ZeRO-3's partitioned parameters counted at their full size."""
         n = sum(getattr(p, "ds_numel", p.numel()) for p in self.net.parameters())
-        where = "partitioned over the ranks" if self.job.deepspeed.zero_stage == 3 else "on this rank"
-        rest = super().describe().split(" on this rank", 1)[1]
-        return f"model: {n / 1e6:.2f}M parameters {where}{rest} | engine deepspeed ZeRO-{self.job.deepspeed.zero_stage}"
+        return n, "partitioned over the ranks" if self.job.deepspeed.zero_stage == 3 else "on this rank"
+
+    def describe(self) -> str:
+        return f"{super().describe()} | engine deepspeed ZeRO-{self.job.deepspeed.zero_stage}"
 
     def on_switch_to_mixed(self, step: int) -> None:
         unused = self.controller.unused_passes()

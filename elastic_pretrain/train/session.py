@@ -72,15 +72,19 @@ class Session:
         """The session's other checkpointed state, by its name in ``trainer.json``."""
         return {"scheduler": self.scheduler, "controller": ControllerState(self), "data": self.batches}
 
+    def rank_parameters(self) -> tuple[int, str]:
+        """The parameters this rank holds, and where they are, for the banner."""
+        return sum(p.numel() for p in self.net.parameters()), "on this rank"
+
     def describe(self) -> str:
         """The banner: the shape as the job file states it and as flattened (Foil), and one parameter line."""
         from elastic_pretrain.model.params import count_parameters, format_count
 
-        n_params = sum(p.numel() for p in self.net.parameters())
+        n_params, where = self.rank_parameters()
         n_train = sum(p.numel() for p in self.net.parameters() if p.requires_grad)
         cfg, sched = self.job.model, self.job.schedule
         counts = count_parameters(cfg)
-        here = f"; {format_count(n_params)} on this rank" if n_params != counts.total else ""
+        here = f"; {format_count(n_params)} {where}" if n_params != counts.total else ""
         trained = f", {format_count(n_train)} trained" if n_train != n_params else ""
         flat = (f" -> flattened x{cfg.flatten}: {cfg.core_layers_built} x {cfg.max_loops} passes x "
                 f"{cfg.experts_built} experts" if cfg.flatten != 1 else "")  # fmt: skip

@@ -178,3 +178,17 @@ def test_the_step_goes_where_each_optimizer_keeps_it(group_step_adam) -> None:
     assert fused.param_groups[0]["step"] == 5 and type(fused.param_groups[0]["step"]) is int
     assert "step" not in fused.param_groups[1] and "step" not in fused.state[a]  # empty groups never count
     assert torch_adam.state[b]["step"].item() == 5.0 and "step" not in torch_adam.param_groups[0]
+
+
+def test_engine_conversion_reads_and_installs_a_group_step(mesh1, group_step_adam) -> None:
+    """``convert-checkpoint`` (engine/full_state.py) carries the step through the same two functions."""
+    from elastic_pretrain.engine.full_state import install_megatron, read_megatron
+    from tests.dist.ckpt_reshard import build
+
+    net, _, optimizer = build("single")
+    optim_state.set_adam_step(optimizer, 4.0)
+    state = read_megatron(net, optimizer)
+    assert state.step == 4
+    other_net, _, other = build("single")
+    install_megatron(other_net, other, state)
+    assert {g["step"] for o in optim_state.optimizers(other) for g in o.optimizer.param_groups if g["params"]} == {4}

@@ -19,6 +19,11 @@ EP 2→1 cannot load. The boxes here use megatron's uneven-sharding path (``axis
 saved as DCP chunks through ``LocalShardsContainer``); a parameter that a ``ShardedTensorFactory``
 saves in parts (SwiGLU's ``linear_fc1``: two halves) is split into those parts first, found by running
 the factory on a meta tensor.
+
+Adam's step count is one number, saved in ``trainer.json``; it lives wherever the optimizer keeps it
+(:func:`step_home`): torch's Adam keeps it per parameter (``state[p]["step"]``, a tensor), Transformer
+Engine's and Apex's ``FusedAdam`` — what megatron builds on CUDA — in each param group (``group["step"]``,
+an int, incremented before the update; empty groups never count). Losing it restarts bias correction.
 """
 
 from __future__ import annotations
@@ -27,13 +32,14 @@ import dataclasses
 import math
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTensor, ShardedTensorFactory
 
+from elastic_pretrain.errors import UserError
 from elastic_pretrain.parallel.device import device
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
@@ -71,16 +77,85 @@ def _is_distributed(opt: Any) -> bool:
 
 
 def ensure_state(optimizer: Any) -> None:
-    """Allocate Adam state (zeros, step 0) where it does not exist yet, so it can be loaded into."""
+    """Allocate Adam state (zeros, step 0) where it does not exist yet, so it can be loaded into. The step
+    goes where the optimizer keeps it: a per-parameter ``step`` in FusedAdam's state would break its
+    ``state_dict`` (it unscales every state entry by name)."""
     for opt in optimizers(optimizer):
         inner = opt.optimizer
-        for group in inner.param_groups:
+        home = step_home(inner)
+        for group in _groups(inner):
+            if home == "group":
+                group.setdefault("step", 0)
             for p in group["params"]:
                 state = inner.state[p]
                 if not state:
-                    state["step"] = torch.tensor(0.0)
+                    if home == "state":
+                        state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _groups(inner: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The param groups that hold parameters: FusedAdam skips empty groups, whose step never counts."""
+    return [g for g in inner.param_groups if g["params"]]
+
+
+def _group_step_classes() -> tuple[type, ...]:
+    """Optimizer classes that keep Adam's step in the param group: the fused Adam megatron picks when
+    Transformer Engine (or Apex) imports; its distributed optimizer reads ``group["step"]`` "for TE
+    FusedAdam support" (megatron-core 0.16.1 ``distrib_optimizer.py``: ``state_dict``)."""
+    from megatron.core import optimizer as mcore_optimizer
+
+    return () if mcore_optimizer.USING_PYTORCH_OPTIMIZER else (mcore_optimizer.Adam,)
+
+
+def step_home(inner: torch.optim.Optimizer) -> Literal["group", "state"]:
+    """Where ``inner`` keeps Adam's step: once it has stepped, where the step is; before, by its class."""
+    groups = _groups(inner)
+    if any("step" in g for g in groups):
+        return "group"
+    if any("step" in inner.state.get(p, {}) for g in groups for p in g["params"]):
+        return "state"
+    if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        return "state"  # torch keeps a per-parameter step tensor from the first step on
+    if isinstance(inner, _group_step_classes()):
+        return "group"
+    raise UserError(
+        f"optimizer {type(inner).__module__}.{type(inner).__qualname__} keeps Adam's step neither in its param "
+        "groups nor in its per-parameter state, so a checkpoint cannot save it: use torch's Adam/AdamW or "
+        "Transformer Engine's/Apex's FusedAdam (what megatron-core builds)"
+    )
+
+
+def local_adam_step(optimizer: Any) -> float:
+    """Adam's step count on this rank (the largest of its optimizers'; 0 before the first step)."""
+    step = 0.0
+    for opt in optimizers(optimizer):
+        inner = opt.optimizer
+        home = step_home(inner)
+        for g in _groups(inner):
+            values = ([g.get("step", 0)] if home == "group"
+                      else [inner.state.get(p, {}).get("step", 0) for p in g["params"]])
+            step = max([step, *(float(v) for v in values)])
+    return step
+
+
+@torch.no_grad()
+def set_adam_step(optimizer: Any, step: float) -> None:
+    """Set Adam's step count where each optimizer keeps it, in its own type (FusedAdam: an int, or a tensor
+    when capturable; torch: a tensor per parameter) — after :func:`ensure_state`."""
+    for opt in optimizers(optimizer):
+        inner = opt.optimizer
+        home = step_home(inner)
+        for g in _groups(inner):
+            if home == "group":
+                if isinstance(g.get("step"), torch.Tensor):
+                    g["step"].fill_(step)
+                else:
+                    g["step"] = round(step)
+                continue
+            for p in g["params"]:
+                inner.state[p]["step"].fill_(step)
 
 
 def _main_params(opt: Any) -> dict[int, torch.Tensor]:
@@ -284,13 +359,7 @@ def sharded_optimizer_state(optimizer: Any, model_sharded: ShardedStateDict) -> 
     out: ShardedStateDict = {}
     for state, name, e, piece in _walk(optimizer, model_sharded):
         out.setdefault(state, {})[name] = _sharded(piece, _local(e, state, piece).float())
-    step = 0.0
-    by_param = _param_index(model_sharded)
-    for opt in optimizers(optimizer):
-        for e in _entries(opt, by_param):
-            if "step" in e.tensors:
-                step = max(step, float(e.tensors["step"]))
-    t = torch.tensor([step], dtype=torch.float64, device=device())
+    t = torch.tensor([local_adam_step(optimizer)], dtype=torch.float64, device=device())
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)  # a rank may own no slice of some optimizer
     return out, float(t.item())
@@ -312,8 +381,4 @@ def load_optimizer_state(optimizer: Any, model_sharded: ShardedStateDict, loaded
     for state, name, e, piece in _walk(optimizer, model_sharded):
         dst = _local(e, state, piece)
         dst.copy_(loaded[state][name].reshape(-1).to(dst.dtype))
-    by_param = _param_index(model_sharded)
-    for opt in optimizers(optimizer):
-        for e in _entries(opt, by_param):
-            if "step" in e.tensors:
-                e.tensors["step"].fill_(step)
+    set_adam_step(optimizer, step)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import logging
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,8 +32,11 @@ import torch
 from torch.distributed.checkpoint import default_planner, filesystem
 from torch.distributed.checkpoint.api import CheckpointException
 
+from elastic_pretrain.checkpoint.spec_keys import map_spec_keys
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import inside, is_plain_name
+
+log = logging.getLogger(__name__)
 
 _DCP = "torch.distributed.checkpoint"
 METADATA_FILE = ".metadata"  # DCP's name (filesystem._metadata_fn)
@@ -170,12 +174,17 @@ def load_sharded(
     # First the metadata on its own: inside DCP a refusal is logged with a traceback before it is raised
     try:
         with open(path / METADATA_FILE, "rb") as f:
-            _check_metadata(load_metadata(f), path)
+            meta = load_metadata(f)
+        _check_metadata(meta, path)
     except Exception as err:  # missing, truncated, a refused global, a data file outside, ...
         raise UserError(
             f"{path / METADATA_FILE}: cannot load ({_one_line(err)}); the checkpoint is damaged or not one "
             "of ours: use another checkpoint"
         ) from None
+    # a checkpoint of the other layer spec (TE on a GPU, local on CPU) names MoE pre-MLP norms its way
+    if renamed := map_spec_keys(sharded_state_dict, meta.state_dict_metadata.keys()):
+        log.info("%s: %d keys read under the other layer spec's names (e.g. %s as %s)", path, len(renamed),
+                 *renamed[0])
     try:
         with torch.no_grad(), restricted_unpickling():
             return dict(dist_checkpointing.load(sharded_state_dict, str(path), sharded_strategy=strategy))

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from elastic_pretrain.checkpoint.file_write import write_buckets
+from elastic_pretrain.internals import write_results_queue
 
 WriteBucket = tuple[Any, str, tuple[list[Any], list[Any]]]  # filesystem_async.WriteBucket: one file's writes
 
@@ -125,7 +126,7 @@ class SnapshotWriter(filesystem_async.FileSystemWriterAsync):
                     path = os.path.join(self.checkpoint_dir, name)
                     self.write_buckets.append((path, name, (bytes_data, tensor_data)))
         assert len(self.write_buckets) <= self.thread_count, (len(self.write_buckets), self.thread_count)
-        self.results_queue = filesystem_async._get_write_results_queue() if self.write_buckets else None
+        self.results_queue = write_results_queue() if self.write_buckets else None
         global _last_writer
         _last_writer = self
 
@@ -258,7 +259,7 @@ class SnapshotSaveStrategy(TorchDistSaveShardedStrategy):
              ([(item, pickled(item.index.fqn)) for item, _ in bytes_data], tensor_data))
             for _, name, (bytes_data, tensor_data) in plan.buckets
         ]  # fmt: skip
-        writer.results_queue = filesystem_async._get_write_results_queue() if writer.write_buckets else None
+        writer.results_queue = write_results_queue() if writer.write_buckets else None
         metadata = self.cached_global_metadata if dist_wrapper.is_coordinator else None
         return self._get_save_and_finalize_callbacks(writer, (writer, metadata, dist_wrapper))
 

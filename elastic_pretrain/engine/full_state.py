@@ -195,10 +195,11 @@ def _megatron_entries(net: Any, optimizer: Any) -> list[tuple[str, Any]]:
 @torch.no_grad()
 def read_megatron(net: Any, optimizer: Any) -> FullState:
     """The full state of megatron-core's optimizer over ``net`` on a one-rank mesh (after ``load_tensors``)."""
+    from elastic_pretrain.checkpoint import optim_state
+
     weights = {n: t.detach().float().clone() for n, t in net.state_dict().items()
                if isinstance(t, torch.Tensor) and not n.endswith("_extra_state")}
     moments: dict[str, dict[str, torch.Tensor]] = {k: {} for k in MOMENTS}
-    adam_step = 0
     for name, e in _megatron_entries(net, optimizer):
         shape = e.param.shape
         weights[name] = e.tensors["param"].detach().float().view(shape).clone() if "param" in e.tensors else \
@@ -206,8 +207,8 @@ def read_megatron(net: Any, optimizer: Any) -> FullState:
         for key in MOMENTS:
             moments[key][name] = (e.tensors[key].view(shape).clone() if key in e.tensors
                                   else torch.zeros(shape, dtype=torch.float32))
-        adam_step = max(adam_step, int(float(e.tensors.get("step", 0))))
-    return FullState(weights=weights, exp_avg=moments["exp_avg"], exp_avg_sq=moments["exp_avg_sq"], step=adam_step)
+    return FullState(weights=weights, exp_avg=moments["exp_avg"], exp_avg_sq=moments["exp_avg_sq"],
+                     step=int(optim_state.local_adam_step(optimizer)))
 
 
 @torch.no_grad()
@@ -227,5 +228,4 @@ def install_megatron(net: Any, optimizer: Any, state: FullState) -> None:
         e.tensors["param"].view(-1).copy_(state.weights[name].reshape(-1))
         for key in MOMENTS:
             e.tensors[key].view(-1).copy_(state.moments(key)[name].reshape(-1))
-        if "step" in e.tensors:
-            e.tensors["step"].fill_(float(state.step))
+    optim_state.set_adam_step(optimizer, float(state.step))

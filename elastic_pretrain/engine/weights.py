@@ -11,6 +11,7 @@ import torch
 
 from elastic_pretrain.checkpoint.store import MODEL_DIR
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.internals import require
 
 
 def import_deepspeed() -> Any:
@@ -33,6 +34,7 @@ def import_deepspeed() -> Any:
         ) from None
     if cpu:
         deepspeed.ops.__compatible_ops__[SHM_COMM_OP] = False  # read by deepspeed.comm.torch.build_shm_op
+    require("deepspeed")  # a private name the engine uses, gone in this version: one line
     return deepspeed
 
 

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from elastic_pretrain.config import ConfigError
+from elastic_pretrain.internals import require
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.model.decider import DeciderConfig
 from elastic_pretrain.model.looped import LayerSpecs, LoopedMoEModel
@@ -226,6 +227,7 @@ def build_model(
     DDP, see :func:`transformer_config`)."""
     from megatron.core import parallel_state
 
+    require("megatron", "torch")  # a private name the model or checkpoints use, gone in this version: one line
     check_pipeline(model, parallel)
     tconfig = transformer_config(model, parallel, recompute=recompute, main_grad=main_grad)
     net = LoopedMoEModel(model, tconfig, layer_specs(model),

@@ -111,7 +111,6 @@ PRIVATE: tuple[Private, ...] = (
             "(self, point: str, tokens_per_expert: Optional[torch.Tensor] = None) -> torch.Tensor"),
     # checkpoint/optim_state.py, train/session.py: the distributed optimizer's shard of each parameter
     Private(f"{_DIST_OPT}._get_model_param_range_map", "(self, param: torch.nn.parameter.Parameter)"),
-    Private(f"{_DIST_OPT}._get_main_param_and_optimizer_states", "(self, model_param)"),
     # torch
     Private("torch._C:_current_graph_task_id"),  # parallel/overlap.py: inside a backward?
     Private(f"{_DCP_FS}:_StorageInfo",

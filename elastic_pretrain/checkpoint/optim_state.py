@@ -186,7 +186,7 @@ def _entries(opt: Any, by_param: dict[int, tuple[str, Any]]) -> Iterator[_Entry]
                 yield _Entry(key, p, sharded, 0, 0, {})
                 continue
             r = opt._get_model_param_range_map(p)["param"]
-            yield _Entry(key, p, sharded, r.start, r.end, opt._get_main_param_and_optimizer_states(p))
+            yield _Entry(key, p, sharded, r.start, r.end, owned_states(opt, p))
         else:
             main = mains[id(p)]
             yield _Entry(
@@ -200,6 +200,44 @@ def _entries(opt: Any, by_param: dict[int, tuple[str, Any]]) -> Iterator[_Entry]
                     **{k: (v.view(-1) if k != "step" else v) for k, v in opt.optimizer.state[main].items()},
                 },
             )
+
+
+def _group_order(opt: Any) -> dict[int, tuple[int, int]]:
+    """id(model parameter) -> (param group, position) of its main shard in the distributed optimizer's groups.
+
+    megatron-core 0.16.1's ``_get_main_param_and_optimizer_states`` indexes a param group by the parameter's
+    position among all the group's parameters, but ``_build_model_and_main_param_groups`` rebuilds each group
+    as its fp32 parameters first, then the main copies of its bf16/fp16 ones. In a group that mixes both (a
+    bf16 model with fp32 loop-conditioning embeddings) it returns *another parameter's* state: the first save
+    crashed where the shapes differ, and where they agree the checkpoint held swapped Adam moments under the
+    model-space keys, wrong after any reshard. The positions here follow the groups as rebuilt."""
+    out: dict[int, tuple[int, int]] = {}
+    for g, (fp32, low) in enumerate(zip(opt.model_fp32_groups, opt.model_float16_groups, strict=True)):
+        for i, p in enumerate(fp32):
+            out[id(p)] = (g, i)
+        for j, p in enumerate(low):
+            out[id(p)] = (g, len(fp32) + j)
+    return out
+
+
+_ORDERS: weakref.WeakKeyDictionary[Any, dict[int, tuple[int, int]]] = weakref.WeakKeyDictionary()
+
+
+def owned_states(opt: Any, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+    """The main shard ("param") and optimizer states of model parameter ``p`` in a distributed optimizer: what
+    megatron's ``_get_main_param_and_optimizer_states`` returns, at the position :func:`_group_order` gives."""
+    order = _ORDERS.get(opt)
+    if order is None:
+        order = _ORDERS[opt] = _group_order(opt)
+    g, i = order[id(p)]
+    main = opt.optimizer.param_groups[g]["params"][i]
+    if opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:  # the optimizer keeps the fp32 master copy
+        inner = opt.optimizer
+        plain = type(inner).__name__ == "HybridDeviceOptimizer"
+        tensors = {k: inner.state[main][k] if plain else inner.get_unscaled_state(main, k) for k in inner.state[main]}
+        tensors["param"] = tensors.pop("master_param")
+        return tensors
+    return {"param": main, **opt.optimizer.state[main]}
 
 
 def _param_index(model_sharded: ShardedStateDict) -> dict[int, tuple[str, Any]]:

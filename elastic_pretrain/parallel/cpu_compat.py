@@ -259,8 +259,21 @@ def _checkpoint_rng() -> None:
     from megatron.core.tensor_parallel import random as mrandom
 
     # No CUDA generator to save or restore: the CPU generator and the (CPU) tracker states still are.
-    mrandom._get_cuda_rng_state = lambda *a, **k: None
-    mrandom._set_cuda_rng_state = lambda *a, **k: None
+    mrandom._get_cuda_rng_state = _no_op_for(mrandom._get_cuda_rng_state)
+    mrandom._set_cuda_rng_state = _no_op_for(mrandom._set_cuda_rng_state)
+
+
+def _no_op_for(original: Any) -> Any:
+    """A stand-in returning None that still reports ``original``'s signature (``inspect.signature`` follows
+    ``__wrapped__``): the private-name check (tests/test_private_names.py) sees megatron's, patched or not."""
+    if getattr(original, "__wrapped__", None) is not None:  # applied twice
+        return original
+
+    def no_op(*a: Any, **k: Any) -> None:
+        return None
+
+    no_op.__wrapped__ = original  # type: ignore[attr-defined]
+    return no_op
 
 
 def _sharded_tensor_init_data() -> None:

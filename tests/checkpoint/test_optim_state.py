@@ -86,3 +86,39 @@ def test_one_process_saves_megatrons_global_tensors_and_loads_them_bitwise(mesh1
 
 
 STATES = ("exp_avg", "exp_avg_sq")
+
+
+@pytest.mark.parametrize("distributed", [True, False])
+def test_each_parameters_own_state_in_a_group_mixing_bf16_and_fp32(mesh1, distributed: bool) -> None:
+    """A bf16 model keeps its loop-conditioning embeddings in fp32, so a param group holds both. megatron
+    0.16.1's ``_get_main_param_and_optimizer_states`` then handed back *another* parameter's state (its group
+    is rebuilt fp32-first): the first save of such a run crashed, or saved swapped moments where the shapes
+    agreed. Every entry's main copy must be its own parameter (equal values) with moments of its size."""
+    from elastic_pretrain.checkpoint.optim_state import _entries, _param_index, ensure_state, optimizers
+    from elastic_pretrain.job import load_job
+    from elastic_pretrain.parallel.megatron import build_model
+    from elastic_pretrain.parallel.mesh import ParallelConfig
+    from elastic_pretrain.train.session import build_optimizer, wrap_ddp
+    from tests.conftest import REPO
+
+    job = load_job(REPO / "jobs" / "tiny-cpu.yaml", [
+        "model.dtype=bf16", "model.loop_conditioning=true", f"train.distributed_optimizer={str(distributed).lower()}",
+        "parallel=single", "train.steps=10", "train.warmup_steps=0"])  # fmt: skip
+    net = build_model(job.model, ParallelConfig())
+    optimizer, _ = build_optimizer(job, wrap_ddp(job, net))
+    ensure_state(optimizer)
+    dtypes = {p.dtype for p in net.parameters()}
+    assert dtypes == {torch.bfloat16, torch.float32}, dtypes  # the premise: a group mixing both
+    by_param = _param_index(net.sharded_state_dict())
+    seen = 0
+    for opt in optimizers(optimizer):
+        for e in _entries(opt, by_param):
+            if e.end == e.start:
+                continue
+            size = e.end - e.start
+            assert e.tensors["param"].numel() == size, e.key
+            assert all(e.tensors[s].numel() == size for s in STATES), e.key
+            mine = e.param.detach().reshape(-1)[e.start : e.end].float()
+            assert torch.equal(e.tensors["param"].reshape(-1).float(), mine), e.key
+            seen += 1
+    assert seen == sum(1 for _ in net.parameters())

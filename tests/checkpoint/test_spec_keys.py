@@ -48,7 +48,7 @@ def _state(net: Any, optimizer: Any, te_names: set[str] | None) -> dict[str, tor
     out = dict(weights)
     for opt in optim_state.optimizers(optimizer):
         for p in opt.model_param_group_index_map:
-            tensors = opt._get_main_param_and_optimizer_states(p)
+            tensors = optim_state.owned_states(opt, p)
             for moment in optim_state.ADAM_STATES:
                 out[f"{moment}:{names[id(p)]}"] = tensors[moment].view(p.shape)
     if te_names is None:
@@ -68,7 +68,7 @@ def _fill(net: Any, optimizer: Any, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=g))
         for opt in optim_state.optimizers(optimizer):
             for p in opt.model_param_group_index_map:
-                tensors = opt._get_main_param_and_optimizer_states(p)
+                tensors = optim_state.owned_states(opt, p)
                 tensors["param"].copy_(p.view(-1))
                 for moment in optim_state.ADAM_STATES:
                     tensors[moment].copy_(torch.rand(tensors[moment].shape, generator=g))

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_pretrain.checkpoint.manager import load_tensors, save_tensors
-from elastic_pretrain.checkpoint.optim_state import ensure_state, optimizers
+from elastic_pretrain.checkpoint.optim_state import ensure_state, optimizers, owned_states
 from elastic_pretrain.job import load_job
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import Mesh, ParallelConfig, init_mesh, teardown
@@ -80,7 +80,7 @@ def owned_slices(optimizer: Any, net: Any) -> list[tuple[str, Any, int, int, dic
     for opt in optimizers(optimizer):
         for p in opt.model_param_group_index_map:
             r = opt._get_model_param_range_map(p)["param"]
-            out.append((names[id(p)], p, r.start, r.end, opt._get_main_param_and_optimizer_states(p)))
+            out.append((names[id(p)], p, r.start, r.end, owned_states(opt, p)))
     return out
 
 

@@ -9,6 +9,7 @@ detects it, and a site that must pin it sets it in ``slurm.env`` (docs/slurm.md,
 from __future__ import annotations
 
 import shlex
+from pathlib import Path
 
 from elastic_pretrain.parallel.config import ParallelConfig
 
@@ -18,8 +19,7 @@ NCCL_PRESET: dict[str, str] = {
     # --kill-on-bad-exit then ends the step) instead of leaving every other rank hanging in NCCL.
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     # On a collective timeout, each rank dumps its flight recorder (its last 2000 collectives) to
-    # /tmp/nccl_trace_rank_<rank> on its node (TORCH_NCCL_DEBUG_INFO_TEMP_FILE): which rank was
-    # missing, in which collective.
+    # <run_dir>/nccl_trace_rank_<rank> (run_environment below): which rank was missing, in which collective.
     "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
     # Free NCCL's send buffers when the collective finishes rather than on a later stream sync
@@ -62,9 +62,33 @@ def job_environment(parallel: ParallelConfig, *, gpus: bool) -> dict[str, str]:
     return {} if value is None else {"CUDA_DEVICE_MAX_CONNECTIONS": value}
 
 
-def export_lines(*, gpus: bool, derived: dict[str, str], user: dict[str, str]) -> list[str]:
-    """``export`` lines in three commented groups: preset, derived, ``slurm.env`` (which wins)."""
+def run_environment(run_dir: Path) -> dict[str, str]:
+    """Defaults of every launch (``train --nproc-per-node`` and the sbatch script); a value the user has
+    set (the environment, ``slurm.env``) wins. Harmless without CUDA or NCCL, which ignore them.
+
+    * ``expandable_segments``: ℓ changes the activation footprint step to step; growing segments in
+      place instead of caching fixed-size blocks of every size seen keeps reserved memory near the
+      allocated peak (PyTorch's CUDA allocator docs; issue 31 item 4).
+    * the flight recorder's dumps (on a collective timeout) go to the run directory, which outlives the
+      node and its container's ``/tmp``: torch appends the rank (``TORCH_FR_DUMP_TEMP_FILE``, and its
+      older name ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``).
+    """
+    trace = str(run_dir / "nccl_trace_rank_")
+    return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TORCH_FR_DUMP_TEMP_FILE": trace,
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace}
+
+
+def with_run_defaults(env: dict[str, str], run_dir: Path) -> dict[str, str]:
+    """``env`` with :func:`run_environment`'s defaults where ``env`` does not set the variable."""
+    return {**run_environment(run_dir), **env}
+
+
+def export_lines(*, gpus: bool, derived: dict[str, str], user: dict[str, str],
+                 defaults: dict[str, str] | None = None) -> list[str]:
+    """``export`` lines in four commented groups: preset, derived, run defaults (kept where the submitting
+    environment set the variable: sbatch passes it on), ``slurm.env`` (which wins)."""
     out: list[str] = []
+    defaults = {k: v for k, v in (defaults or {}).items() if k not in user}
     preset = {k: v for k, v in NCCL_PRESET.items() if k not in user} if gpus else {}
     derived = {k: v for k, v in derived.items() if k not in user}
     if preset:
@@ -74,6 +98,9 @@ def export_lines(*, gpus: bool, derived: dict[str, str], user: dict[str, str]) -
     if derived:
         out.append("# derived from the job's parallel layout (launch/environment.py)")
         out += [f"export {k}={shlex.quote(v)}" for k, v in sorted(derived.items())]
+    if defaults:
+        out.append("# run defaults (launch/environment.py); a value set where sbatch ran, or in slurm.env, wins")
+        out += [f'[ -n "${{{k}+set}}" ] || export {k}={shlex.quote(v)}' for k, v in sorted(defaults.items())]
     if user:
         out.append("# slurm.env")
         out += [f"export {k}={shlex.quote(str(v))}" for k, v in sorted(user.items())]

@@ -664,13 +664,15 @@ class LoopedMoEModel(LanguageModule):
         push them down)."""
         ids = torch.arange(start, end)
         self.register_buffer("pad_mask_V", ids >= self.cfg.vocab_size, persistent=False)
+        # decided here on the host, once: a check of the (device) buffer per exit was a host sync (issue 31)
+        self.vocab_shard_padded = end > self.cfg.vocab_size
 
     def logits(self, h_TBD: Tensor) -> Tensor:
         """Vocab-parallel logits ``[T, B, V/tp]`` (sequence gathered under sequence parallelism)."""
         weight = self.shared_embedding_or_output_weight() if self.cfg.tie_embeddings else None
         logits_TBV, _ = self.output_layer(h_TBD, weight=weight)
         mask = getattr(self, "pad_mask_V", None)
-        if mask is not None and bool(mask.any()):
+        if mask is not None and getattr(self, "vocab_shard_padded", True):
             logits_TBV = logits_TBV.masked_fill(mask.to(logits_TBV.device), float("-inf"))
         return logits_TBV
 

@@ -15,7 +15,7 @@ from typing import Any
 from elastic_pretrain.quiet import quiet_logs
 
 
-def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
+def _launch(args: argparse.Namespace, overrides: list[str], run_dir: Path) -> int:
     """Validate the job here (one-line errors), then start torchrun's agent with one rank per process
     (``launch/local.py``: a user error on any rank prints here, once, exit 2 — no launcher traceback).
 
@@ -28,6 +28,7 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from elastic_pretrain.checkpoint.preempt import STOP_SIGNALS
     from elastic_pretrain.errors import UserError
+    from elastic_pretrain.launch.environment import with_run_defaults
     from elastic_pretrain.launch.local import ERRORS_ENV, children, reported_error
 
     cmd = [
@@ -74,7 +75,8 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
             os.kill(proc.pid, signum)  # the launcher passes it to every rank, started or about to start
 
     with tempfile.TemporaryDirectory(prefix="elastic-pretrain-errors-") as errors:
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), ERRORS_ENV: errors}
+        env = with_run_defaults({**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                                 ERRORS_ENV: errors}, run_dir)
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=block_stop_signals)
         previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
         try:
@@ -96,7 +98,8 @@ def _train(args: argparse.Namespace) -> int:
 
         check_layout(job, args.nproc_per_node)  # once, here, not once per rank after torch imports
         _prepare_run_dir(job.run_path)
-        return _launch(args, [*args.overrides, *(f"{flag}={path}" for flag, path in path_flags(args).items())])
+        return _launch(args, [*args.overrides, *(f"{flag}={path}" for flag, path in path_flags(args).items())],
+                       job.run_path)
     if "RANK" not in os.environ:  # one process, no launcher: say how to start the ranks the job needs
         _check_one_process(job)
         _prepare_run_dir(job.run_path)

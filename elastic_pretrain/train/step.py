@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -109,37 +108,49 @@ class _ChunkForward:
 
 
 def _reduce_by_loops(reports: list[dict], max_loops: int) -> tuple[float, dict[int, float]]:
-    """Sum per-exit CE over micro-batches and DP ranks → per-token means (from the last pipeline stage)."""
-    sums: dict[int, float] = defaultdict(float)
-    counts: dict[int, float] = defaultdict(float)
-    objective = 0.0
+    """Sum per-exit CE over micro-batches and DP ranks → per-token means (from the last pipeline stage).
+
+    The sums stay on the device until one host transfer per step (issue 31 item 2: a host sync per
+    exit and micro-batch stalled the launch queue on CUDA). Float64 throughout, as before."""
+    dev = device()
+    sums = torch.zeros(max_loops, dtype=torch.float64, device=dev)
+    counts = [0.0] * max_loops
+    objective = torch.zeros((), dtype=torch.float64, device=dev)
     for rep in reports:
         for e, (s, n) in rep["by_exit"].items():
-            sums[e] += float(s)
-            counts[e] += float(n)
-            objective += float(s) / n
-    keys = list(range(1, max_loops + 1))  # the same key space on every DP rank: one all-reduce
-    # the objective's mean over every micro-batch of the step (all replicas): replicas may run different
-    # numbers of them (schedule.balance: compute), so sum and count, not a mean of per-replica means
-    packed = torch.tensor([objective, len(reports)] + [sums[k] for k in keys] + [counts[k] for k in keys],
-                          dtype=torch.float64, device=device())
+            s64 = torch.as_tensor(s, dtype=torch.float64, device=dev)
+            sums[e - 1] += s64
+            counts[e - 1] += float(n)
+            objective = objective + s64 / n
+    # the same key space on every DP rank: one all-reduce. The objective's mean over every micro-batch of
+    # the step (all replicas): replicas may run different numbers of them (schedule.balance: compute), so
+    # sum and count, not a mean of per-replica means
+    packed = torch.cat([objective.view(1), sums, torch.tensor([len(reports), *counts], dtype=torch.float64,
+                                                              device=dev)])
     all_reduce_sum(packed)
     all_reduce_sum(packed, pipeline_group())  # only the last stage has reports; the others add zeros
-    n = len(keys)
-    by_loops = {k: float(packed[2 + i] / packed[2 + n + i]) for i, k in enumerate(keys) if packed[2 + n + i] > 0}
-    return float(packed[0] / max(float(packed[1]), 1.0)), by_loops
+    total, sum_L, micro, count_L = _unpack(packed.tolist(), max_loops)
+    by_loops = {k + 1: sum_L[k] / count_L[k] for k in range(max_loops) if count_L[k] > 0}
+    return total / max(micro, 1.0), by_loops
+
+
+def _unpack(values: list[float], n: int) -> tuple[float, list[float], float, list[float]]:
+    return values[0], values[1:1 + n], values[1 + n], values[2 + n:]
 
 
 def _moe_aux(num_micro: int) -> dict[str, float]:
     tracker = get_moe_layer_wise_logging_tracker()
-    out = {}
+    names_, stats = [], []
     for name, entry in sorted(tracker.items()):
         # indexed by global layer number: pipeline stages fill disjoint entries
         values = all_reduce_sum(entry["values"].clone(), pipeline_group())
-        layers = int((values != 0).sum()) or 1
-        out[f"moe/{name}"] = float(values.sum()) / layers / num_micro
+        names_.append(name)
+        stats.append(torch.stack([values.sum().double(), (values != 0).sum().double()]))
     clear_aux_losses_tracker()
-    return out
+    if not stats:
+        return {}
+    host = torch.stack(stats).tolist()  # one host transfer for every entry
+    return {f"moe/{name}": total / (int(layers) or 1) / num_micro for name, (total, layers) in zip(names_, host)}
 
 
 def reduce_routing(probe: RoutingProbe | None) -> dict[tuple[int, int], dict[str, float]]:
@@ -229,10 +240,11 @@ def depth_counts(micro_batches: list[MicroBatch]) -> DepthCounts:
     sync = group_loops(micro_batches)  # the passes each micro-batch's MoE calls ran for (ghosts beyond ℓ)
     local = [sum(loops), sum(len(mb.plan.exits) for mb in micro_batches), sum(s - n for s, n in zip(sync, loops)),
              len(micro_batches)]
-    packed = all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=device())).tolist()
-    slowest = all_reduce_max(torch.tensor([float(sum(sync))], dtype=torch.float64, device=device()))
+    summed = all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=device()))
+    slowest_1 = all_reduce_max(torch.tensor([float(sum(sync))], dtype=torch.float64, device=device()))
+    *packed, slowest = torch.cat([summed, slowest_1]).tolist()  # one host transfer
     replicas = dist.get_world_size(data_parallel_group()) if dist.is_initialized() else 1
-    balance = (packed[0] + packed[2]) / replicas / float(slowest[0]) if float(slowest[0]) else 1.0
+    balance = (packed[0] + packed[2]) / replicas / slowest if slowest else 1.0
     return DepthCounts(loops=packed[0] / packed[3], exits=packed[1] / packed[3], ghost_passes=packed[2] / packed[3],
                        balance=balance)
 

@@ -1,6 +1,6 @@
 """``parallel.grad_reduce: overlap`` under mixed depth: run by tests/train/test_overlap_grad_reduce.py.
 
-usage: overlap_grads.py ep2|pp2 OUT_DIR (2 processes under torchrun, gloo). Each run builds the same
+usage: overlap_grads.py ep2|pp2|dp4 OUT_DIR (2 processes under torchrun, gloo; dp4: 4). Each run builds the same
 model from the same seed, wraps it (session.wrap_ddp) and trains 3 optimizer steps of 4 micro-batches
 through ``TrainStep`` (megatron's schedule, optimizer and LR schedule), ℓ and exits changing between
 micro-batches, replicas and steps: the last micro-batch's ℓ changes, pass 3 goes unused for a whole
@@ -14,7 +14,8 @@ for recompute none, and pass with route replay. ep2: expert parallel 2 (both rep
 distributed optimizer off, so every reduced gradient is compared, and once more with it on
 (``none-*-distopt``: reduce-scatter into shards whose layout follows the buckets, so parameters and
 losses are compared); pp2: 2 pipeline stages (virtual chunks, one DDP per stage), distributed
-optimizer on. Writes per run the per-step
+optimizer on; dp4: data parallel 4 with the distributed optimizer (the GPU presets' path, issue 31 item 1).
+Writes per run the per-step
 losses, gradient norms, reduced gradients (ep2), buckets started during backward, final parameters,
 or the error.
 """
@@ -53,13 +54,13 @@ STEPS = [
     [[(1, (1,)), (2, (2,)), (3, (1, 3)), (3, (3,))], [(2, (2,)), (1, (1,)), (1, (1,)), (1, (1,))]],
     [[(2, (2,)), (2, (1, 2)), (1, (1,)), (2, (2,))], [(1, (1,)), (2, (2,)), (1, (1,)), (1, (1,))]],
 ]
-LAYOUTS = {"ep2": ParallelConfig(expert=2), "pp2": ParallelConfig(pipeline=2)}
+LAYOUTS = {"ep2": ParallelConfig(expert=2), "pp2": ParallelConfig(pipeline=2), "dp4": ParallelConfig()}
 
 
 def plans(s: int, replica: int, layout: str) -> list[DepthPlan]:
+    if layout in ("pp2", "dp4"):  # no expert group: each replica's own ℓ (dp4: replicas 2, 3 run 0's, 1's)
+        return [DepthPlan(ell, exits, group_loops=ell) for ell, exits in STEPS[s][replica % 2]]
     mine = STEPS[s][replica]
-    if layout == "pp2":
-        return [DepthPlan(ell, exits, group_loops=ell) for ell, exits in mine]
     group = [max(STEPS[s][r][i][0] for r in range(2)) for i in range(len(mine))]  # the EP group's max ℓ
     return [DepthPlan(ell, exits, group_loops=g) for (ell, exits), g in zip(mine, group)]
 
@@ -120,6 +121,10 @@ def run(layout: str, recompute: str, grad_reduce: str, out: Path, *, distributed
 
 if __name__ == "__main__":
     which, out_dir = sys.argv[1], Path(sys.argv[2])
+    if which == "dp4":  # 4 processes: data parallel 4 with the distributed optimizer (the GPU presets' path)
+        for grad_reduce in ("after_backward", "overlap"):
+            run(which, "none", grad_reduce, out_dir, distributed=True)
+        sys.exit(0)
     for recompute in ("none", "pass"):
         for grad_reduce in ("after_backward", "overlap"):
             run(which, recompute, grad_reduce, out_dir, distributed=which == "pp2")

@@ -22,7 +22,7 @@ from elastic_pretrain.config import ConfigError
 from elastic_pretrain.job import load_job
 from elastic_pretrain.launch.commands import trainer_command
 from elastic_pretrain.launch.config import SlurmConfig
-from elastic_pretrain.launch.environment import NCCL_PRESET, job_environment
+from elastic_pretrain.launch.environment import NCCL_PRESET, job_environment, with_run_defaults
 from elastic_pretrain.launch.render import LaunchSpec, render
 
 REPO = Path(__file__).resolve().parents[2]
@@ -197,3 +197,39 @@ def test_a_site_template_without_the_gpu_placeholders_is_refused(tmp_path: Path)
     with pytest.raises(ConfigError, match=r"does not use \{\{SRUN_EXTRA\}\}, so the job's GPU/container"):
         render_job("gpu-16node", template=str(template))
     assert "SRUN_EXTRA" not in render_job("gpu-16node", template=str(template), gpus_per_node=0, nproc_per_node=8)
+
+
+def _exports_in_bash(script: str, env: dict[str, str]) -> dict[str, str]:
+    """Run the script's export lines in bash, with ``env`` as the submitting environment."""
+    lines = [ln for ln in script.splitlines() if ln.startswith(("export ", "[ -n"))]
+    keys = ("PYTORCH_CUDA_ALLOC_CONF", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+    code = "\n".join([*lines, *(f'printf "%s\\0" "${{{k}-}}"' for k in keys)])
+    out = subprocess.run(["bash", "-c", code], env={"PATH": "/usr/bin:/bin", **env}, capture_output=True,
+                         check=True).stdout.decode().split("\0")
+    return dict(zip(keys, out))
+
+
+def test_allocator_and_flight_recorder_defaults_reach_the_sbatch_script_and_yield_to_the_user() -> None:
+    """Issue 31 item 4: expandable segments, and flight-recorder dumps in the run directory, not /tmp."""
+    run_dir = SITE / "runs" / "gpu-16node"
+    got = _exports_in_bash(render_job("gpu-16node"), {})
+    assert got == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                   "TORCH_FR_DUMP_TEMP_FILE": f"{run_dir}/nccl_trace_rank_",
+                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{run_dir}/nccl_trace_rank_"}
+    # set where sbatch ran (sbatch passes the environment on), or in slurm.env: the user's value wins
+    assert _exports_in_bash(render_job("gpu-16node"), {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"})[
+        "PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    user = _exports_in_bash(render_job("gpu-16node", env={"TORCH_FR_DUMP_TEMP_FILE": "/scratch/fr_"}), {})
+    assert user["TORCH_FR_DUMP_TEMP_FILE"] == "/scratch/fr_"
+    # a run directory with shell characters stays one literal path
+    odd = Path("/r/a b$(touch x)'\"")
+    script = render(SlurmConfig(nodes=1, gpus_per_node=8), LaunchSpec(job_name="t", run_dir=odd,
+                                                                      workdir=Path("/w"), trainer=["-m", "x"]))
+    assert _exports_in_bash(script, {})["TORCH_FR_DUMP_TEMP_FILE"] == f"{odd}/nccl_trace_rank_"
+
+
+def test_the_local_launcher_sets_the_same_defaults_unless_the_environment_has_them(tmp_path: Path) -> None:
+    env = with_run_defaults({"PATH": "/bin"}, tmp_path)
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert env["TORCH_FR_DUMP_TEMP_FILE"] == env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == f"{tmp_path}/nccl_trace_rank_"
+    assert with_run_defaults({"PYTORCH_CUDA_ALLOC_CONF": "x"}, tmp_path)["PYTORCH_CUDA_ALLOC_CONF"] == "x"

@@ -21,7 +21,8 @@ from tests.conftest import REPO, torchrun
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def _compare(out, layout: str, rank: int, recompute: str, grads: bool, suffix: str = "") -> None:
+def _compare(out, layout: str, rank: int, recompute: str, grads: bool, suffix: str = "",
+             params: bool = True) -> None:
     off = torch.load(out / f"{layout}_{recompute}-after_backward{suffix}_rank{rank}.pt", weights_only=True)
     on = torch.load(out / f"{layout}_{recompute}-overlap{suffix}_rank{rank}.pt", weights_only=True)
     assert off["error"] is None and on["error"] is None, on["error"] or off["error"]
@@ -30,7 +31,7 @@ def _compare(out, layout: str, rank: int, recompute: str, grads: bool, suffix: s
     # (megatron's single bucket without overlap): equal up to fp32 summation order, as is all it logs
     torch.testing.assert_close(on["grad_norm"], off["grad_norm"], rtol=0 if grads else 1e-6, atol=0)
     assert on["buckets"] > 0 and on["overlapped"] == [on["buckets"]] * 3  # all started during backward
-    for name, want in off["params"].items():
+    for name, want in off["params"].items() if params else ():
         torch.testing.assert_close(on["params"][name], want, rtol=0, atol=0, msg=name)
     assert len(on["grads"]) == (3 if grads else 0)
     for got_step, want_step in zip(on["grads"], off["grads"]):
@@ -51,6 +52,20 @@ def test_overlapped_reduction_equals_the_reduction_after_backward_at_ep2(tmp_pat
         # megatron's golden counts from the first step (whose last micro-batch left pass 3 unused) refuse step 2
         assert len(stock["loss"]) == 1 and stock["loss"][0] == on["loss"][0]
         assert "AssertionError" in stock["error"] and "zero_grad_buffer" in stock["error"]
+
+
+def test_overlapped_reduction_equals_the_reduction_after_backward_at_dp4_with_the_distributed_optimizer(tmp_path):
+    """The GPU presets' default (issue 31 item 1): DP 4, reduce-scatter into optimizer shards."""
+    torchrun(REPO / "tests" / "dist" / "overlap_grads.py", "dp4", str(tmp_path), nproc=4, timeout=500,
+             env={"PYTHONPATH": str(REPO)})
+    # Not bitwise in the parameters: gloo's reduce-scatter adds 4 ranks' fp32 gradients in an order set by an
+    # element's position in the bucket, and the two paths bucket differently (megatron's single bucket vs
+    # small ones), so reduced gradients differ in the last bits (at 2 ranks a + b = b + a: bitwise, above).
+    # Adam's normalised update magnifies those bits for small gradients (measured: up to 1.5e-6 after 3
+    # steps at lr 1e-2), with no bound that follows from the arithmetic: the parameters are not compared
+    # here; the losses of all 3 steps are, bitwise, and every bucket must have started during backward.
+    for rank in range(4):
+        _compare(tmp_path, "dp4", rank, "none", grads=False, params=False)
 
 
 @pytest.mark.long  # DP=1 here: the bucket schedule, not a reduction's arithmetic (EP=2 above is in CI)

@@ -52,6 +52,8 @@ def report_user_error(message: str) -> bool:
     if folder is None:
         return False
     path = folder / f"rank_{int(os.environ['RANK']):05d}"
+    if not folder.is_dir():  # made by the launcher (or node 0's batch script): absent here, not shared with us
+        return False
     try:
         write_atomic(path, message, root=folder)
     except (OSError, UserError):  # e.g. the folder is not shared with this node: print it here after all

@@ -42,6 +42,17 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
                                     "(docs/testing.md)")  # fmt: skip
 
 
+@pytest.fixture(autouse=True)
+def _fresh_moe_aux_tracker():
+    """megatron keeps its MoE aux-loss tracker in a module global sized by the first model that logs into it
+    (``clear_aux_losses_tracker`` only zeroes it): a later test's model with more MoE layers then indexed past
+    its end. Every test starts with an empty one (only where megatron is already imported: no import cost)."""
+    moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
+    if moe_utils is not None:
+        moe_utils.get_moe_layer_wise_logging_tracker().clear()
+    yield
+
+
 @pytest.fixture(scope="session")
 def mesh1():
     """A 1-process megatron mesh (gloo), torn down at the end of the session."""

@@ -21,9 +21,11 @@ L_max (the fixed-depth model); a threshold above 1 stops every token after one p
 from __future__ import annotations
 
 import dataclasses
+import pickle
+import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -303,10 +305,57 @@ def save_decider(path: Path, decider: IterationDecider) -> None:
         torch.save(state, f)
 
 
-def load_decider(path: Path) -> IterationDecider:
-    blob = torch.load(path, map_location="cpu", weights_only=True)
-    decider = IterationDecider(
-        DeciderConfig(**blob["config"]), hidden_size=int(blob["hidden_size"]), max_loops=int(blob["max_loops"])
-    )
-    decider.load_state_dict(blob["state"])
+def load_decider(path: Path, *, hidden_size: int | None = None, max_loops: int | None = None) -> IterationDecider:
+    """A decider file of :func:`save_decider` (``--decider FILE``), for a model of ``hidden_size`` and
+    ``max_loops`` (checked when given). Read weights-only; anything else — a pickle of objects, a file of
+    another shape, a head too wide for its tensors — is one line before any module is built."""
+    from elastic_pretrain.errors import UserError
+
+    try:
+        with warnings.catch_warnings():  # torch warns of a pickle protocol it did not write before refusing it
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            blob = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such decider file (give a file written by save_decider)") from None
+    except pickle.UnpicklingError:  # torch's weights-only refusal (its message is a page of advice)
+        raise UserError(
+            f"{path}: holds pickled objects besides tensors and plain data; a decider file is read weights-only, "
+            "so they are never loaded: give a file written by save_decider"
+        ) from None
+    except Exception as err:  # not a torch file, truncated, a directory...
+        first = str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__
+        raise UserError(
+            f"{path}: not a decider file ({type(err).__name__}: {first}); it is read weights-only, so a pickle "
+            "of other objects is refused: give a file written by save_decider"
+        ) from None
+    try:
+        decider = _decider_of(blob, hidden_size, max_loops)
+        decider.load_state_dict(blob["state"])
+    except (ConfigError, ValueError, TypeError, KeyError, RuntimeError) as err:
+        raise UserError(f"{path}: not a decider file of this model ({_first_line(err)}): give a file written by "
+                        "save_decider for it") from None
     return decider.eval()
+
+
+def _decider_of(blob: Any, hidden_size: int | None, max_loops: int | None) -> IterationDecider:
+    """The (untrained) decider ``blob`` describes, after its sizes matched its tensors and the model."""
+    from elastic_pretrain.config import build
+
+    if not (isinstance(blob, dict) and isinstance(blob.get("state"), dict) and isinstance(blob.get("config"), dict)):
+        raise ValueError("expected {config, hidden_size, max_loops, state}")
+    cfg = build(DeciderConfig, blob["config"])
+    d, loops = int(blob["hidden_size"]), int(blob["max_loops"])
+    for name, got, want in (("hidden_size", d, hidden_size), ("max_loops", loops, max_loops)):
+        if want is not None and got != want:
+            raise ValueError(f"made for {name} {got}, the model has {want}")
+    fc1, emb = blob["state"].get("fc1.weight"), blob["state"].get("pass_emb.weight")
+    shapes = {"fc1.weight": (cfg.hidden_size, 2 * d), "pass_emb.weight": (loops, cfg.hidden_size)}
+    for name, tensor in (("fc1.weight", fc1), ("pass_emb.weight", emb)):  # before building: sizes are the file's
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"{name} is not a {shapes[name]} tensor")
+    return IterationDecider(cfg, hidden_size=d, max_loops=loops)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:160] if text else type(err).__name__

@@ -78,7 +78,7 @@ def load_object(
     """:func:`loads`, and the value must be a JSON object."""
     value = loads(data, where, fix=fix, max_bytes=max_bytes)
     if not isinstance(value, dict):
-        raise JSONInputError(f"{where}: a JSON {_kind(value)}, not an object; {fix}")
+        raise JSONInputError(f"{where}: {_kind(value)}, not a JSON object; {fix}")
     return value
 
 
@@ -87,7 +87,9 @@ def _too_deep() -> str:
 
 
 def _kind(value: Any) -> str:
-    names = {list: "array", str: "string", bool: "boolean", type(None): "null", int: "number", float: "number"}
+    """What a JSON value is, with its article: ``an array``, ``null``..."""
+    names = {list: "an array", str: "a string", bool: "a boolean", type(None): "null", int: "a number",
+             float: "a number", dict: "an object"}  # fmt: skip
     return names.get(type(value), type(value).__name__)
 
 
@@ -95,7 +97,7 @@ def _kind(value: Any) -> str:
 def mapping(state: Any, what: str) -> dict[str, Any]:
     """``state`` if it is a JSON object (a checkpointed object's state always is)."""
     if not isinstance(state, dict):
-        raise StateError(f"{what} is a {_kind(state)}, not an object")
+        raise StateError(f"{what} is {_kind(state)}, not an object")
     return state
 
 

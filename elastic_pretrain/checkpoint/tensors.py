@@ -123,8 +123,8 @@ def load_model(ckpt: Path) -> tuple[Any, Any]:
 def check_model_fits(ckpt: Path, model: Any, decider: Any = None) -> None:
     """Refuse, in one line and before anything is allocated, a model config that builds more parameters than
     ``ckpt``'s tensor files hold. eval, generate, export, convert and a decider job build the model from the
-    config saved in the checkpoint's ``trainer.json``: ``hidden_size: 65536`` there would allocate ~17 GB and
-    only then find that no tensor fits (issue 35). The sizes compared are the metadata's (bounded by the data
+    config saved in the checkpoint's ``trainer.json``: one asking for a 17 GB model was allocated, and only
+    then found that no tensor fits (issue 35). The sizes compared are the metadata's (bounded by the data
     files: ``safe_load.declared_tensors``) or, for a DeepSpeed checkpoint, the files' own."""
     from elastic_pretrain.checkpoint.safe_load import declared_tensors
     from elastic_pretrain.engine.weights import is_deepspeed

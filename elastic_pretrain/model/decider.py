@@ -21,7 +21,6 @@ L_max (the fixed-depth model); a threshold above 1 stops every token after one p
 from __future__ import annotations
 
 import dataclasses
-import pickle
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -317,16 +316,10 @@ def load_decider(path: Path, *, hidden_size: int | None = None, max_loops: int |
             blob = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise UserError(f"{path}: no such decider file (give a file written by save_decider)") from None
-    except pickle.UnpicklingError:  # torch's weights-only refusal (its message is a page of advice)
+    except Exception as err:  # a pickle of objects (weights-only refusal), not a torch file, truncated, a directory
         raise UserError(
-            f"{path}: holds pickled objects besides tensors and plain data; a decider file is read weights-only, "
-            "so they are never loaded: give a file written by save_decider"
-        ) from None
-    except Exception as err:  # not a torch file, truncated, a directory...
-        first = str(err).strip().splitlines()[0][:120] if str(err).strip() else type(err).__name__
-        raise UserError(
-            f"{path}: not a decider file ({type(err).__name__}: {first}); it is read weights-only, so a pickle "
-            "of other objects is refused: give a file written by save_decider"
+            f"{path}: not a decider file ({_load_error(err)}); it is read weights-only, so nothing in it runs: "
+            "give a file written by save_decider"
         ) from None
     try:
         decider = _decider_of(blob, hidden_size, max_loops)
@@ -354,6 +347,15 @@ def _decider_of(blob: Any, hidden_size: int | None, max_loops: int | None) -> It
         if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shapes[name]:
             raise ValueError(f"{name} is not a {shapes[name]} tensor")
     return IterationDecider(cfg, hidden_size=d, max_loops=loops)
+
+
+def _load_error(err: BaseException) -> str:
+    """torch's reason in one line: the weights-only unpickler's own, not the page of advice around it."""
+    text = str(err)
+    if "WeightsUnpickler error:" in text:
+        reason = text.split("WeightsUnpickler error:", 1)[1].strip()
+        return "weights-only read refused it: " + (reason.splitlines()[0][:120] if reason else "?")
+    return f"{type(err).__name__}: {_first_line(err)}"
 
 
 def _first_line(err: BaseException) -> str:

@@ -25,8 +25,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from elastic_pretrain.config import show
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.jsonsafe import StateError, count, mapping, number
+from elastic_pretrain.jsonsafe import StateError, count, mapping
 from elastic_pretrain.parallel.device import device
 
 log = logging.getLogger(__name__)
@@ -100,9 +101,14 @@ class SpikeDetector:
     def check_state(state: Any) -> list[float]:
         """The saved window: finite losses (only those are ever accepted), else :class:`StateError`."""
         losses = mapping(state, "faults.spike").get("losses", [])
-        if not isinstance(losses, list):
-            raise StateError("faults.spike.losses is not a list of losses")
-        return [number({"loss": x}, "loss", "faults.spike.losses", low=-math.inf) for x in losses]
+        bad = next((x for x in losses if not _finite(x)), None) if isinstance(losses, list) else losses
+        if bad is not None:
+            raise StateError(f"faults.spike.losses is {show(bad)}, not a list of finite losses")
+        return [float(x) for x in losses]
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _agree(flags: list[bool]) -> list[bool]:

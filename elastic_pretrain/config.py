@@ -30,8 +30,13 @@ T = TypeVar("T")
 # are expanded: 437 bytes of nested aliases otherwise expand to ~10^9 values in any code that walks
 # or prints them (to_dict, repr in an error message).
 MAX_YAML_VALUES = 100_000
+# Nesting depth of a YAML document or a JSON file read back (jsonsafe.py): a job nests 3-4 levels, our JSON
+# files ~6; PyYAML's composer and our own walkers recurse once per level, and a few hundred levels would be a
+# RecursionError traceback (a YAML alias adds the depth of what it names, so aliases can multiply it).
+MAX_NESTING = 64
 # Integers a config holds: int64 (what torch, numpy and Slurm take).
 INT_LIMIT = 2**63 - 1
+_TOO_DEEP = f"nests lists/mappings more than {MAX_NESTING} levels deep: a job needs a few; write it flatter"
 _UNREADABLE = "holds a number too long to read (more than 4,300 digits): give a value that fits in 64 bits"
 
 
@@ -86,34 +91,55 @@ class _BoundedRepr(reprlib.Repr):
 _bounded_repr = _BoundedRepr()
 
 
+def nesting_exceeds(value: Any, limit: int) -> bool:
+    """Whether lists/dicts in ``value`` nest more than ``limit`` levels deep (without recursion; a value
+    reached twice through shared objects is walked once per depth it is reached at, at most ``limit``)."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    seen: set[tuple[int, int]] = set()
+    while stack:
+        v, depth = stack.pop()
+        if not isinstance(v, list | dict) or (id(v), depth) in seen:
+            continue
+        if depth >= limit:
+            return True
+        seen.add((id(v), depth))
+        stack.extend((child, depth + 1) for child in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
 def check_expansion(value: Any, where: str) -> None:
     """Refuse values that hold more than :data:`MAX_YAML_VALUES` values once YAML aliases are expanded
-    (counted over shared objects without expanding them) or that contain themselves."""
-    sizes: dict[int, int] = {}
+    (counted over shared objects without expanding them), that contain themselves, or that nest deeper
+    than :data:`MAX_NESTING` levels (an alias adds the depth of what it names)."""
+    done: dict[int, tuple[int, int]] = {}  # id -> (values, levels below), each shared object walked once
     active: set[int] = set()
 
-    def size(v: Any) -> int:
+    def walk(v: Any, depth: int) -> tuple[int, int]:
         if not isinstance(v, list | dict):
-            return 1
+            return 1, 0
         key = id(v)
-        if key in sizes:
-            return sizes[key]
-        if key in active:
-            raise ConfigError(f"{where}: a YAML alias (*name) refers to its own anchor (&name): write the value out")
-        active.add(key)
-        total = 1
-        for child in v.values() if isinstance(v, dict) else v:
-            total += size(child)
-            if total > MAX_YAML_VALUES:
-                raise ConfigError(
-                    f"{where}: holds more than {MAX_YAML_VALUES:,} values once its YAML aliases (*name) are "
-                    "expanded: write the values out instead of nesting aliases"
-                )
-        active.discard(key)
-        sizes[key] = total
-        return total
+        if key not in done:
+            if key in active:
+                raise ConfigError(f"{where}: a YAML alias (*name) refers to its own anchor (&name): write it out")
+            if depth >= MAX_NESTING:  # before recursing further: the walk's own depth stays bounded
+                raise ConfigError(f"{where}: {_TOO_DEEP}")
+            active.add(key)
+            total, levels = 1, 0
+            for child in v.values() if isinstance(v, dict) else v:
+                n, below = walk(child, depth + 1)
+                total, levels = total + n, max(levels, below + 1)
+                if total > MAX_YAML_VALUES:
+                    raise ConfigError(
+                        f"{where}: holds more than {MAX_YAML_VALUES:,} values once its YAML aliases (*name) are "
+                        "expanded: write the values out instead of nesting aliases"
+                    )
+            active.discard(key)
+            done[key] = (total, levels)
+        if depth + done[key][1] >= MAX_NESTING:  # a shared value first met higher up, reached here deeper
+            raise ConfigError(f"{where}: {_TOO_DEEP}")
+        return done[key]
 
-    size(value)
+    walk(value, 0)
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:
@@ -243,6 +269,39 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+class _TooDeep(yaml.YAMLError):
+    """A YAML document nested more than :data:`MAX_NESTING` levels (refused while composing: PyYAML's
+    composer recurses once per level, and ~300 levels were a RecursionError traceback)."""
+
+    def __init__(self, line: int) -> None:
+        super().__init__(f"line {line}")
+        self.line = line
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """``yaml.safe_load``'s loader with a bound on nesting depth."""
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self._depth >= MAX_NESTING:
+            raise _TooDeep(self.peek_event().start_mark.line + 1)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def safe_load(text: str) -> Any:
+    """``yaml.safe_load`` of ``text``, nested at most :data:`MAX_NESTING` levels (else :class:`_TooDeep`)."""
+    loader = _BoundedLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """``"model.loops=4"`` -> (["model", "loops"], 4). Values are parsed as YAML scalars/lists."""
     if "=" not in text:
@@ -252,7 +311,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override '{text}': the key must be a dotted path like train.steps")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = safe_load(raw) if raw.strip() else ""
+    except _TooDeep:
+        raise ConfigError(f"override '{key}': {_TOO_DEEP}") from None
     except yaml.YAMLError:
         value = raw
     except ValueError:  # PyYAML lets int()'s error through: an integer of more than 4,300 digits
@@ -294,7 +355,9 @@ def load_yaml(path: Path) -> dict[str, Any]:
             f"{path}: byte {err.start} (0x{raw[err.start]:02x}) is not UTF-8 text: save the file as UTF-8"
         ) from None
     try:
-        data = yaml.safe_load(text)
+        data = safe_load(text)
+    except _TooDeep as err:
+        raise ConfigError(f"{path}: line {err.line} {_TOO_DEEP}") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""

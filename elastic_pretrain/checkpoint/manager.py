@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -35,6 +35,7 @@ from elastic_pretrain.config import flatten
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import write_atomic
 from elastic_pretrain.job import JobConfig, decider_changes, public_dict, shape_changes
+from elastic_pretrain.jsonsafe import StateError
 from elastic_pretrain.parallel.mesh import Mesh, describe
 from elastic_pretrain.rundir import CheckpointFiles, RunFiles
 
@@ -125,6 +126,26 @@ def check_resumable(ckpt: Path, job: JobConfig) -> dict[str, Any]:
     return meta
 
 
+def check_states(ckpt: Path, meta: dict[str, Any], checks: Mapping[str, Callable[[Any], object]]) -> None:
+    """Each named object's saved state through its own check (``check_state``), before anything is built:
+    ``trainer.json`` comes from whoever shared the checkpoint, and a position of 10**30 or an empty
+    controller would otherwise be a traceback after the model was built (or, negative, train silently)."""
+    for name, check in checks.items():
+        if name in meta:
+            try:
+                check(meta[name])
+            except StateError as err:
+                raise bad_state(ckpt, err) from None
+
+
+def bad_state(ckpt: Path, err: StateError) -> UserError:
+    """``<ckpt>/trainer.json: <what is wrong>; …use another checkpoint`` (naming the previous one, if any)."""
+    return UserError(
+        f"{CheckpointFiles(ckpt).trainer}: {err}; it was not written by elastic-pretrain: use another "
+        f"checkpoint{_previous_hint(ckpt)}"
+    )
+
+
 def _previous_hint(ckpt: Path) -> str:
     """``; to continue from the previous committed checkpoint: --resume-from <it>`` (or nothing)."""
     step = CheckpointFiles(ckpt).step
@@ -164,7 +185,10 @@ class Checkpointer:
         self.tensors.load(files.tensors, meta)
         for name, obj in self.state.items():
             if name in meta:
-                obj.load_state_dict(meta[name])
+                try:
+                    obj.load_state_dict(meta[name])
+                except StateError as err:  # each object checks its own values (check_states ran them first)
+                    raise bad_state(ckpt, err) from None
             elif self.mesh.rank == 0:
                 log.info("%s holds no %r state (saved before it existed): it starts fresh", ckpt, name)
         same_layout = meta.get("layout") == describe(self.mesh)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import math
 import pickle
 from collections.abc import Iterator
 from pathlib import Path
@@ -113,6 +114,56 @@ def _check_metadata(meta: Any, path: Path) -> None:
         rel = getattr(info, "relative_path", None)
         if not is_plain_name(rel) or not inside(path / str(rel), path):
             raise ValueError(f"names the data file {rel!r}, which is not a file inside the checkpoint")
+    _check_extents(meta, path)
+
+
+def _check_extents(meta: Any, path: Path) -> None:
+    """Every item the metadata places in a data file lies inside that file, and the tensors it declares fit
+    in the files (DCP writes each tensor's bytes whole): so the sizes in ``.metadata`` are bounded by what is
+    on disk, and a model built to match them (:func:`declared_tensors`) is too."""
+    sizes: dict[str, int] = {}
+    for info in meta.storage_data.values():
+        rel = info.relative_path
+        if rel not in sizes:
+            data = path / rel
+            sizes[rel] = data.stat().st_size if data.is_file() else -1
+            if sizes[rel] < 0:
+                raise ValueError(f"names the data file {rel!r}, which is missing or not a regular file")
+        offset, length = info.offset, info.length
+        ints = isinstance(offset, int) and isinstance(length, int)
+        if not (ints and min(offset, length) >= 0 and offset + length <= sizes[rel]):
+            raise ValueError(f"places {length!r} bytes at {offset!r} in {rel} ({sizes[rel]:,} bytes)")
+    declared = sum(math.prod(md.size) * md.properties.dtype.itemsize for md in _tensors(meta).values())
+    if declared > sum(sizes.values()):
+        raise ValueError(
+            f"declares {declared:,} bytes of tensors, but its data files hold {sum(sizes.values()):,} bytes"
+        )
+
+
+def _tensors(meta: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return {k: md for k, md in meta.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+
+
+def declared_tensors(path: Path) -> dict[str, int]:
+    """Element count per tensor of the checkpoint's ``.metadata`` in ``path`` (checked as every load checks
+    it: restricted unpickling, data files inside ``path``, sizes within the files); a one-line UserError
+    otherwise. Reads the metadata only (kilobytes), no tensor."""
+    try:
+        with open(path / METADATA_FILE, "rb") as f:
+            meta = load_metadata(f)
+        _check_metadata(meta, path)
+    except Exception as err:
+        raise _metadata_error(path, err) from None
+    return {k: math.prod(md.size) for k, md in _tensors(meta).items()}
+
+
+def _metadata_error(path: Path, err: BaseException) -> UserError:
+    return UserError(
+        f"{path / METADATA_FILE}: cannot load ({_one_line(err)}); the checkpoint is damaged or not one "
+        "of ours: use another checkpoint"
+    )
 
 
 def _load_bytes(self: Any, read_item: Any, value: io.BytesIO) -> None:
@@ -177,10 +228,7 @@ def load_sharded(
             meta = load_metadata(f)
         _check_metadata(meta, path)
     except Exception as err:  # missing, truncated, a refused global, a data file outside, ...
-        raise UserError(
-            f"{path / METADATA_FILE}: cannot load ({_one_line(err)}); the checkpoint is damaged or not one "
-            "of ours: use another checkpoint"
-        ) from None
+        raise _metadata_error(path, err) from None
     # a checkpoint of the other layer spec (TE on a GPU, local on CPU) names MoE pre-MLP norms its way
     if renamed := map_spec_keys(sharded_state_dict, meta.state_dict_metadata.keys()):
         log.info("%s: %d keys read under the other layer spec's names (e.g. %s as %s)", path, len(renamed),

@@ -36,6 +36,8 @@ from typing import Any
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import ensure_dir, read_bounded, remove_tree, write_atomic
 from elastic_pretrain.files import fsync_dir as _fsync_dir
+from elastic_pretrain.jsonsafe import StateError, count, number
+from elastic_pretrain.jsonsafe import loads as json_loads
 from elastic_pretrain.rundir import (
     COMMIT_FILE,
     LATEST_FILE,
@@ -100,7 +102,7 @@ def take_writer_records(folder: Path, rank: int) -> dict[str, list[int]]:
     """The records :func:`write_writer_records` left in ``folder`` for ``rank`` (removing them), or {}."""
     path = folder / WRITER_RECORDS.format(rank=rank)
     try:
-        records = json.loads(read_bounded(path, "records"))
+        records = json_loads(read_bounded(path, "records"), path)
     except (OSError, ValueError, UserError):
         return {}
     path.unlink(missing_ok=True)
@@ -210,7 +212,7 @@ class CheckpointStore:
             m = _STEP_DIR.match(d.name)
             if m and d.is_dir() and os.path.lexists(d / COMMIT_FILE):
                 try:  # a link, a FIFO or /dev/zero as the marker: a one-line UserError (files.py), not a hang
-                    marker = check_marker(json.loads(read_bounded(d / COMMIT_FILE, "COMMITTED")), d)
+                    marker = check_marker(json_loads(read_bounded(d / COMMIT_FILE, "COMMITTED"), d / COMMIT_FILE), d)
                 except (OSError, ValueError) as err:
                     log.warning("%s: unreadable commit marker (%s), ignoring this checkpoint", d / COMMIT_FILE, err)
                     continue
@@ -319,9 +321,11 @@ def verify(ckpt: Path, share: tuple[int, int] | None = None) -> dict[str, Any]:
     ``share=(rank, world)``: only that rank's share of the files (the marker is checked in full)."""
     marker_path = CheckpointFiles(ckpt).committed
     try:
-        marker = json.loads(read_bounded(marker_path, "COMMITTED"))
+        marker = json_loads(read_bounded(marker_path, "COMMITTED"), marker_path, fix=_NOT_OURS)
     except FileNotFoundError:
         raise UserError(f"{ckpt}: not a committed checkpoint (no {COMMIT_FILE}; it was never finished)") from None
+    except UserError:
+        raise
     except (OSError, ValueError) as err:
         raise UserError(f"{marker_path}: unreadable commit marker ({err})") from None
     check_marker(marker, ckpt)
@@ -365,9 +369,11 @@ def read_trainer_state(ckpt: Path, require: tuple[str, ...] = ("config",)) -> di
     ``mlflow_run_id`` → ``tracker.run_id``)."""
     path = CheckpointFiles(ckpt).trainer
     try:
-        meta = json.loads(read_bounded(path, "trainer.json"))
+        meta = json_loads(read_bounded(path, "trainer.json"), path, fix=_NOT_OURS)
     except FileNotFoundError:
         raise UserError(f"{path}: missing; {ckpt} is not an elastic-pretrain checkpoint") from None
+    except UserError:
+        raise
     except (OSError, ValueError) as err:
         raise UserError(f"{path}: unreadable ({err})") from None
     if not isinstance(meta, dict):
@@ -387,11 +393,30 @@ def read_trainer_state(ckpt: Path, require: tuple[str, ...] = ("config",)) -> di
         if isinstance(value, bool) or not isinstance(value, types):
             want = " or ".join("null" if t is type(None) else t.__name__ for t in types)
             raise UserError(f"{path}: malformed ({key} is {type(value).__name__}, not {want}); {_NOT_OURS}")
+    try:
+        _check_counters(meta)
+    except StateError as err:
+        raise UserError(f"{path}: malformed ({err}); {_NOT_OURS}") from None
     for name, state in meta.pop("extras", {}).items():
         meta.setdefault(name, state)
     if "mlflow_run_id" in meta:
         meta.setdefault("tracker", {"run_id": meta.pop("mlflow_run_id")})
     return meta
+
+
+def _check_counters(meta: dict[str, Any]) -> None:
+    """The loop counters and Adam's step in range (their types are checked above): a step of 1e308 or a
+    negative token count would otherwise reach the optimizer, the LR schedule and every report."""
+    if "adam_step" in meta:
+        count(meta, "adam_step", "")  # a float in trainer.json: fills Adam's float32 step tensors
+    trainer = meta.get("trainer")
+    if isinstance(trainer, dict):
+        for key in ("step", "tokens"):
+            if key in trainer:
+                count(trainer, key, "trainer")
+        for key in ("elapsed_s", "train_flops"):
+            if trainer.get(key) is not None:
+                number(trainer, key, "trainer")
 
 
 def saved_run_id(meta: dict[str, Any]) -> str | None:

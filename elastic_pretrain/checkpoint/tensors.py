@@ -107,6 +107,7 @@ def load_model(ckpt: Path) -> tuple[Any, Any]:
     verify(ckpt)
     meta = read_trainer_state(ckpt)
     job = build(JobConfig, meta["config"])
+    check_model_fits(ckpt, job.model, job.decider)  # the config is the checkpoint's: bound it before building
     net = build_model(job.model, ParallelConfig(), decider=job.decider)  # a decider job's decider rides along
     from elastic_pretrain.engine.weights import is_deepspeed, load_deepspeed_weights
 
@@ -117,3 +118,28 @@ def load_model(ckpt: Path) -> tuple[Any, Any]:
     # the ELR conditioning heads are on exactly in the mixed phase (as in the trainer's session)
     net.conditioning_active = meta.get("controller", {}).get("phase") == "mixed" and net.loop_conditioning is not None
     return job, net.eval()
+
+
+def check_model_fits(ckpt: Path, model: Any, decider: Any = None) -> None:
+    """Refuse, in one line and before anything is allocated, a model config that builds more parameters than
+    ``ckpt``'s tensor files hold. eval, generate, export, convert and a decider job build the model from the
+    config saved in the checkpoint's ``trainer.json``: one asking for a 17 GB model was allocated, and only
+    then found that no tensor fits (issue 35). The sizes compared are the metadata's (bounded by the data
+    files: ``safe_load.declared_tensors``) or, for a DeepSpeed checkpoint, the files' own."""
+    from elastic_pretrain.checkpoint.safe_load import declared_tensors
+    from elastic_pretrain.engine.weights import is_deepspeed
+    from elastic_pretrain.model.params import count_parameters, decider_parameters, format_count
+
+    need = count_parameters(model).total + (decider_parameters(decider, model) if decider is not None else 0)
+    files = CheckpointFiles(ckpt)
+    if is_deepspeed(ckpt):  # no metadata: at least 2 bytes (bf16) per parameter are in the files
+        held = sum(p.stat().st_size for p in files.tensors.iterdir() if p.is_file()) // 2
+    else:
+        held = sum(n for key, n in declared_tensors(files.tensors).items() if not key.startswith("optimizer."))
+    if need > held:
+        raise UserError(
+            f"{files.trainer}: its model config (hidden_size={model.hidden_size}, {model.num_experts} experts, "
+            f"{model.core_layers} core layers...) builds {format_count(need)} parameters, but the checkpoint's "
+            f"tensors hold {format_count(held)}: the config does not describe these tensors; it was not written "
+            "by elastic-pretrain: use another checkpoint"
+        )

@@ -23,12 +23,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from elastic_pretrain.config import show
 from elastic_pretrain.data.config import DataConfig
 from elastic_pretrain.data.manifest import Manifest, check_compatible, read_manifest
 from elastic_pretrain.data.order import MixtureOrder, StreamOrder, derive_key
 from elastic_pretrain.data.shards import SplitReader
 from elastic_pretrain.data.tokenizer import load_tokenizer
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.jsonsafe import count, mapping
 
 __all__ = ["Manifest", "TokenBatches", "check_compatible", "load_validation", "read_manifest"]
 log = logging.getLogger(__name__)
@@ -127,25 +129,33 @@ class TokenBatches:
 
     def load_state_dict(self, state: dict[str, Any], *, strict: bool = True) -> None:
         """Continue from a saved position. ``strict`` refuses a state recorded for another data order."""
-        if state.get("version") != STATE_VERSION:
-            raise UserError(
-                f"data state version {state.get('version')} is not {STATE_VERSION}; it was saved by "
-                "another elastic-pretrain version"
-            )
+        position, batch = self.check_state(state)
         if strict and state.get("order") != self._fingerprint():
             raise UserError(
                 "data state was saved for a different data order (streams, weights, seeds or shard "
                 "contents changed); restore the recipe, or resume with a non-strict data state load "
                 "to continue from the same position in the new order"
             )
-        if state["global_batch_size"] != self.global_batch_size:
+        if batch != self.global_batch_size:
             log.warning(
                 "global batch size changed %d -> %d: continuing from sample position %d",
-                state["global_batch_size"],
+                batch,
                 self.global_batch_size,
-                state["position"],
+                position,
             )
-        self.position = int(state["position"])
+        self.position = position
+
+    @staticmethod
+    def check_state(state: Any) -> tuple[int, int]:
+        """(position, global batch size) of a saved state; a position of 10**30 (an int64 overflow at the
+        first batch) or a negative one (samples from the end of the order, silently) is a StateError."""
+        state = mapping(state, "data")
+        if state.get("version") != STATE_VERSION:
+            raise UserError(
+                f"data state version {show(state.get('version'))} is not {STATE_VERSION}; it was saved by "
+                "another elastic-pretrain version"
+            )
+        return count(state, "position", "data"), count(state, "global_batch_size", "data", low=1)
 
 
 def load_validation(cfg: DataConfig, *, num_sequences: int) -> torch.Tensor:

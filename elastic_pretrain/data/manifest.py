@@ -24,6 +24,7 @@ from elastic_pretrain.data.config import is_data_name
 from elastic_pretrain.data.tokenizer import Tokenizer
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import write_atomic
+from elastic_pretrain.jsonsafe import loads as json_loads
 
 MANIFEST = "manifest.json"
 VERSION = 1
@@ -143,10 +144,13 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     if not p.is_file():
         raise UserError(f"{p}: no manifest; run `elastic-pretrain prepare-data <recipe>` to build the shards")
     try:
-        obj = json.loads(p.read_text())
+        obj = json_loads(
+            p.read_bytes(), f"{p}: malformed manifest", fix="delete the directory and run prepare-data again"
+        )
         manifest = Manifest.from_json(obj)
-    # ValueError: also json's "Exceeds the limit (4300 digits) for integer string conversion"
-    except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as err:
+    except UserError:  # jsonsafe: deep nesting, 5,000-digit integers, not JSON
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError) as err:
         raise UserError(f"{p}: malformed manifest ({err}); delete the directory and run prepare-data again") from None
     if manifest.version != VERSION:
         raise UserError(f"{p}: manifest version {manifest.version}, expected {VERSION}; run prepare-data again")

@@ -52,6 +52,7 @@ from elastic_pretrain.data.streaming_compat import cloud_downloader, import_stre
 from elastic_pretrain.data.tokenizer import Tokenizer
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import inside
+from elastic_pretrain.jsonsafe import loads as json_loads
 
 log = logging.getLogger(__name__)
 WDS_PATTERN = "shard-%06d.tar"
@@ -435,8 +436,10 @@ def check_mds_index(data: bytes, manifest: Manifest, shards: list[ShardInfo], wh
     """Shard name -> reader entry for ``shards``, after index.json (``data``) matched :func:`mds_entry`
     for each of them; a one-line UserError naming the first difference otherwise."""
     try:
-        index = json.loads(data)
+        index = json_loads(data, f"{where}: index.json", fix="re-run prepare-data")
         entries = index["shards"] if isinstance(index, dict) and isinstance(index.get("shards"), list) else None
+    except UserError:
+        raise
     except (ValueError, UnicodeDecodeError) as err:
         raise UserError(f"{where}: unreadable index.json ({err}); re-run prepare-data") from None
     if entries is None:

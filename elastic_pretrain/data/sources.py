@@ -8,7 +8,6 @@ held-out set does not move when documents are added or the order changes.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import random
 import stat
@@ -19,6 +18,7 @@ from typing import Any, BinaryIO
 
 from elastic_pretrain.data.config import PrepareConfig, local_path
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.jsonsafe import loads as json_loads
 
 Document = tuple[str, str]
 _FILE_SUFFIXES = (".txt", ".md", ".py", ".jsonl", ".json", ".parquet")
@@ -140,10 +140,7 @@ def _jsonl(path: Path, name: str, field: str) -> Iterator[Document]:
                 raise UserError(f"{path}:{lineno}: not UTF-8 text; convert it (iconv -t UTF-8) or drop it") from None
             if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise UserError(f"{path}:{lineno}: not valid JSON ({err.msg}); fix or drop the line") from None
+            obj = json_loads(line, f"{path}:{lineno}", fix="fix or drop the line")  # deep nesting too: one line
             text = obj.get(field) if isinstance(obj, dict) else None
             if not isinstance(text, str):
                 raise UserError(f"{path}:{lineno}: no string field {field!r}; set prepare.text_field")

@@ -147,8 +147,8 @@ def pick_decider(model: Any, ckpt: Path, override: str | None) -> Any:
     """The iteration decider: ``--decider FILE`` if given, else the one inside the checkpoint."""
     from elastic_pretrain.model.decider import load_decider
 
-    if override:
-        return load_decider(Path(override))
+    if override:  # a file from anywhere: read weights-only, and its sizes must be this model's
+        return load_decider(Path(override), hidden_size=model.cfg.hidden_size, max_loops=model.cfg.max_loops)
     if model.decider is None:
         raise _no_decider(ckpt)
     return model.decider.eval()

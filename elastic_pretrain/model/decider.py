@@ -21,9 +21,10 @@ L_max (the fixed-depth model); a threshold above 1 stops every token after one p
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -303,10 +304,60 @@ def save_decider(path: Path, decider: IterationDecider) -> None:
         torch.save(state, f)
 
 
-def load_decider(path: Path) -> IterationDecider:
-    blob = torch.load(path, map_location="cpu", weights_only=True)
-    decider = IterationDecider(
-        DeciderConfig(**blob["config"]), hidden_size=int(blob["hidden_size"]), max_loops=int(blob["max_loops"])
-    )
-    decider.load_state_dict(blob["state"])
+def load_decider(path: Path, *, hidden_size: int | None = None, max_loops: int | None = None) -> IterationDecider:
+    """A decider file of :func:`save_decider` (``--decider FILE``), for a model of ``hidden_size`` and
+    ``max_loops`` (checked when given). Read weights-only; anything else — a pickle of objects, a file of
+    another shape, a head too wide for its tensors — is one line before any module is built."""
+    from elastic_pretrain.errors import UserError
+
+    try:
+        with warnings.catch_warnings():  # torch warns of a pickle protocol it did not write before refusing it
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            blob = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such decider file (give a file written by save_decider)") from None
+    except Exception as err:  # a pickle of objects (weights-only refusal), not a torch file, truncated, a directory
+        raise UserError(
+            f"{path}: not a decider file ({_load_error(err)}); it is read weights-only, so nothing in it runs: "
+            "give a file written by save_decider"
+        ) from None
+    try:
+        decider = _decider_of(blob, hidden_size, max_loops)
+        decider.load_state_dict(blob["state"])
+    except (ConfigError, ValueError, TypeError, KeyError, RuntimeError) as err:
+        raise UserError(f"{path}: not a decider file of this model ({_first_line(err)}): give a file written by "
+                        "save_decider for it") from None
     return decider.eval()
+
+
+def _decider_of(blob: Any, hidden_size: int | None, max_loops: int | None) -> IterationDecider:
+    """The (untrained) decider ``blob`` describes, after its sizes matched its tensors and the model."""
+    from elastic_pretrain.config import build
+
+    if not (isinstance(blob, dict) and isinstance(blob.get("state"), dict) and isinstance(blob.get("config"), dict)):
+        raise ValueError("expected {config, hidden_size, max_loops, state}")
+    cfg = build(DeciderConfig, blob["config"])
+    d, loops = int(blob["hidden_size"]), int(blob["max_loops"])
+    for name, got, want in (("hidden_size", d, hidden_size), ("max_loops", loops, max_loops)):
+        if want is not None and got != want:
+            raise ValueError(f"made for {name} {got}, the model has {want}")
+    fc1, emb = blob["state"].get("fc1.weight"), blob["state"].get("pass_emb.weight")
+    shapes = {"fc1.weight": (cfg.hidden_size, 2 * d), "pass_emb.weight": (loops, cfg.hidden_size)}
+    for name, tensor in (("fc1.weight", fc1), ("pass_emb.weight", emb)):  # before building: sizes are the file's
+        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shapes[name]:
+            raise ValueError(f"{name} is not a {shapes[name]} tensor")
+    return IterationDecider(cfg, hidden_size=d, max_loops=loops)
+
+
+def _load_error(err: BaseException) -> str:
+    """torch's reason in one line: the weights-only unpickler's own, not the page of advice around it."""
+    text = str(err)
+    if "WeightsUnpickler error:" in text:
+        reason = text.split("WeightsUnpickler error:", 1)[1].strip()
+        return "weights-only read refused it: " + (reason.splitlines()[0][:120] if reason else "?")
+    return f"{type(err).__name__}: {_first_line(err)}"
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0][:160] if text else type(err).__name__

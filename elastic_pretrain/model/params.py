@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from elastic_pretrain.model.config import ModelConfig
+from elastic_pretrain.model.config import DeciderConfig, ModelConfig
 from elastic_pretrain.model.vocab import padded_vocab_size
 
 
@@ -90,6 +90,13 @@ def count_parameters(cfg: ModelConfig) -> ParamCounts:
     experts = moe_layers * cfg.experts_built * expert_params(cfg)
     unused = moe_layers * (cfg.experts_built - cfg.moe_top_k) * expert_params(cfg)
     return ParamCounts(total=total, active=total - unused, embedding=embedding, experts=experts, attention=attention)
+
+
+def decider_parameters(cfg: DeciderConfig, model: ModelConfig) -> int:
+    """The iteration decider of a decider job (``model/decider.py``): two LayerNorms of width D, fc1
+    (2D -> H, bias), a pass embedding (L_max x H) and fc2 (H -> 1, bias)."""
+    d, h = model.hidden_size, cfg.hidden_size
+    return 4 * d + (2 * d + 1) * h + model.max_loops * h + h + 1
 
 
 def format_count(n: int) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 from elastic_pretrain.config import clip
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import read_bounded
+from elastic_pretrain.jsonsafe import loads as json_loads
 from elastic_pretrain.tracking.config import ENV_TRACKING_URI, local_store_dir, local_store_uri, redact_uri
 from elastic_pretrain.tracking.mlflow_env import is_transient, make_client, short_error
 from elastic_pretrain.tracking.names import LOSS, SYSTEM_PREFIX, loops_of_val_loss, val_loss_loops
@@ -49,8 +49,8 @@ def _run_info(run_dir: Path | None) -> dict[str, Any]:
         return {}
     path = local_store_dir(run_dir) / "run.json"
     try:  # a FIFO or /dev/zero there is a one-line error, not a hang (files.py)
-        info = json.loads(read_bounded(path, "run.json"))
-    except (OSError, ValueError):
+        info = json_loads(read_bounded(path, "run.json"), path)
+    except (OSError, ValueError):  # no store of ours there (a bad run.json included): nothing recorded
         return {}
     return info if isinstance(info, dict) else {}
 

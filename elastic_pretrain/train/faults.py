@@ -25,7 +25,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from elastic_pretrain.config import show
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.jsonsafe import StateError, count, mapping
 from elastic_pretrain.parallel.device import device
 
 log = logging.getLogger(__name__)
@@ -93,7 +95,20 @@ class SpikeDetector:
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         self.losses.clear()
-        self.losses.extend(float(x) for x in d.get("losses", []))
+        self.losses.extend(self.check_state(d))
+
+    @staticmethod
+    def check_state(state: Any) -> list[float]:
+        """The saved window: finite losses (only those are ever accepted), else :class:`StateError`."""
+        losses = mapping(state, "faults.spike").get("losses", [])
+        bad = next((x for x in losses if not _finite(x)), None) if isinstance(losses, list) else losses
+        if bad is not None:
+            raise StateError(f"faults.spike.losses is {show(bad)}, not a list of finite losses")
+        return [float(x) for x in losses]
+
+
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def _agree(flags: list[bool]) -> list[bool]:
@@ -251,8 +266,17 @@ class FaultMonitor:
         return {"spike": self.spike.state_dict(), "counts": dict(self.counts)}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
+        counts = self.check_state(d)
         self.spike.load_state_dict(d.get("spike", {}))
-        self.counts.update({k: int(v) for k, v in d.get("counts", {}).items() if k in self.counts})
+        self.counts.update({k: v for k, v in counts.items() if k in self.counts})
+
+    @staticmethod
+    def check_state(state: Any) -> dict[str, int]:
+        """The saved event counts (each a count) after checking the spike window; else :class:`StateError`."""
+        state = mapping(state, "faults")
+        SpikeDetector.check_state(state.get("spike", {}))
+        counts = mapping(state.get("counts", {}), "faults.counts")
+        return {k: count(counts, k, "faults.counts") for k in counts}
 
     # --- injection ---------------------------------------------------------------------------------------
     def _mine(self, inj: Injection) -> bool:

@@ -17,7 +17,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from elastic_pretrain.config import ConfigError, field
+from elastic_pretrain.config import INT_LIMIT, ConfigError, field
+from elastic_pretrain.jsonsafe import choice, count, mapping
 
 Sampler = Literal["fixed", "independent_rank", "per_step", "telescopic", "fixed_exits"]
 DepthGroup = Literal["replica", "expert_group"]
@@ -399,6 +400,16 @@ class ScheduleController:
         return {"phase": self.phase, "switch_step": self.switch_step, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.phase = state["phase"]
-        self.switch_step = state["switch_step"]
-        self.seed = int(state["seed"])
+        self.phase, self.switch_step, self.seed = self.check_state(state)
+
+    @staticmethod
+    def check_state(state: Any) -> tuple[Literal["fixed", "mixed"], int | None, int]:
+        """(phase, switch step, seed) of a saved state, each in range, else :class:`StateError` (trainer.json
+        comes from whoever shared the checkpoint: docs/security.md)."""
+        state = mapping(state, "controller")
+        phase: Literal["fixed", "mixed"] = choice(state, "phase", "controller", ("fixed", "mixed"))
+        # fixed: the switch has not happened yet
+        switch = choice(state, "switch_step", "controller", (None,)) if phase == "fixed" else count(
+            state, "switch_step", "controller")
+        seed = count(state, "seed", "controller", high=INT_LIMIT)  # numpy's SeedSequence: non-negative
+        return phase, switch, seed

@@ -16,6 +16,7 @@ from elastic_pretrain.checkpoint.tensors import ModelTensors
 from elastic_pretrain.data.loader import TokenBatches, load_validation
 from elastic_pretrain.data.tokenizer import load_tokenizer
 from elastic_pretrain.job import JobConfig
+from elastic_pretrain.jsonsafe import StateError, choice, count, mapping, number
 from elastic_pretrain.model.looped import LoopedMoEModel
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import Mesh, expert_layout
@@ -70,7 +71,7 @@ class Session:
 
     def checkpointed(self) -> dict[str, Stateful]:
         """The session's other checkpointed state, by its name in ``trainer.json``."""
-        return {"scheduler": self.scheduler, "controller": ControllerState(self), "data": self.batches}
+        return {"scheduler": SchedulerState(self.scheduler), "controller": ControllerState(self), "data": self.batches}
 
     def rank_parameters(self) -> tuple[int, str]:
         """The parameters this rank holds, and where they are, for the banner."""
@@ -110,6 +111,45 @@ class ControllerState:
     def load_state_dict(self, state: dict[str, Any], /) -> None:
         self.session.controller.load_state_dict(state)
         self.session.sync_phase()
+
+
+# megatron's schedule state: the values OptimizerParamScheduler.state_dict writes and the styles it runs
+_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+_WD_STYLES = ("constant", "linear", "cosine")
+
+
+@dataclasses.dataclass
+class SchedulerState:
+    """megatron's LR / weight-decay schedule as a checkpoint holds it. megatron takes the checkpoint's values
+    over the job's (``use_checkpoint_opt_param_scheduler``) and checks none of them: an unknown style, a
+    string step count or a step of 10**30 fail at the first step, or never (a NaN LR), so they are checked
+    here first."""
+
+    scheduler: OptimizerParamScheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any], /) -> None:
+        self.check_state(state)
+        if state["lr_decay_style"] == "WSD" and self.scheduler.wsd_decay_steps is None:
+            raise StateError("scheduler.lr_decay_style is 'WSD', which this job does not configure (train.decay=WSD)")
+        self.scheduler.load_state_dict(state)
+
+    @staticmethod
+    def check_state(state: Any) -> None:
+        """Every value megatron reads, in range; else :class:`StateError`."""
+        state = mapping(state, "scheduler")
+        max_lr = number(state, "max_lr", "scheduler")
+        number(state, "min_lr", "scheduler", high=max_lr)
+        for key in ("lr_warmup_steps", "lr_decay_steps", "num_steps"):
+            count(state, key, "scheduler")
+        choice(state, "lr_decay_style", "scheduler", _DECAY_STYLES)
+        if "start_wd" in state:  # megatron reads the weight-decay schedule only when the checkpoint has one
+            for key in ("start_wd", "end_wd"):
+                number(state, key, "scheduler")
+            count(state, "wd_incr_steps", "scheduler")
+            choice(state, "wd_incr_style", "scheduler", _WD_STYLES)
 
 
 def copy_to_main_params(optimizer: Any, params: list[torch.nn.Parameter]) -> None:

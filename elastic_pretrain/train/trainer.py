@@ -18,13 +18,17 @@ import torch
 
 from elastic_pretrain.checkpoint import parallel_io
 from elastic_pretrain.checkpoint.latest import repair_latest
-from elastic_pretrain.checkpoint.manager import Checkpointer, check_resumable, resume_source
+from elastic_pretrain.checkpoint.manager import Checkpointer, check_resumable, check_states, resume_source
 from elastic_pretrain.checkpoint.preempt import StopRequest, stop_reason
 from elastic_pretrain.checkpoint.store import CheckpointStore
+from elastic_pretrain.checkpoint.tensors import check_model_fits
+from elastic_pretrain.data.loader import TokenBatches
 from elastic_pretrain.engine import build_session  # job.engine: megatron or deepspeed
 from elastic_pretrain.eval.loss import loss_by_loops
-from elastic_pretrain.files import append_text, read_text_bounded, read_text_or_none, write_atomic
+from elastic_pretrain.files import append_text, read_bounded, read_text_or_none, write_atomic
 from elastic_pretrain.job import JobConfig, write_resolved
+from elastic_pretrain.jsonsafe import count, mapping
+from elastic_pretrain.jsonsafe import loads as json_loads
 from elastic_pretrain.parallel.mesh import Mesh, describe, every_rank, init_mesh, teardown
 from elastic_pretrain.parallel.strict import enter_strict_devices
 from elastic_pretrain.rundir import RunFiles
@@ -33,7 +37,7 @@ from elastic_pretrain.train.faults import FaultMonitor
 from elastic_pretrain.train.mfu import baseline_flops_per_token, device_peak, step_flops, utilisation
 from elastic_pretrain.train.profiling import ProfileWindow
 from elastic_pretrain.train.schedule import ExpertLayout, ScheduleController
-from elastic_pretrain.train.session import Session
+from elastic_pretrain.train.session import SchedulerState, Session
 from elastic_pretrain.train.step import MicroBatch, StepResult
 from elastic_pretrain.train.stragglers import DATA_WAIT_KEY, StragglerReport
 from elastic_pretrain.train.watchdog import HangWatchdog
@@ -266,15 +270,8 @@ class SummaryWriter:
         self.path, self.enabled, self.mesh, self.job = files.summary, mesh.is_logging_rank, mesh, job
         self.root, self.history_path, self.stopped_path = run_dir, files.history, files.stopped
         self.history: list[dict[str, Any]] = []
-        # the steps before the checkpoint, from earlier attempts
-        if resumed_step and os.path.lexists(self.history_path):
-            for line in read_text_bounded(self.history_path, "history").splitlines():
-                try:
-                    entry = json.loads(line)
-                except (json.JSONDecodeError, RecursionError):  # a line torn by a kill
-                    continue
-                if isinstance(entry, dict) and isinstance(entry.get("step"), int) and entry["step"] <= resumed_step:
-                    self.history.append(entry)
+        if resumed_step and os.path.lexists(self.history_path):  # the steps before the checkpoint, earlier attempts
+            self.history = read_history(self.history_path, resumed_step)
         if self.enabled:  # rewritten (a link planted at the name is replaced, not followed), then appended to
             self._rewrite_history()
             self.stopped_path.unlink(missing_ok=True)  # an earlier start's stop speaks for that start only
@@ -326,6 +323,37 @@ class SummaryWriter:
                 "history": self.history,
             }
             write_atomic(self.path, json.dumps(summary, indent=1), root=self.root)
+
+
+# history.jsonl entries: the numbers summary.json adds up (depth_summary) besides the step
+_HISTORY_NUMBERS = ("loss", "depth_efficiency", "depth_balance", "ghost_time_s")
+
+
+def read_history(path: Path, upto: int) -> list[dict[str, Any]]:
+    """The entries of ``history.jsonl`` up to step ``upto``. A line that is not an entry as ``on_step`` writes
+    it — torn by a kill, or not a JSON object with a step count and numbers (a run directory may come from
+    someone else) — is skipped with one warning: the history is a record to read, not training state (the
+    checkpoint and MLflow hold the steps it lacks), and ``depth_summary`` adds up what it keeps."""
+    entries, skipped = [], 0
+    for n, line in enumerate(read_bounded(path, "history").decode("utf-8", "replace").splitlines(), 1):
+        try:
+            entry = mapping(json_loads(line, f"{path}:{n}"), "entry")
+            step = count(entry, "step", "entry")
+        except ValueError:  # JSONInputError, StateError
+            skipped += 1
+            continue
+        if not all(_is_number(entry.get(key, 0.0)) for key in _HISTORY_NUMBERS):
+            skipped += 1
+        elif step <= upto:
+            entries.append(entry)
+    if skipped:
+        log.warning("%s: skipped %d line(s) that are not step entries (torn by a kill, or not written here)",
+                    path, skipped)  # fmt: skip
+    return entries
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def depth_summary(history: list[dict[str, Any]]) -> dict[str, float]:
@@ -473,6 +501,12 @@ def train(job: JobConfig) -> dict[int, float] | None:
         return _train(job, stop)
 
 
+# The checks of the objects a checkpoint holds (the names in trainer.json; the loop counters, adam_step and the
+# tracker's run id are checked on reading it: checkpoint/store.py). Restoring runs each check again.
+STATE_CHECKS = {"scheduler": SchedulerState.check_state, "controller": ScheduleController.check_state,
+                "data": TokenBatches.check_state, "faults": FaultMonitor.check_state}  # fmt: skip
+
+
 def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
     torch.set_num_threads(job.train.threads_per_rank)
     mesh = init_mesh(job.parallel, seed=job.train.seed)
@@ -488,6 +522,10 @@ def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
         store = CheckpointStore(files.checkpoints)
         source = resume_source(job, store)
         meta = check_resumable(source, job) if source else {}
+        if source:  # trainer.json's objects, each by its own check, before anything is built
+            check_states(source, meta, STATE_CHECKS)
+        elif job.decider is not None:  # the model shape came from the base's trainer.json (job.py): bound it
+            check_model_fits(Path(job.decider.init_from or ""), job.model)
         if mesh.rank == 0 and (repaired := repair_latest(store)):  # a crash left it naming an older/missing step
             print(repaired, flush=True)
         session = build_session(job, mesh)

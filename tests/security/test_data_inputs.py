@@ -418,7 +418,7 @@ def _unblock(fifo: Path) -> None:
 @pytest.mark.parametrize(
     "edit, needle",
     [
-        (lambda m: m["splits"]["train"]["shards"][0].update(samples=HUGE), "integer string conversion"),
+        (lambda m: m["splits"]["train"]["shards"][0].update(samples=HUGE), "more than 4,300 digits"),
         (lambda m: m["splits"]["train"]["shards"][0].update(samples=10**30), "are not counts"),
         (lambda m: m.update(tokenizer=["byte"]), "tokenizer is list, not a mapping"),
         (lambda m: m.update(splits=[]), "'list' object has no attribute 'items'"),

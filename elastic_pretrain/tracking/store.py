@@ -43,7 +43,7 @@ from typing import Any
 
 from elastic_pretrain.config import clip
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.files import create_exclusive
+from elastic_pretrain.files import create_exclusive, read_text_or_none
 from elastic_pretrain.tracking.config import local_store_dir, redact_uri
 
 DB_NAME = "mlflow.db"
@@ -350,3 +350,18 @@ def is_run_id(text: object) -> bool:
     """An MLflow run id: 32 lowercase hex digits (``uuid4().hex``)."""
     return isinstance(text, str) and bool(_RUN_ID.fullmatch(text))
 
+
+
+def read_run_id(path: Path) -> str | None:
+    """The MLflow run id a run directory's ``mlflow_run_id`` holds; None if the file is absent or empty.
+
+    The file may be someone else's (``status`` printed whatever it linked to, issue 35): it is read as a
+    regular file, no link followed, a FIFO not waited on, at most 256 bytes (``files.read_text_or_none``), and
+    the text must be a run id; anything else is a one-line :class:`UserError`."""
+    text = read_text_or_none(path, "mlflow_run_id")
+    if text is not None and not is_run_id(text):
+        raise UserError(
+            f"{path}: holds {clip(text, 40)!r}, not an MLflow run id (32 hex digits): delete the file (each "
+            "checkpoint records the run id too) or write the right id into it"
+        )
+    return text

@@ -341,3 +341,38 @@ def test_a_good_store_is_listed(tmp_path: Path, template: tuple[Path, str], caps
     assert cli.main(["runs", str(run), "--experiment", EXPERIMENT]) == 0
     out = capsys.readouterr().out
     assert run_id in out and "FINISHED" in out and "1.5000" in out
+
+
+# --- item 9: mlflow_run_id and a bare step folder ---------------------------------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("kind", ["link", "fifo", "junk", "huge"])
+def test_status_does_not_print_what_mlflow_run_id_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    secret = tmp_path / "secret"
+    secret.write_text("PRIVATE KEY 0123456789abcdef0123456789abcdef\n")
+    run = tmp_path / "shared-run"
+    run.mkdir()
+    id_file = run / "mlflow_run_id"
+    if kind == "link":
+        id_file.symlink_to(secret)
+    elif kind == "fifo":
+        os.mkfifo(id_file)
+    elif kind == "junk":
+        id_file.write_text("\x1b[2J--user=root; rm -rf ~\n")
+    else:
+        id_file.write_bytes(b"0" * 32 + b" " * (1 << 20))
+    code = cli.main(["status", str(run)])
+    captured = capsys.readouterr()
+    assert code == 2 and "PRIVATE" not in captured.out + captured.err
+    text = _one_line(captured.err.strip())
+    assert {"link": "is a symbolic link", "fifo": "is a FIFO", "junk": "not an MLflow run id (32 hex digits)",
+            "huge": "more than 256 bytes"}[kind] in text, text  # fmt: skip
+
+
+def test_status_shows_a_run_id(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "mlflow_run_id").write_text("0123456789abcdef0123456789abcdef")
+    assert cli.main(["status", str(run)]) == 0
+    assert "mlflow run: 0123456789abcdef0123456789abcdef" in capsys.readouterr().out

@@ -376,3 +376,26 @@ def test_status_shows_a_run_id(tmp_path: Path, capsys: pytest.CaptureFixture[str
     (run / "mlflow_run_id").write_text("0123456789abcdef0123456789abcdef")
     assert cli.main(["status", str(run)]) == 0
     assert "mlflow run: 0123456789abcdef0123456789abcdef" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("layout", ["bare", "checkpoints-without-run"])
+def test_eval_of_a_bare_step_folder_creates_no_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], layout: str
+) -> None:
+    """``eval ~/Downloads/checkpoints/step_2`` created ``~/Downloads/mlflow/mlflow.db``: a step folder outside
+    a run directory (no config.yaml beside its checkpoints/) is not logged unless a URI is given."""
+    from elastic_pretrain.eval.commands import track_eval
+    from elastic_pretrain.eval.curves import CurvePoint, QualityCurve
+    from elastic_pretrain.job import load_job
+
+    downloads = tmp_path / "downloads"
+    ckpt = downloads / "step_2" if layout == "bare" else downloads / "checkpoints" / "step_2"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer.json").write_text('{"config": {}, "tracker": {"run_id": null}}')
+    job = load_job(Path(__file__).resolve().parents[2] / "jobs" / "tiny-cpu.yaml", ["tracking.system_metrics=false"])
+    curve = QualityCurve(name="tiny", points=(CurvePoint(loops=1, relative_compute=1.0, loss=2.0),))
+    assert track_eval(job, ckpt, curve, [], []) is None
+    made = {p.relative_to(downloads).as_posix() for p in downloads.rglob("*")}
+    expected = {"step_2", "step_2/trainer.json"}
+    assert made == (expected if layout == "bare" else {"checkpoints", *(f"checkpoints/{p}" for p in expected)}), made
+    assert "is not in a run directory" in _one_line(capsys.readouterr().err.strip())

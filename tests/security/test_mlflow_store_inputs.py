@@ -28,6 +28,7 @@ from elastic_pretrain.tracking.config import TrackingConfig, local_store_dir
 from elastic_pretrain.tracking.tracker import create_tracker
 
 TOKEN = "user-token-0123456789"
+JOB = Path(__file__).resolve().parents[2] / "jobs" / "tiny-cpu.yaml"
 EXPERIMENT = "tiny"
 
 
@@ -163,6 +164,25 @@ def test_a_store_that_writes_artifacts_elsewhere_is_refused(
         _log_into(run, resume=run_id if where == "run" else None)
     assert not elsewhere.exists(), sorted(p.name for p in elsewhere.rglob("*"))
     assert f"keeps its artifacts at {elsewhere.as_uri()}" in _one_line(err.value)
+
+
+def test_eval_refuses_the_store_before_evaluating(
+    tmp_path: Path, template: tuple[Path, str], recorder: Any
+) -> None:
+    """``eval`` checks the run directory's store before it computes anything (eval_tracking), and logs nothing."""
+    from elastic_pretrain.eval.commands import eval_tracking
+    from elastic_pretrain.job import load_job
+
+    evil, requests = recorder
+    run, _ = _run_dir(tmp_path, template)
+    (run / "config.yaml").write_text("name: tiny\n")
+    ckpt = run / "checkpoints" / "step_2"
+    ckpt.mkdir(parents=True)
+    _set(_db(run), "UPDATE experiments SET artifact_location = ? WHERE name = ?", evil, EXPERIMENT)
+    job = load_job(JOB, [f"tracking.experiment={EXPERIMENT}"])
+    with pytest.raises(UserError) as err:
+        eval_tracking(job, ckpt, uri=None)
+    assert requests == [] and f"experiment '{EXPERIMENT}' keeps its artifacts at {evil}" in _one_line(err.value)
 
 
 @pytest.mark.parametrize(
@@ -392,10 +412,11 @@ def test_eval_of_a_bare_step_folder_creates_no_store(
     ckpt = downloads / "step_2" if layout == "bare" else downloads / "checkpoints" / "step_2"
     ckpt.mkdir(parents=True)
     (ckpt / "trainer.json").write_text('{"config": {}, "tracker": {"run_id": null}}')
-    job = load_job(Path(__file__).resolve().parents[2] / "jobs" / "tiny-cpu.yaml", ["tracking.system_metrics=false"])
+    job = load_job(JOB, ["tracking.system_metrics=false"])
     curve = QualityCurve(name="tiny", points=(CurvePoint(loops=1, relative_compute=1.0, loss=2.0),))
     assert track_eval(job, ckpt, curve, [], []) is None
     made = {p.relative_to(downloads).as_posix() for p in downloads.rglob("*")}
     expected = {"step_2", "step_2/trainer.json"}
     assert made == (expected if layout == "bare" else {"checkpoints", *(f"checkpoints/{p}" for p in expected)}), made
     assert "is not in a run directory" in _one_line(capsys.readouterr().err.strip())
+

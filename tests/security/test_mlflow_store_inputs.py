@@ -290,7 +290,7 @@ def test_a_linked_store_folder_is_refused(tmp_path: Path) -> None:
     run = tmp_path / "shared-run"
     run.mkdir()
     local_store_dir(run).symlink_to(elsewhere)
-    with pytest.raises(UserError, match="mlflow: is a symbolic link, not the run's own MLflow folder"):
+    with pytest.raises(UserError, match="mlflow: is a symbolic link"):
         _log_into(run)
     assert list(elsewhere.iterdir()) == []
 

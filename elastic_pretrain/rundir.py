@@ -15,7 +15,10 @@ This module is at the bottom of the package: it imports nothing from it (tests/t
                               reached the trainer but not the script
     mlflow_run_id             text: the MLflow run id, written when tracking closes (optional)
     mlflow/                   the local MLflow store and the tracker's files (tracking/: mlflow.db,
-                              run.json, artifacts/, staging/, quality_budget/)
+                              run.json, artifacts/, staging/, quality_budget/); artifact locations in
+                              mlflow.db are relative to this folder (tracking/store.py)
+    eval/step_<N>/            ``elastic-pretrain eval`` reports of checkpoint step_<N> (eval.md, quality.png,
+                              adaptive.png): beside the checkpoints, which rotation deletes, not in them
     hang/rank_<R>.txt         stack dump of every thread when rank R's step hung (train/watchdog.py)
     profile/rank_<R>.json     torch profiler trace of rank R's profiled window (train/profiling.py)
     checkpoints/
@@ -36,7 +39,6 @@ This module is at the bottom of the package: it imports nothing from it (tests/t
     trainer.json              the named stateful objects' states, Adam's step, config, layout
     rng/rank_<R>.pt           RNG states of rank R (plain tensors; loaded with weights_only=True)
     COMMITTED                 JSON: step, size and CRC32 of every file above; written last
-    eval/                     ``elastic-pretrain eval`` reports (eval.md, quality.png, adaptive.png)
 """
 
 from __future__ import annotations
@@ -84,19 +86,16 @@ class CheckpointFiles:
         return self.path / COMMIT_FILE
 
     @property
-    def eval_dir(self) -> Path:
-        return self.path / "eval"
-
-    @property
     def step(self) -> int | None:
         """N of ``step_<N>``; None for another name."""
         m = STEP_DIR.match(self.path.name)
         return int(m.group(1)) if m else None
 
     @property
-    def run_dir(self) -> Path:
-        """The run directory this checkpoint belongs to (the folder itself when it is not in ``checkpoints/``)."""
-        return self.path.parent.parent if self.path.parent.name == CHECKPOINTS_DIR else self.path
+    def run_dir(self) -> Path | None:
+        """The folder holding the ``checkpoints/`` this checkpoint is in; None for a step folder elsewhere (a
+        bare copy). Whether that folder is a run directory is for the caller to check (``config.yaml``)."""
+        return self.path.parent.parent if self.path.parent.name == CHECKPOINTS_DIR else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +146,11 @@ class RunFiles:
 
     def profile_trace(self, rank: int) -> Path:
         return self.profile_dir / f"rank_{rank}.json"
+
+    def eval_dir(self, checkpoint: str) -> Path:
+        """``elastic-pretrain eval``'s report of the checkpoint folder named ``checkpoint`` (``step_<N>``): outside
+        ``checkpoints/``, since rotation deletes checkpoints, not their evaluations."""
+        return self.run_dir / "eval" / checkpoint
 
     # --- checkpoints -------------------------------------------------------------------------------------
     @property

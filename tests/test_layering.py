@@ -78,7 +78,7 @@ def test_the_run_directory_page_names_every_file_of_the_contract() -> None:
     page = (REPO / "docs" / "run-directory.md").read_text()
     run, ckpt = RunFiles(Path("R")), CheckpointFiles(Path("C"))
     paths = [getattr(run, p) for p in vars(RunFiles) if isinstance(getattr(RunFiles, p), property)]
-    paths += [run.hang_dump(0), run.profile_trace(0), run.step_dir(1)]
+    paths += [run.hang_dump(0), run.profile_trace(0), run.step_dir(1), run.eval_dir("step_1")]
     paths += [getattr(ckpt, p) for p in vars(CheckpointFiles)
               if isinstance(getattr(CheckpointFiles, p), property) and isinstance(getattr(ckpt, p), Path)]  # fmt: skip
     paths.append(ckpt.rng(0))

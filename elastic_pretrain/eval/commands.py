@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from elastic_pretrain.checkpoint.store import resolve_checkpoint
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.files import ensure_dir, read_text_or_none, write_atomic
+from elastic_pretrain.files import ensure_dir, write_atomic
 from elastic_pretrain.rundir import CheckpointFiles, RunFiles
 
 
@@ -30,10 +31,12 @@ def _eval(args: argparse.Namespace) -> int:
     from elastic_pretrain.model.inference import KV_POLICIES, teacher_forced_loss
     from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 
+    _check_sizes(args)
     data = load_recipe(args.data) if args.data else None  # the user's: a checkpoint never chooses where data is read
     ckpt = resolve_checkpoint(Path(args.checkpoint))
-    # --out is the user's folder; the default is inside the checkpoint, which may come from someone else
-    out, root = (Path(args.out), Path(args.out)) if args.out else (CheckpointFiles(ckpt).eval_dir, ckpt)
+    run_dir = run_dir_of(ckpt)
+    # --out is the user's folder; the default is beside the checkpoints of the run (or beside a bare step folder)
+    out, root = (Path(args.out), Path(args.out)) if args.out else report_dir(ckpt, run_dir)
     ensure_dir(out, root=root)  # a planted eval -> elsewhere is refused before the evaluation, not after
     init_mesh(ParallelConfig(), seed=0)
     try:
@@ -49,12 +52,14 @@ def _eval(args: argparse.Namespace) -> int:
                   file=sys.stderr)  # fmt: skip
             data = found[1]
         check_eval_recipe(data, job.data, job.model.vocab_size)
+        tracking = None if args.no_track else eval_tracking(job, ckpt, uri=args.uri)  # refused before any compute
         decider = pick_decider(model, ckpt, args.decider) if args.adaptive else None
-        tokens = load_validation(data, num_sequences=args.sequences)
+        # one default, the job's own (issue 33: eval used 64 where the job's table used train.eval_sequences)
+        tokens = load_validation(data, num_sequences=args.sequences or job.train.eval_sequences)
         layer = job.schedule.exit_axis == "layer"  # a non-looped stack with layer exits: the 'loops' column is k
         curve = quality_curve(model, tokens, name=f"{job.name} (exit after core layer k)" if layer else job.name,
                               batch_size=args.batch_size, exit_axis=job.schedule.exit_axis)
-        lines = [markdown_table(curve)]
+        lines = [markdown_table(curve), sample_line(tokens.shape, flag=args.sequences is not None)]
         if args.kv_gap:
             lines.append(f"| KV cache at ℓ={model.cfg.max_loops} | KV bytes/token | teacher-forced loss |")
             lines.append("|---|---|---|")
@@ -70,7 +75,7 @@ def _eval(args: argparse.Namespace) -> int:
         report = "\n".join(lines) + "\n"
         written = write_report(out, root, report, curve, sweep)
         print(report + f"\nwritten: {', '.join(str(w) for w in written)}")
-        if not args.no_track:
+        if tracking is not None:
             adaptive = [sweep.curves()[0]] if sweep is not None else []
             track_eval(job, ckpt, curve, adaptive, written, uri=args.uri)
     finally:
@@ -92,6 +97,65 @@ def write_report(out: Path, root: Path, report: str, curve: Any, sweep: Any) -> 
     return written
 
 
+def _check_sizes(args: argparse.Namespace) -> None:
+    if args.sequences is not None and args.sequences < 1:
+        raise UserError(f"--sequences {args.sequences}: must be >= 1 (unset: the job's train.eval_sequences)")
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size {args.batch_size}: must be >= 1")
+
+
+def sample_line(shape: Any, *, flag: bool) -> str:
+    """What the numbers above average over: ``shape`` is (sequences, seq_len + 1) stored tokens per row."""
+    n, row = int(shape[0]), int(shape[1])
+    source = "--sequences" if flag else "the job's train.eval_sequences; --sequences N to change"
+    return (f"\nevaluated {n} held-out sequences x {row - 1} predicted tokens = {n * (row - 1):,} tokens per loop "
+            f"count ({source})\n")  # fmt: skip
+
+
+def run_dir_of(ckpt: Path) -> Path | None:
+    """The run directory ``ckpt`` is a checkpoint of: ``<run>/checkpoints/step_<N>`` beside the ``config.yaml``
+    every run writes at its start; None for a step folder anywhere else (a bare copy or download)."""
+    run_dir = CheckpointFiles(Path(os.path.abspath(ckpt))).run_dir
+    return run_dir if run_dir is not None and os.path.lexists(RunFiles(run_dir).config) else None
+
+
+def report_dir(ckpt: Path, run_dir: Path | None) -> tuple[Path, Path]:
+    """Where ``eval`` writes its report without ``--out``, and the folder below which no link is followed
+    (files.py): ``<run>/eval/step_<N>/`` below the run directory, beside the checkpoints (a report inside
+    ``step_<N>/`` went when rotation deleted the checkpoint; issue 33); for a bare step folder,
+    ``eval/step_<N>/`` beside it."""
+    ckpt = Path(os.path.abspath(ckpt))
+    if run_dir is not None:
+        return RunFiles(run_dir).eval_dir(ckpt.name), run_dir
+    return ckpt.parent / "eval" / ckpt.name, ckpt.parent
+
+
+def eval_tracking(job: Any, ckpt: Path, *, uri: str | None) -> Any:
+    """The tracking config an evaluation of ``ckpt`` logs with, or None when it does not log — the job does not
+    track, or ``ckpt`` is in no run directory and no URI was given (its grandparent folder is not a place to
+    create an MLflow store in; issue 35). A run directory's own store is checked here, before the evaluation
+    runs: a foreign one is a one-line error (tracking/store.py)."""
+    import dataclasses
+
+    from elastic_pretrain.tracking import store
+    from elastic_pretrain.tracking.config import ENV_TRACKING_URI, local_store_uri, resolve_uri
+
+    if job.tracking.backend == "none":
+        return None
+    step = CheckpointFiles(ckpt).step or 0
+    cfg = dataclasses.replace(job.tracking, uri=uri, run_name=f"{job.name} eval step_{step}", system_metrics=False)
+    run_dir = run_dir_of(ckpt)
+    if run_dir is None:
+        if uri or os.environ.get(ENV_TRACKING_URI, "").strip():
+            return cfg
+        print(f"eval: {ckpt} is not in a run directory (<run>/checkpoints/step_<N> beside config.yaml): not logged "
+              "to MLflow (pass --uri URI to log it there)", file=sys.stderr)  # fmt: skip
+        return None
+    if resolve_uri(cfg, run_dir) == local_store_uri(run_dir):
+        store.claim_locations(run_dir, experiment=cfg.experiment or job.name)
+    return cfg
+
+
 def track_eval(
     job: Any, ckpt: Path, curve: Any, adaptive: list[Any], files: list[Path], *, uri: str | None = None
 ) -> str | None:
@@ -103,20 +167,31 @@ def track_eval(
     The store is ``uri`` (``--uri``), else ``$MLFLOW_TRACKING_URI``, else the local store of the
     checkpoint's run directory; never the ``tracking.uri`` saved in the checkpoint: a checkpoint from
     someone else must not choose the server that MLflow sends the user's credentials to."""
-    import dataclasses
+    import tempfile
+
+    cfg = eval_tracking(job, ckpt, uri=uri)
+    if cfg is None:
+        return None
+    run_dir = run_dir_of(ckpt)
+    if run_dir is not None:
+        return _track_eval(job, ckpt, cfg, run_dir, curve, adaptive, files)
+    with tempfile.TemporaryDirectory(prefix="elastic-pretrain-eval-") as tmp:  # the tracker's staging files only
+        return _track_eval(job, ckpt, cfg, Path(tmp), curve, adaptive, files, in_run=False)
+
+
+def _track_eval(
+    job: Any, ckpt: Path, cfg: Any, run_dir: Path, curve: Any, adaptive: list[Any], files: list[Path], *,
+    in_run: bool = True,
+) -> str | None:  # fmt: skip
     import math
 
     from elastic_pretrain.checkpoint.store import read_trainer_state, saved_run_id
     from elastic_pretrain.tracking.config import redact_uri, resolve_uri
+    from elastic_pretrain.tracking.store import is_run_id, read_run_id
     from elastic_pretrain.tracking.tracker import create_tracker
 
-    if job.tracking.backend == "none":
-        return None
-    step = int(ckpt.name.removeprefix("step_")) if ckpt.name.startswith("step_") else 0
-    run_dir = CheckpointFiles(ckpt).run_dir
-    stored = job.tracking.uri
-    cfg = dataclasses.replace(job.tracking, uri=uri, run_name=f"{job.name} eval step_{step}", system_metrics=False)
-    target = resolve_uri(cfg, run_dir)
+    step = CheckpointFiles(ckpt).step or 0
+    stored, target = job.tracking.uri, resolve_uri(cfg, run_dir)
     if stored and stored != target:
         print(
             f"eval: the checkpoint's job logged to {redact_uri(stored)}; logging this evaluation to "
@@ -124,10 +199,17 @@ def track_eval(
             file=sys.stderr,
         )
     tracker = create_tracker(cfg, run_dir=run_dir, job_name=job.name, rank=0)
-    id_file = RunFiles(run_dir).mlflow_run_id  # written at the end of training; the checkpoint's may be unset
+    # the training run: the checkpoint's id, else the one written when training closed (both possibly
+    # someone else's: only a well-formed run id becomes a tag; read_run_id refuses links, FIFOs, junk)
     parent = saved_run_id(read_trainer_state(ckpt))
-    parent = parent or read_text_or_none(id_file, "mlflow_run_id")
-    tracker.set_tags({"elastic_pretrain.kind": "eval", "elastic_pretrain.checkpoint": str(ckpt.resolve()),
+    if not is_run_id(parent):
+        try:
+            parent = read_run_id(RunFiles(run_dir).mlflow_run_id) if in_run else None
+        except UserError as err:  # the evaluation is done; it is logged, without the link to its training run
+            print(f"eval: {err}", file=sys.stderr)
+            parent = None
+    where = Path(os.path.abspath(ckpt)).relative_to(run_dir).as_posix() if in_run else str(ckpt.resolve())
+    tracker.set_tags({"elastic_pretrain.kind": "eval", "elastic_pretrain.checkpoint": where,
                       **({"mlflow.parentRunId": parent} if parent else {})})  # fmt: skip
     metrics = {"eval/auc": curve.auc}
     for p in curve.points:
@@ -242,10 +324,20 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         help="data recipe (YAML or preset name in data/, e.g. stdlib-code) whose validation stream is read; default: "
         "your recipe in data/ identical to the checkpoint's data section; never the locations saved in the checkpoint",
     )
-    p.add_argument("--sequences", type=int, default=64, help="held-out sequences (the recipe's validation)")
+    p.add_argument(
+        "--sequences",
+        type=int,
+        default=None,
+        help="held-out sequences of the recipe's validation stream (default: the job's train.eval_sequences, as its "
+        "training-time validation)",
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--kv-gap", action="store_true", help="also teacher-forced loss with per-loop vs last-loop KV")
-    p.add_argument("--out", help="output folder for eval.md and quality.png (default <checkpoint>/eval)")
+    p.add_argument(
+        "--out",
+        help="output folder for eval.md and quality.png (default <run>/eval/step_<N>, beside the checkpoints; for a "
+        "step folder outside a run directory, eval/step_<N> beside it)",
+    )
     p.add_argument("--no-track", action="store_true", help="do not log to MLflow (default: when the job tracks)")
     p.add_argument(
         "--uri",

@@ -21,6 +21,7 @@ from elastic_pretrain.launch.layout import last_committed_step
 from elastic_pretrain.launch.render import LaunchSpec, render
 from elastic_pretrain.rundir import RunFiles
 from elastic_pretrain.tracking.config import write_private
+from elastic_pretrain.tracking.store import read_run_id
 
 # States in which a job still holds (or waits for) resources.
 LIVE_STATES = frozenset(
@@ -211,7 +212,7 @@ def run_status(run_dir: Path) -> RunStatus:
         last_step=last_committed_step(files),
         latest_problem=latest_problem(CheckpointStore(files.checkpoints)),
         finished=files.finished.exists(),
-        mlflow_run_id=read_text_or_none(files.mlflow_run_id, "mlflow_run_id"),
+        mlflow_run_id=read_run_id(files.mlflow_run_id),  # a link, FIFO or junk there: one line
         log=str(files.log),
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 from pathlib import Path
@@ -12,6 +13,7 @@ from elastic_pretrain.config import clip
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import read_bounded
 from elastic_pretrain.jsonsafe import loads as json_loads
+from elastic_pretrain.tracking import store
 from elastic_pretrain.tracking.config import ENV_TRACKING_URI, local_store_dir, local_store_uri, redact_uri
 from elastic_pretrain.tracking.mlflow_env import is_transient, make_client, short_error
 from elastic_pretrain.tracking.names import LOSS, SYSTEM_PREFIX, loops_of_val_loss, val_loss_loops
@@ -76,7 +78,13 @@ def resolve_target(uri: str | None, experiment: str | None, run_dir: Path | None
         uri = local
     if uri is None:
         raise UserError(f"no tracking store given: pass RUN_DIR or --uri URI (or set {ENV_TRACKING_URI})")
-    if uri.startswith("sqlite:"):
+    if run_dir is not None and uri == local_store_uri(run_dir):
+        # the run directory's own store, possibly someone else's: a link, a FIFO, random bytes or a view that
+        # never ends is one line here, before MLflow opens it (tracking/store.py)
+        if store.check_store(run_dir, writing=False) is None:
+            db = store.store_db(run_dir)
+            raise UserError(f"no MLflow store at {db}: run a job with tracking first, or pass --uri")
+    elif uri.startswith("sqlite:"):
         db = Path(uri.removeprefix("sqlite:///"))
         if not db.is_file():  # opening a missing sqlite store would silently create an empty one
             raise UserError(f"no MLflow store at {db}: run a job with tracking first, or pass --uri")
@@ -135,8 +143,13 @@ def runs_command(args: argparse.Namespace) -> int:
         raise UserError(f"--max-runs must be >= 1, got {args.max_runs}")
     uri, name = resolve_target(args.uri, args.experiment, args.run_dir)
     shown = redact_uri(uri)  # printed: without user:password@
-    client = make_client(uri, _REQUEST_TIMEOUT_S)
+    own = args.run_dir is not None and uri == local_store_uri(args.run_dir)
+    if own:
+        store.time_box(store.store_db(args.run_dir))
     try:
+        client = make_client(uri, _REQUEST_TIMEOUT_S)
+        if own:  # MLflow logs a failed query with its traceback; the one line below says it instead
+            logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
         exp = client.get_experiment_by_name(name)
         if exp is None:
             names = [e.name for e in client.search_experiments(max_results=20)]
@@ -150,6 +163,8 @@ def runs_command(args: argparse.Namespace) -> int:
     except UserError:
         raise
     except Exception as err:
+        if own:  # a local file: nothing to reach, so a failure is the store's (e.g. a time-boxed query)
+            raise store.store_error(store.store_db(args.run_dir), err) from None
         if is_transient(err):
             raise UserError(
                 f"cannot reach MLflow at {shown} ({short_error(err)}): "

@@ -63,6 +63,10 @@ def is_transient(err: BaseException) -> bool:
     4xx answers (bad name, changed param, unknown run) are permanent: retrying them would wedge the
     queue forever, so the caller drops those items with a warning instead.
     """
+    from elastic_pretrain.errors import UserError
+
+    if isinstance(err, UserError):  # a store we refuse (tracking/store.py) stays refused
+        return False
     status = http_status(err)
     if status is None:
         return True  # OSError, requests/sqlalchemy errors: the store is not reachable right now

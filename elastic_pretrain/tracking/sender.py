@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.tracking import quality
+from elastic_pretrain.tracking import quality, store
 from elastic_pretrain.tracking.buffer import Buffer, Staged
 from elastic_pretrain.tracking.config import TrackingConfig, is_local_sqlite, redact_uri, write_private
 from elastic_pretrain.tracking.mlflow_env import is_transient, make_client, short_error
@@ -48,12 +48,17 @@ class Sender:
         experiment: str,
         run_name: str,
         resume_run_id: str | None,
+        own_store: Path | None = None,
     ) -> None:
         self.cfg = cfg
         self.buf = buf
         self.uri = uri  # only for the client: logs and run.json get shown_uri (no user:password@)
         self.shown_uri = redact_uri(uri)
         self.store_dir = store_dir
+        # the run directory whose own sqlite store this is (tracking/store.py): its artifact locations are kept
+        # relative and checked, and artifacts are copied into it by us, never to where the store says
+        self.own_store = own_store
+        self._artifact_root: Path | None = None
         self.experiment = experiment
         self.run_name = run_name
         self.resume_run_id = resume_run_id
@@ -191,6 +196,8 @@ class Sender:
 
     def _connect(self) -> None:
         if self._client is None:
+            if self.own_store is not None:
+                store.time_box(store.store_db(self.own_store))
             self._client = make_client(self.uri, self.cfg.request_timeout_s)
         client = self._client
         run = None
@@ -208,6 +215,9 @@ class Sender:
                 )
         try:
             run = self._adopt(run) if run is not None else self._create()
+            if self.own_store is not None:
+                store.claim_locations(self.own_store, run_id=run.info.run_id)
+                self._artifact_root = store.artifact_dir(self.own_store, run.info.artifact_uri)
         except Exception as err:
             if is_transient(err):
                 raise
@@ -227,7 +237,9 @@ class Sender:
         client = self._client
         exp = client.get_experiment_by_name(self.experiment)
         if exp is None:
-            location = (self.store_dir / "artifacts").as_uri() if is_local_sqlite(self.uri) else None
+            # MLflow stores an absolute file:// location (it resolves relative ones against the working directory);
+            # in the run's own store claim_locations rewrites it relative before the run is created below
+            location = (self.store_dir / store.ARTIFACTS).as_uri() if is_local_sqlite(self.uri) else None
             try:
                 exp_id = client.create_experiment(self.experiment, artifact_location=location)
             except Exception as err:
@@ -239,6 +251,8 @@ class Sender:
                 exp_id = exp.experiment_id
         else:
             exp_id = exp.experiment_id
+        if self.own_store is not None:
+            store.claim_locations(self.own_store, experiment=int(exp_id))
         return client.create_run(exp_id, run_name=self.run_name)
 
     def _adopt(self, run: Any) -> Any:
@@ -339,9 +353,12 @@ class Sender:
         for staged in garbage:  # replaced before upload; deleted here, where no upload can be reading it
             shutil.rmtree(staged.local.parent, ignore_errors=True)
         for key, staged in pending:
-            upload = self._client.log_artifacts if staged.local.is_dir() else self._client.log_artifact
             try:
-                self._call(upload, self.run_id, str(staged.local), staged.artifact_path)
+                if self._artifact_root is not None:
+                    store.copy_artifact(staged.local, self._artifact_root, staged.artifact_path)
+                else:
+                    upload = self._client.log_artifacts if staged.local.is_dir() else self._client.log_artifact
+                    self._call(upload, self.run_id, str(staged.local), staged.artifact_path)
             except _Transient:
                 raise
             except Exception as err:

@@ -37,9 +37,15 @@ from typing import Any, Literal
 from elastic_pretrain.config import flatten
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import copy_file, ensure_dir, write_atomic
-from elastic_pretrain.tracking import quality
+from elastic_pretrain.tracking import quality, store
 from elastic_pretrain.tracking.buffer import Buffer, MetricRow, Staged, TrackerStats
-from elastic_pretrain.tracking.config import TrackingConfig, local_store_dir, redact_uri, resolve_uri
+from elastic_pretrain.tracking.config import (
+    TrackingConfig,
+    local_store_dir,
+    local_store_uri,
+    redact_uri,
+    resolve_uri,
+)
 from elastic_pretrain.tracking.mlflow_env import prepare_environment
 from elastic_pretrain.tracking.names import sanitize, val_loss_loops, val_ppl_loops
 from elastic_pretrain.tracking.sender import Sender
@@ -109,6 +115,12 @@ class MlflowTracker(Tracker):
         self.shown_uri = redact_uri(uri)  # logs never show user:password@
         self.store_dir = local_store_dir(run_dir)
         ensure_dir(self.store_dir, root=self.store_dir.parent)  # a planted mlflow -> elsewhere is refused
+        # The run directory's own store may come from someone else: its file, schema and the artifact locations
+        # this run will use are checked (and kept relative) before MLflow opens it; a foreign one is refused here,
+        # in one line, before anything is sent (tracking/store.py, issue 35)
+        own = Path(run_dir) if uri == local_store_uri(run_dir) else None
+        if own is not None:
+            store.claim_locations(own, experiment=experiment, run_id=resume_run_id)
         prepare_environment(cfg.request_timeout_s)  # before any thread imports mlflow
         self._buf = Buffer(cfg.max_buffered)
         self._sender = Sender(
@@ -119,6 +131,7 @@ class MlflowTracker(Tracker):
             experiment=experiment,
             run_name=run_name,
             resume_run_id=resume_run_id,
+            own_store=own,
         )
         # Evals of an earlier attempt of this run, so the resumed plot continues the same history.
         self._sender.quality_history = quality.read_table(self.store_dir / "quality_budget" / quality.CSV_NAME)
@@ -298,10 +311,17 @@ def create_tracker(
 
     ``resume_run_id`` (from the checkpoint) continues that MLflow run: same params, the step axis
     continues, and values at steps the run already has are skipped. Never raises for tracking
-    trouble: a store that cannot even be prepared yields a warning and the no-op tracker.
+    trouble: a store that cannot even be prepared yields a warning and the no-op tracker — except a run
+    directory's own store that is not what the tracker makes (a link, a foreign schema, artifact locations
+    outside the run): that is a one-line :class:`UserError`, since logging there would send files or
+    credentials where the directory's author chose.
     """
     if cfg.backend == "none" or rank != 0:
         return Tracker()
+    if resume_run_id is not None and not store.is_run_id(resume_run_id):
+        # from a checkpoint or mlflow_run_id file, both possibly someone else's: not 32 hex digits, not a run id
+        log.warning("not an MLflow run id: %r; logging to a new run instead", resume_run_id[:40])
+        resume_run_id = None
     try:
         return MlflowTracker(
             cfg,

@@ -13,7 +13,7 @@ from tests.eval.conftest import CLI, cli
 pytestmark = pytest.mark.slow
 
 
-def test_eval_command_writes_table_and_plot(run_dir: Path, tmp_path: Path) -> None:
+def test_eval_command_writes_table_and_plot(run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
     from elastic_pretrain.model.decider import DeciderConfig, IterationDecider, save_decider
@@ -47,6 +47,7 @@ def test_eval_command_writes_table_and_plot(run_dir: Path, tmp_path: Path) -> No
     metrics = runs[0].data.metrics
     assert abs(metrics["eval/loss_loops_4"] - float(report.split("\n| 4 | ")[1].split(" | ")[2])) < 1e-3
     assert "eval/auc" in metrics and "eval/adaptive_auc" in metrics
+    monkeypatch.chdir(run_dir / "mlflow")  # artifact locations are relative to the store's folder (docs/tracking.md)
     assert {a.path for a in client.list_artifacts(runs[0].info.run_id, "eval")} >= {"eval/eval.md", "eval/quality.png"}
 
 

@@ -95,6 +95,7 @@ def _fake_checkpoint(tmp_path: Path, uri: str) -> tuple[Any, Path]:
     job = load_job(JOB, [f"tracking.uri={uri}", "tracking.close_timeout_s=120", "tracking.system_metrics=false"])
     ckpt = tmp_path / "run" / "checkpoints" / "step_2"
     ckpt.mkdir(parents=True)
+    (tmp_path / "run" / "config.yaml").write_text("name: tiny-cpu\n")  # a run directory: eval logs to its store
     (ckpt / "trainer.json").write_text(json.dumps({"config": {}, "mlflow_run_id": None}))
     return job, ckpt
 

@@ -93,30 +93,32 @@ def quality_curve() -> Any:
 
 
 def test_eval_report_replaces_links_planted_at_eval_md_and_quality_png(tmp_path: Path, victim: Path) -> None:
-    """``eval`` writes ``eval.md`` and ``quality.png`` into ``step_N/eval/`` (the checkpoint may be someone
+    """``eval`` writes ``eval.md`` and ``quality.png`` into ``<run>/eval/step_N/`` (the run may be someone
     else's): each planted link is replaced by the report, the victim keeps its bytes."""
     from elastic_pretrain.eval.commands import write_report
 
-    ckpt = tmp_path / "run" / "checkpoints" / "step_2"
-    plant(ckpt / "eval" / "eval.md", victim)
-    plant(ckpt / "eval" / "quality.png", victim)
-    written = write_report(ckpt / "eval", ckpt, "| loops | loss |\n", quality_curve(), None)
-    assert written == [ckpt / "eval" / "eval.md", ckpt / "eval" / "quality.png"]
+    run = tmp_path / "run"
+    out = RunFiles(run).eval_dir("step_2")
+    plant(out / "eval.md", victim)
+    plant(out / "quality.png", victim)
+    written = write_report(out, run, "| loops | loss |\n", quality_curve(), None)
+    assert written == [out / "eval.md", out / "quality.png"]
     untouched(victim)
-    assert replaced(ckpt / "eval" / "eval.md") == "| loops | loss |\n"
-    assert replaced(ckpt / "eval" / "quality.png").startswith("\ufffdPNG")
-    assert sorted(p.name for p in (ckpt / "eval").iterdir()) == ["eval.md", "quality.png"]  # no temp files left
+    assert replaced(out / "eval.md") == "| loops | loss |\n"
+    assert replaced(out / "quality.png").startswith("\ufffdPNG")
+    assert sorted(p.name for p in out.iterdir()) == ["eval.md", "quality.png"]  # no temp files left
 
 
 def test_a_planted_eval_directory_is_refused(tmp_path: Path, victim: Path) -> None:
-    """``step_N/eval -> ~/.ssh``: writing the report there would create or replace files in that folder."""
+    """``<run>/eval -> ~/.ssh``: writing the report there would create or replace files in that folder."""
     from elastic_pretrain.eval.commands import write_report
 
-    ckpt = tmp_path / "run" / "checkpoints" / "step_2"
-    plant(ckpt / "eval", victim.parent)
+    run = tmp_path / "run"
+    run.mkdir()
+    plant(run / "eval", victim.parent)
     with pytest.raises(UserError) as err:
-        write_report(ckpt / "eval", ckpt, "report\n", quality_curve(), None)
-    one_line(err, f"{ckpt / 'eval'}: is a symbolic link, not a directory", "delete it")
+        write_report(RunFiles(run).eval_dir("step_2"), run, "report\n", quality_curve(), None)
+    one_line(err, f"{run / 'eval'}: is a symbolic link, not a directory", "delete it")
     untouched(victim)
 
 
@@ -454,10 +456,12 @@ def test_a_listed_rng_link_is_refused(tmp_path: Path, victim: Path) -> None:
 
 # ============================================================================ end to end: eval on a share
 def test_eval_refuses_a_planted_eval_directory_before_evaluating(tmp_path: Path, victim: Path) -> None:
-    """``elastic-pretrain eval step_2`` of a shared checkpoint whose ``eval`` is a link: exit 2 with one line,
-    before the model is loaded (the default output folder is checked below the checkpoint, not taken as
-    given the way ``--out`` is)."""
+    """``elastic-pretrain eval step_2`` of a shared run whose ``eval`` is a link: exit 2 with one line, before
+    the model is loaded (the default output folder ``<run>/eval/step_2`` is checked below the run directory,
+    not taken as given the way ``--out`` is)."""
     ckpt = committed_run(tmp_path / "shared")
-    plant(ckpt / "eval", victim.parent)
-    refused(run_cli("eval", str(ckpt), "--sequences", "2", "--no-track"), f"{ckpt / 'eval'}: is a symbolic link")
+    (tmp_path / "shared" / "config.yaml").write_text("name: tiny-cpu\n")  # a run directory (issue 33: eval/ beside)
+    plant(tmp_path / "shared" / "eval", victim.parent)
+    refused(run_cli("eval", str(ckpt), "--sequences", "2", "--no-track"),
+            f"{tmp_path / 'shared' / 'eval'}: is a symbolic link")  # fmt: skip
     untouched(victim)

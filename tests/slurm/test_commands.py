@@ -101,10 +101,10 @@ def commit(files: RunFiles, step: int) -> None:
 def test_status_of_a_run_dir_without_slurm_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     files = RunFiles(tmp_path)
     commit(files, 40)
-    files.mlflow_run_id.write_text("abc123\n")
+    files.mlflow_run_id.write_text("0123456789abcdef0123456789abcdef\n")
     code, out, _ = run_cli(["status", str(tmp_path)], capsys)
     assert code == 0
-    assert "no job submitted from here" in out and "last step:  40" in out and "abc123" in out
+    assert "no job submitted from here" in out and "last step:  40" in out and "0123456789abcdef0123456789abcdef" in out
     code, _, err = run_cli(["status", str(tmp_path / "missing")], capsys)
     assert code == 2 and "no such run directory" in err
     code, _, err = run_cli(["cancel", str(tmp_path)], capsys)

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import shutil
 import sqlite3
 import stat
 import threading
@@ -43,7 +42,7 @@ from typing import Any
 
 from elastic_pretrain.config import clip
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.files import create_exclusive, read_text_or_none
+from elastic_pretrain.files import copy_file, ensure_dir, read_text_or_none
 from elastic_pretrain.tracking.config import local_store_dir, redact_uri
 
 DB_NAME = "mlflow.db"
@@ -269,21 +268,9 @@ def artifact_dir(run_dir: Path, location: str) -> Path:
 
 
 def _make_dirs(root: Path, parts: tuple[str, ...]) -> Path:
-    """``root/parts...``, each folder made if missing; one that exists must be a real directory."""
-    folder = root
-    for part in parts:
-        folder = folder / part
-        try:
-            mode = os.lstat(folder).st_mode
-        except FileNotFoundError:
-            folder.mkdir()
-            continue
-        if not stat.S_ISDIR(mode):
-            raise UserError(
-                f"{folder}: is {_kind(mode)}, not a folder of the run's MLflow artifacts (a link there would send "
-                "the upload elsewhere): delete it"
-            )
-    return folder
+    """``root/parts...``, each folder made if missing; one that exists must be a real directory (the safe
+    writer's directory walk: files.ensure_dir, which refuses a link or a file on the way in one line)."""
+    return ensure_dir(root.joinpath(*parts), root=root)
 
 
 # --- uploads into the run directory ------------------------------------------------------------------------------
@@ -305,18 +292,8 @@ def copy_artifact(src: Path, dest_dir: Path, artifact_path: str | None) -> None:
 
 
 def _copy_file(src: Path, folder: Path) -> None:
-    fd_in = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    with os.fdopen(fd_in, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            raise UserError(f"{src}: not a regular file; not uploaded")
-        fd, tmp = create_exclusive(folder, f".{src.name}.")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                shutil.copyfileobj(f, out)
-            os.replace(tmp, folder / src.name)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+    """One regular file (never a link: a staging copy holds none) through the safe writer."""
+    copy_file(src, folder / src.name, root=folder)
 
 
 # --- MLflow's own queries on a local store, time-boxed ---------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 
 from elastic_pretrain.config import flatten, load_yaml
 from elastic_pretrain.eval.curves import CurvePoint, QualityCurve
-from elastic_pretrain.experiments.analyses.decider import BASE, EXPERIMENT, FROZEN, PER_TOKEN, UNIFORM
+from elastic_pretrain.experiments.analyses.decider import BASE, COVERAGE, EXPERIMENT, FROZEN, PER_TOKEN, UNIFORM
 from elastic_pretrain.experiments.analyses.decider_measure import matched, run_metrics
 from elastic_pretrain.experiments.stats import PREMISE_ABSENT, evaluate
 from tests.conftest import REPO
@@ -38,6 +38,17 @@ def test_the_uniform_control_is_the_per_token_job_trained_at_every_depth() -> No
         "decider.lm_loss",
     }
     assert (uniform["decider.backbone"], uniform["decider.lm_loss"]) == ("joint", "every_exit")
+
+
+def test_tah2_labels_by_default_and_the_coverage_cut_as_an_ablation() -> None:
+    from elastic_pretrain.model.config import DeciderConfig
+
+    assert (DeciderConfig().backbone, DeciderConfig().coverage) == ("per_token", 1.0)  # TaH2's joint post-training
+    for job in SET.glob("decider*.yaml"):
+        want = 0.9 if job.stem == COVERAGE else 1.0  # 'continue' iff one more pass lowers the token's loss
+        assert flatten(load_yaml(job))["decider.coverage"] == want, job
+    joint, cut = flatten(load_yaml(SET / "decider-per-token.yaml")), flatten(load_yaml(SET / f"{COVERAGE}.yaml"))
+    assert {k for k in joint.keys() | cut.keys() if joint.get(k) != cut.get(k)} == {"decider.coverage"}
 
 
 def test_matched_compares_every_decider_over_the_range_they_all_cover() -> None:
@@ -121,9 +132,10 @@ def test_the_claims_are_decided_over_paired_seeds() -> None:
 def test_quick_decider_experiment_measures_both_deciders(decider_quick: QuickRun) -> None:
     # one seed, 2 steps per job, run with decider-depths in one process (tests/experiments/conftest.py)
     numbers = decider_quick.numbers("decider")
-    assert [r["job"] for r in numbers["runs"]] == ["late-switch", "decider-per-token", UNIFORM, "decider"]
+    assert [r["job"] for r in numbers["runs"]] == ["late-switch", COVERAGE, "decider-per-token", UNIFORM, "decider"]
     assert {n: d["backbone"] for n, d in numbers["deciders"].items()} == {
         FROZEN: "frozen",
+        COVERAGE: "per_token",
         PER_TOKEN: "per_token",
         UNIFORM: "joint",
     }

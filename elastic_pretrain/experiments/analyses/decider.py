@@ -32,6 +32,7 @@ TAH2 = "seeds/000 (TaH2)"
 # the job names (arms) the claims read; UNIFORM is the control for PER_TOKEN: a backbone post-trained on the same
 # tokens at every depth (`decider.backbone: joint`, `decider.lm_loss: every_exit`); BASE the run they post-train
 FROZEN, PER_TOKEN, UNIFORM, BASE = "decider", "decider-per-token", "decider-uniform", "late-switch"
+COVERAGE = "decider-per-token-coverage"  # the labels ablation: PER_TOKEN with the coverage cut (decider.coverage 0.9)
 
 
 def _reading(m: dict[str, Any]) -> list[str]:
@@ -144,6 +145,10 @@ def _method(ms: list[dict[str, Any]]) -> list[str]:
         f"{UNIFORM}'s own fixed depth over the relative-compute range they all cover (`auc_matched`; `auc_vs_base` "
         f"= minus the base's; `auc_vs_control` = minus {UNIFORM}'s fixed depth, a backbone that saw the same extra "
         "tokens without per-token depth).",
+        f"Labels: TaH2's — 'continue' exactly when one more pass lowers the token's loss (`decider.coverage: 1`, "
+        f"the default) — in every decider job but {COVERAGE}, the ablation with the coverage cut (`decider.coverage: "
+        "0.9`: only the largest gains, covering 90% of the total); reports made before issue 32 trained every arm "
+        "with the cut (their `Jobs differ` line and run configs say which).",
         "Control: the same execution with a random stop rule (each pass, each token stops with probability q, "
         "seed 0). The per-seed quantities `minus_fixed`/`minus_random` are means over the thresholds strictly "
         "between the ends.",

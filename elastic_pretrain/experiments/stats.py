@@ -189,8 +189,8 @@ def _values(claim: Claim, by_seed: dict[int, Metrics]) -> tuple[tuple[float, ...
     try:
         return tuple(claim.value(m) for m in by_seed.values()), None
     except KeyError as e:
-        return (), (f"not measured: no {e.args[0]!r} (an arm the job set lacks, or a quantity these runs give "
-                    "nothing to measure)")  # fmt: skip
+        return (), (f"not measured: no {e.args[0]!r} (an arm the job set lacks, a quantity these runs give "
+                    "nothing to measure, or one measured only since these numbers were stored)")  # fmt: skip
 
 
 def _premise_reason(premise: ClaimResult) -> str:
@@ -217,7 +217,8 @@ def evaluate(claim: Claim, by_seed: dict[int, Metrics]) -> ClaimResult:
     iv = t_interval(values) if finite else None
     premise = evaluate(claim.premise, by_seed) if claim.premise is not None else None
     if premise is not None and premise.verdict != "yes":
-        return ClaimResult(claim, values, iv, PREMISE_ABSENT, _premise_reason(premise), premise)
+        other = "" if claim.comparable else "; on another metric than the paper's number besides (not comparable)"
+        return ClaimResult(claim, values, iv, PREMISE_ABSENT, _premise_reason(premise) + other, premise)
     if missing is not None:
         return ClaimResult(claim, (), None, "no", missing, premise)
     if not values:

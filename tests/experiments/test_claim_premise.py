@@ -6,6 +6,8 @@ claim of which experiment is gated by which premise."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from elastic_pretrain.experiments.analyses import late_switch
 from elastic_pretrain.experiments.present import claim_table
 from elastic_pretrain.experiments.registry import EXPERIMENTS
@@ -67,6 +69,9 @@ def test_another_metric_than_the_papers_reads_not_comparable() -> None:
     r = evaluate(band, outside)  # would be "contradicted"
     assert r.verdict == "not comparable" and "another metric than the paper's" in r.reason
     assert evaluate(band, unclear).verdict == "not resolved at this scale"  # no agreement claimed: stays
+    gated = evaluate(dataclasses.replace(band, premise=GAIN), {i: {**m, **seeds([0.1] * 3, [0] * 3)[i]}
+                                                                for i, m in outside.items()})  # fmt: skip
+    assert gated.verdict == PREMISE_ABSENT and gated.reason.endswith("besides (not comparable)")
 
 
 def test_an_accounting_identity_is_an_implementation_check() -> None:

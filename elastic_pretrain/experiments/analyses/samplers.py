@@ -197,7 +197,8 @@ EXPERIMENT = Experiment(
     question="At equal tokens, paired seeds and the same depth distribution per token, does the sampler change the "
     "held-out loss at ℓ = 1 and ℓ = L_max, the depth efficiency and the wall time per token? Independent-rank "
     "draws (ELR), one ℓ per optimizer step and compute-balanced mixed depth (`balance: compute`), each with 2 "
-    "processes (data-parallel 2, no expert parallelism).",
+    "processes (data-parallel 2, no expert parallelism), against the same model trained at ℓ = 1 only (`one-loop`, "
+    "since issue 32). Every sampler claim presupposes that depth pays here (its own row).",
     analyse=analyse,
     claims=(
         DEPTH_PAYS,

@@ -25,7 +25,8 @@ EXPERIMENT = dataclasses.replace(
     question="At equal tokens, paired seeds and the same depth distribution per token, does EP-group ordering "
     "(`order: deep_first`) or drawing ℓ per EP group (`depth_group: expert_group`) change the held-out loss at "
     "ℓ = 1 and ℓ = L_max against ELR's independent-rank draws, and what do they do to depth efficiency and wall "
-    "time per token? 2 processes each: data-parallel 2, expert-parallel 2.",
+    "time per token? 2 processes each: data-parallel 2, expert-parallel 2. Every claim presupposes that depth pays "
+    "here (its own row).",
     claims=(
         DEPTH_PAYS,  # the premise of every row below (issue 32)
         *(

@@ -15,6 +15,8 @@ Three labels keep a verdict from saying more than the numbers can (issue 32 item
   adaptive-depth decider cannot beat fixed depth, nor a sampler keep what depth buys, where depth buys nothing.
 - **not comparable**: our metric is not the paper's (next-token accuracy or loss against downstream scores),
   so an interval that would agree or disagree with the paper's number reads "not comparable".
+- a premise row itself reads "yes", "not resolved at this scale" or, where its interval excludes 0 the other
+  way, "no" (the premise does not hold in this setting): it describes the runs, it does not contradict a paper.
 - **implementation check**: an accounting identity of our own code (training compute replayed from the
   schedule, last-loop cache bytes = 1/ℓ): it checks the implementation, it is not evidence for a paper, and
   a failed check reads "no", never "contradicted".
@@ -203,6 +205,8 @@ def _labelled(claim: Claim, verdict: Verdict, reason: str) -> tuple[Verdict, str
     """The verdict as the claim's kind and comparability allow it to be stated (module docstring)."""
     if claim.kind == "implementation check" and verdict == "contradicted":
         return "no", f"the check fails: {reason}"
+    if claim.kind == "premise" and verdict == "contradicted":  # a condition of this setting, not the paper's claim
+        return "no", f"the premise does not hold here: {reason}"
     if not claim.comparable and verdict in ("yes", "contradicted"):
         return NOT_COMPARABLE, (f"{reason}; but on another metric than the paper's number, so neither agreement nor "
                                 "contradiction with it")  # fmt: skip

@@ -147,6 +147,7 @@ def test_quick_decider_experiment_measures_both_deciders(decider_quick: QuickRun
         "fixed depth (late-switch)",
         f"fixed depth ({UNIFORM})",
         f"adaptive ({FROZEN})",
+        f"adaptive ({COVERAGE})",
         f"adaptive ({PER_TOKEN})",
         f"adaptive ({UNIFORM})",
     }

@@ -20,6 +20,7 @@ from elastic_pretrain.experiments.analyses.kv_cache import (
     TRAINED,
     arm_metrics,
     measure,
+    one_loop_loss,
 )
 from elastic_pretrain.experiments.registry import EXPERIMENTS
 from elastic_pretrain.experiments.runner import job_diff
@@ -63,6 +64,13 @@ def test_measure_scores_the_continuation_against_the_per_loop_forward(mesh1) -> 
     assert total["prefill"] == total["last-loop"] < total["per-loop"] == total["per-loop@cont"]
     assert m["last-loop"]["core_kv_bytes_per_token"] * 3 == m["per-loop"]["core_kv_bytes_per_token"] > 0
     assert arm_metrics({3: m})["core_kv_ratio_error"] == 0.0
+    # the premise of the size-of-the-cost rows: the per-loop loss at L_max minus at ℓ = 1 (one pass: one cache)
+    with torch.no_grad():
+        one = float(net(ids[:, :-1], labels=ids[:, 1:], loops=1)[1].mean())
+    assert one_loop_loss(net, ids) == pytest.approx(one, abs=1e-5)
+    premise = arm_metrics({3: m}, one_loop_loss(net, ids))
+    assert premise["depth_gain"] == pytest.approx(m["per-loop"]["loss"] - one, abs=1e-5)
+    assert "depth_gain" not in arm_metrics({3: m})  # a report stored before it was measured
 
 
 def _modes(per: float, last: float, ref: float, pre: float, *, acc: tuple[float, float] = (0.5, 0.49),

@@ -105,6 +105,11 @@ class JobConfig:
             raise ConfigError(
                 f"decider: the base model runs L_max = {self.model.max_loops} pass; a decider needs L_max >= 2"
             )
+        if self.decider is not None and self.decider.backbone == "per_token" and self.parallel.tensor > 1:
+            raise ConfigError(  # model/looped.py forward_decider: per-token depth carries one K/V state per token
+                f"decider.backbone=per_token (the default) runs with parallel.tensor=1, not {self.parallel.tensor}: "
+                "use a preset with tensor: 1, or decider.backbone: joint (or frozen)"
+            )
         if self.decider is not None and self.decider.backbone == "per_token" and self.train.recompute == "pass":
             raise ConfigError(  # model/decider.py run_per_token: the K/V of stopped tokens carry from pass to pass
                 "decider.backbone=per_token carries each token's frozen K/V from pass to pass, which a recomputed "

@@ -116,3 +116,32 @@ def compare(curves: Sequence[QualityCurve]) -> Comparison:
         raise ValueError(f"curves share no compute range (latest start {lo:.3f} > earliest end {hi:.3f})")
     aucs = tuple(auc([p.relative_compute for p in c.points], [p.loss for p in c.points], lo=lo, hi=hi) for c in curves)
     return Comparison(names=tuple(c.name for c in curves), lo=lo, hi=hi, aucs=aucs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pareto frontier of operating points (issue 32: adaptive depth is scored on the points worth choosing)
+def pareto_front(points: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points (compute, loss) that no other point dominates, by increasing compute (so by decreasing loss).
+
+    A point is dominated when another costs no more and loses no more, and is better in one of the two: no
+    budget would choose it. Of points equal in both, one is kept. For a quantity where higher is better
+    (accuracy), pass its negative. Non-finite points are refused (ValueError)."""
+    if any(not (math.isfinite(c) and math.isfinite(v)) for c, v in points):
+        raise ValueError(f"pareto_front: non-finite point in {list(points)}")
+    front: list[tuple[float, float]] = []
+    for c, v in sorted((float(c), float(v)) for c, v in points):  # by compute, then loss: the cheapest first
+        if not front or v < front[-1][1]:  # lower loss than every cheaper (or equally cheap) point kept
+            front.append((c, v))
+    return front
+
+
+def frontier_gap(points: Sequence[tuple[float, float]], reference: Sequence[tuple[float, float]]) -> float:
+    """Mean over the Pareto frontier of ``points`` of (loss − ``reference`` at the same compute), the reference a
+    curve (compute, loss) linearly interpolated (held constant beyond its ends). Negative: the frontier lies
+    below the reference. ValueError without points."""
+    front = pareto_front(points)
+    if not front:
+        raise ValueError("frontier_gap: no operating points")
+    ref = sorted(reference)
+    xs, ys = [x for x, _ in ref], [y for _, y in ref]
+    return sum(v - interp(xs, ys, c) for c, v in front) / len(front)

@@ -1,5 +1,7 @@
 """``elastic-pretrain experiment <name>|all [--quick] [--seeds N] [--scale K]``: train every job of the set
-once per seed, evaluate, decide the papers' claims over the seeds, write ``docs/results/<name>.md``."""
+once per seed, evaluate, decide the papers' claims over the seeds, write ``docs/results/<name>.md``.
+``--from-json PATH`` / ``--rerender``: decide the claims again from a report's stored numbers, no training
+(``experiments/rerender.py``)."""
 
 from __future__ import annotations
 
@@ -35,12 +37,15 @@ def _experiment(args: argparse.Namespace) -> int:
     runs = Path(args.runs or ("runs/experiments-quick" if args.quick else "runs/experiments"))
     default_out = Path("docs/results") if args.scale == 1 else Path(f"docs/results/scale-{args.scale}")
     out = Path(args.out or (runs / "results" if args.quick else default_out))
+    if args.from_json or args.rerender:
+        return _rerender(args, names, out)
+    seeds = args.seeds or "3"
     overrides = [*(QUICK_OVERRIDES if args.quick else ()), *args.overrides]
     for name in names:
         flags = [
             *(["--quick"] if args.quick else []),
             "--seeds",
-            args.seeds,
+            seeds,
             *(["--scale", str(args.scale)] if args.scale != 1 else []),
             *(["--runs", str(runs)] if args.runs else []),
             *(["--out", str(out)] if args.out else []),
@@ -54,9 +59,29 @@ def _experiment(args: argparse.Namespace) -> int:
             overrides=overrides,
             quick=args.quick,
             command=command,
-            seeds=args.seeds,
+            seeds=seeds,
             scale=args.scale,
         )
+    return 0
+
+
+def _rerender(args: argparse.Namespace, names: list[str], out: Path) -> int:
+    """``--from-json PATH`` (one experiment) or ``--rerender`` (``<out>/<name>.json`` of each): no training."""
+    from elastic_pretrain.experiments.registry import EXPERIMENTS
+    from elastic_pretrain.experiments.rerender import rerender
+
+    flag = "--from-json" if args.from_json else "--rerender"
+    if args.from_json and args.rerender:
+        raise UserError("--from-json PATH names one report, --rerender every named one in --out: give one of them")
+    if args.from_json and len(names) != 1:
+        raise UserError(f"--from-json {args.from_json}: name the one experiment it reports on (or use --rerender)")
+    changes = [*(["--quick"] if args.quick else []), *(["--seeds"] if args.seeds else []), *args.overrides]
+    if changes or args.runs:
+        raise UserError(f"{flag} re-decides stored numbers and trains nothing: drop {(changes or ['--runs'])[0]}")
+    for name in names:
+        path = Path(args.from_json) if args.from_json else out / f"{name}.json"
+        command = shlex.join(["elastic-pretrain", "experiment", name, "--from-json", str(path)])
+        rerender(EXPERIMENTS[name], path, command=command)
     return 0
 
 
@@ -75,7 +100,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="2 steps per job, tiny evaluations (a smoke test)")
     p.add_argument(
         "--seeds",
-        default="3",
+        default=None,
         metavar="N|S1,S2,...",
         help="seeds every job trains with: a count N (the set's own seed and the N-1 after it; default 3, the "
         "fewest a claim's interval is decided on) or a list of seeds",
@@ -90,5 +115,16 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--runs", help="run directories root (default runs/experiments, --quick: runs/experiments-quick)")
     p.add_argument("--out", help="report folder (default docs/results, --quick: <runs>/results)")
+    p.add_argument(
+        "--from-json",
+        metavar="PATH",
+        help="decide the claims again from a report's stored numbers (e.g. docs/results/decider.json) and rewrite "
+        "its claim and seed-noise tables (and plot where drawn from stored numbers) beside it: no training",
+    )
+    p.add_argument(
+        "--rerender",
+        action="store_true",
+        help="--from-json for every named experiment (or all), reading <out>/<name>.json (default docs/results)",
+    )
     p.add_argument("--list", action="store_true", help="list the experiments and exit")
     p.set_defaults(handler=_experiment, overrides=[])

@@ -63,7 +63,8 @@ def figure(path: Path, draw: Callable[[Any], None], *, panels: int = 1) -> None:
 
 
 def claim_table(results: Sequence[ClaimResult]) -> str:
-    """The table every report opens with: the paper's claim · what we measured · resolved? and why."""
+    """The table every report opens with: the paper's claim · what we measured · resolved? and why. A premise
+    row says so in its first cell; an implementation check says so beside its verdict (stats.py)."""
     if not results:
         return (
             "No claim of the papers is tested here: this report measures a yardstick for the others "
@@ -73,17 +74,24 @@ def claim_table(results: Sequence[ClaimResult]) -> str:
     for r in results:
         c = r.claim
         measured = f"{c.measure}: {r.interval.text()}" if r.interval else c.measure
+        kind = {"premise": "**premise** — ", "implementation check": "", "paper": ""}[c.kind]
+        label = " (implementation check, not evidence for the paper)" if c.kind == "implementation check" else ""
         cells = (
-            f"{c.paper} ({c.source}; expected: {c.expect}, {c.magnitude})",
+            f"{kind}{c.paper} ({c.source}; expected: {c.expect}, {c.magnitude})",
             measured,
-            f"**{r.verdict}** — {r.reason}",
+            f"**{r.verdict}**{label} — {r.reason}",
         )
         rows.append(tuple(cell.replace("|", "\\|") for cell in cells))  # a '|' in a quote would split the row
     note = (
         f"Measured: the mean over seeds of a paired difference (each seed's arms share initialisation, data "
         f"order and depth draws) with its two-sided {CONFIDENCE:.0%} Student-t interval [lo, hi]. A direction is "
         "stated (yes / contradicted) only when the interval excludes 0; a 'matches' claim is yes only when the "
-        "interval lies inside the stated band."
+        "interval lies inside the stated band. **not resolved — premise absent**: the claim presupposes a premise "
+        "(its own row, e.g. that more passes lower the loss on these runs) that did not resolve yes, so its own "
+        "interval is shown but not read. **not comparable**: our metric is not the paper's (e.g. next-token "
+        "accuracy against benchmark scores), so agreement or contradiction with the paper's number is not stated. "
+        "An **implementation check** is an accounting identity of this code (e.g. training compute replayed from "
+        "the schedule), evidence that the implementation does what the recipe says, not evidence for the paper."
     )
     return table(("the paper's claim (direction, magnitude)", "what we measured", "resolved?"), rows) + "\n\n" + note
 

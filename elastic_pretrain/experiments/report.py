@@ -27,7 +27,7 @@ from elastic_pretrain.experiments.runner import (
     processes,
     seeds_of,
 )
-from elastic_pretrain.experiments.stats import ClaimResult, evaluate
+from elastic_pretrain.experiments.stats import ClaimResult, Metrics, evaluate
 from elastic_pretrain.files import ensure_dir, write_atomic
 from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 
@@ -89,17 +89,21 @@ def run_experiment(
         claims = [evaluate(c, metrics) for c in experiment.claims]
         wall = time.perf_counter() - t0
         outcome = Outcome(experiment, runs, findings, claims, command, quick, scale, wall, train_wall)
-        ensure_dir(out_dir, root=out_dir)
-        png = out_dir / f"{experiment.name}.png"
-        findings[runs[0].seed].plot(png)
-        md = out_dir / f"{experiment.name}.md"
-        first = contexts[runs[0].seed]
-        write_atomic(md, render(first, outcome, png=png.name), root=out_dir)
-        write_atomic(out_dir / f"{experiment.name}.json", json.dumps(numbers(first, outcome), indent=1) + "\n",
-                     root=out_dir)  # fmt: skip
+        md = write_report(out_dir, contexts[runs[0].seed], outcome)
     finally:
         teardown()
-    print(f"written: {md}, {png}, {out_dir / (experiment.name + '.json')}", flush=True)
+    print(f"written: {md}, {md.with_suffix('.png')}, {md.with_suffix('.json')}", flush=True)
+    return md
+
+
+def write_report(out_dir: Path, first: Context, o: Outcome) -> Path:
+    """``<out_dir>/<name>.{png,md,json}`` of an outcome (``first``: the first seed's context); the .md path."""
+    ensure_dir(out_dir, root=out_dir)
+    png = out_dir / f"{o.experiment.name}.png"
+    o.findings[o.seeds[0]].plot(png)
+    md = out_dir / f"{o.experiment.name}.md"
+    write_atomic(md, render(first, o, png=png.name), root=out_dir)
+    write_atomic(md.with_suffix(".json"), json.dumps(numbers(first, o), indent=1) + "\n", root=out_dir)
     return md
 
 
@@ -116,22 +120,30 @@ def numbers(ctx: Context, o: Outcome) -> dict[str, Any]:
         "train_wall_s": o.train_wall_s,
         "tokens_trained": o.tokens_trained,
         "runs": [_run_row(ctx, r) for r in o.runs],
-        "claims": [
-            {
-                "paper": c.claim.paper,
-                "measure": c.claim.measure,
-                "expect": c.claim.expect,
-                "values": list(c.values),
-                "interval": dataclasses.asdict(c.interval) if c.interval else None,
-                "verdict": c.verdict,
-                "reason": c.reason,
-            }
-            for c in o.claims
-        ],
+        "claims": claim_rows(o.claims),
         "metrics_by_seed": {str(s): f.metrics for s, f in o.findings.items()},
         **first.numbers,  # the first seed's detail, as in the report's tables
         "numbers_by_seed": {str(s): f.numbers for s, f in o.findings.items()},
     }
+
+
+def claim_rows(claims: list[ClaimResult]) -> list[dict[str, Any]]:
+    """The claims as the JSON report holds them: the claim, its kind and premise, per-seed values, verdict."""
+    return [
+        {
+            "paper": c.claim.paper,
+            "measure": c.claim.measure,
+            "expect": c.claim.expect,
+            "kind": c.claim.kind,
+            "comparable": c.claim.comparable,
+            "premise": c.premise and {"measure": c.premise.claim.measure, "verdict": c.premise.verdict},
+            "values": list(c.values),
+            "interval": dataclasses.asdict(c.interval) if c.interval else None,
+            "verdict": c.verdict,
+            "reason": c.reason,
+        }
+        for c in claims
+    ]
 
 
 def _run_row(ctx: Context, r: Run) -> dict[str, Any]:
@@ -253,21 +265,35 @@ def _setup(ctx: Context, o: Outcome) -> list[str]:
     return lines
 
 
-def render(ctx: Context, o: Outcome, *, png: str) -> str:
-    """The report; ``ctx`` is the first seed's context (its models give the parameter counts)."""
-    e, seed = o.experiment, o.seeds[0]
-    findings = o.findings[seed]
-    lines = [f"# {e.title}", "", e.question, "", "## Claims", "", claim_table(o.claims), ""]
-    lines += [*_how(o, png), ""]
-    lines += [
+def heading(e: Experiment) -> list[str]:
+    """The title and question a report opens with (``--from-json`` rewrites them too)."""
+    return [f"# {e.title}", "", e.question, ""]
+
+
+def claims_section(claims: list[ClaimResult]) -> list[str]:
+    """The report's claim table (``--from-json`` rewrites exactly this section and :func:`noise_section`)."""
+    return ["## Claims", "", claim_table(claims), ""]
+
+
+def noise_section(by_seed: dict[int, Metrics]) -> list[str]:
+    return [
         "## Seed noise",
         "",
         "Every metric the claims and the reading use, per arm, over the seeds (std = the seed noise of that "
         "arm; the interval is of the arm's own mean, not of a difference).",
         "",
-        noise_table({s: f.metrics for s, f in o.findings.items()}),
+        noise_table(by_seed),
         "",
     ]
+
+
+def render(ctx: Context, o: Outcome, *, png: str) -> str:
+    """The report; ``ctx`` is the first seed's context (its models give the parameter counts)."""
+    e, seed = o.experiment, o.seeds[0]
+    findings = o.findings[seed]
+    lines = [*heading(e), *claims_section(o.claims)]
+    lines += [*_how(o, png), ""]
+    lines += noise_section({s: f.metrics for s, f in o.findings.items()})
     lines += [*_setup(ctx, o), ""]
     if findings.method:
         lines += ["## Method", "", *[f"- {m}" for m in findings.method], ""]

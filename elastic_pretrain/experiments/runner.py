@@ -114,6 +114,12 @@ class Experiment:
     analyse: Callable[[Context], Findings]  # one seed's runs (one per arm) -> findings
     varies: tuple[str, ...] = ()  # train.*/data.* keys its jobs may differ in (all others are shared)
     claims: tuple[Claim, ...] = ()  # the papers' claims it tests, decided over the seeds
+    # One seed's metrics recomputed from that seed's stored numbers and metrics (``numbers_by_seed[s]``,
+    # ``metrics_by_seed[s]`` of the JSON report): `experiment NAME --from-json` applies a changed scoring to
+    # finished runs without retraining; ``analyse`` computes its metrics through the same function.
+    rescore: Callable[[dict[str, Any], Metrics], Metrics] | None = None
+    # The plot from the first seed's stored numbers (``--from-json`` redraws it; ``analyse``'s plot calls it).
+    replot: Callable[[dict[str, Any], Path], Any] | None = None
 
 
 class Context:

@@ -6,6 +6,20 @@ fixed-depth loss at ℓ = 1* — and the seeds' values are one sample of paired 
 states a direction only when the two-sided 95% Student-t interval of their mean excludes zero; otherwise
 the claim is "not resolved at this scale". No scipy: the t quantile is computed here (tested against
 scipy.stats.t and a printed table).
+
+Three labels keep a verdict from saying more than the numbers can (issue 32 item 2):
+
+- **premise**: a claim whose meaning presupposes something these runs may not show — above all that depth
+  pays (more passes lower the loss) — names that premise as a :class:`Claim` of its own. Unless the premise
+  resolves "yes", the claim reads "not resolved — premise absent" whatever its own interval says: an
+  adaptive-depth decider cannot beat fixed depth, nor a sampler keep what depth buys, where depth buys nothing.
+- **not comparable**: our metric is not the paper's (next-token accuracy or loss against downstream scores),
+  so an interval that would agree or disagree with the paper's number reads "not comparable".
+- a premise row itself reads "yes", "not resolved at this scale" or, where its interval excludes 0 the other
+  way, "no" (the premise does not hold in this setting): it describes the runs, it does not contradict a paper.
+- **implementation check**: an accounting identity of our own code (training compute replayed from the
+  schedule, last-loop cache bytes = 1/ℓ): it checks the implementation, it is not evidence for a paper, and
+  a failed check reads "no", never "contradicted".
 """
 
 from __future__ import annotations
@@ -20,7 +34,14 @@ CONFIDENCE = 0.95  # two-sided, for every interval in every report
 MIN_SEEDS = 3
 
 Direction = Literal["negative", "positive", "equal"]  # the sign the paper predicts for the quantity
-Verdict = Literal["yes", "no", "contradicted", "not resolved at this scale"]
+Verdict = Literal[
+    "yes", "no", "contradicted", "not resolved at this scale", "not resolved — premise absent", "not comparable"
+]
+PREMISE_ABSENT: Verdict = "not resolved — premise absent"  # the claim's premise did not resolve "yes"
+NOT_COMPARABLE: Verdict = "not comparable"  # another metric than the paper's: no agreement or contradiction stated
+# "paper": a paper's claim; "premise": a condition other claims presuppose (e.g. depth pays on these runs);
+# "implementation check": an accounting identity of our code, not evidence for a paper
+Kind = Literal["paper", "premise", "implementation check"]
 Metrics = dict[str, dict[str, float]]  # one seed's scalar metrics: arm (job name) -> metric -> value
 
 
@@ -139,10 +160,15 @@ class Claim:
     value: Callable[[Metrics], float]  # that quantity from one seed's metrics (KeyError: an arm is missing)
     expect: Direction
     margin: float = 0.0  # for expect="equal": the band that counts as "matches"
-    # A claim this one presupposes, e.g. a share of an improvement presupposes the improvement: unless the
-    # premise resolves "yes", this claim is "not resolved at this scale" whatever its own interval says
-    # (a ratio over an improvement that is absent or negative has no meaning to compare with the paper's).
+    # A claim this one presupposes, e.g. a share of an improvement presupposes the improvement, and an adaptive
+    # depth claim that more passes lower the loss: unless the premise resolves "yes", this claim is "not
+    # resolved — premise absent" whatever its own interval says (a ratio over an improvement that is absent or
+    # negative, or a decider's gain where depth gains nothing, has no meaning to compare with the paper's).
     premise: Claim | None = None
+    kind: Kind = "paper"
+    # False where the quantity is another metric than the paper's number (next-token accuracy against Koi-4B's
+    # benchmark scores): an interval that would agree or disagree with that number reads "not comparable"
+    comparable: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +178,7 @@ class ClaimResult:
     interval: Interval | None
     verdict: Verdict
     reason: str
+    premise: ClaimResult | None = None  # the premise's own result, where the claim has one
 
 
 def paired(a: str, b: str, metric: str) -> Callable[[Metrics], float]:
@@ -159,25 +186,48 @@ def paired(a: str, b: str, metric: str) -> Callable[[Metrics], float]:
     return lambda m: m[a][metric] - m[b][metric]
 
 
-def evaluate(claim: Claim, by_seed: dict[int, Metrics]) -> ClaimResult:
-    """The claim's values over the seeds, their interval and the verdict."""
+def _values(claim: Claim, by_seed: dict[int, Metrics]) -> tuple[tuple[float, ...], str | None]:
+    """The claim's value at every seed, or () and why it cannot be measured."""
     try:
-        values = tuple(claim.value(m) for m in by_seed.values())
+        return tuple(claim.value(m) for m in by_seed.values()), None
     except KeyError as e:
-        return ClaimResult(claim, (), None, "no", f"not measured: no {e.args[0]!r} (an arm the job set lacks, or a "
-                           "quantity these runs give nothing to measure)")
+        return (), (f"not measured: no {e.args[0]!r} (an arm the job set lacks, a quantity these runs give "
+                    "nothing to measure, or one measured only since these numbers were stored)")  # fmt: skip
+
+
+def _premise_reason(premise: ClaimResult) -> str:
+    shown = premise.reason if premise.interval is None else f"{premise.interval.text()}, {premise.verdict}"
+    what = f"{premise.claim.measure}: {shown}"
+    return f"its premise is not established here ({what}); the claim's own interval is not read"
+
+
+def _labelled(claim: Claim, verdict: Verdict, reason: str) -> tuple[Verdict, str]:
+    """The verdict as the claim's kind and comparability allow it to be stated (module docstring)."""
+    if claim.kind == "implementation check" and verdict == "contradicted":
+        return "no", f"the check fails: {reason}"
+    if claim.kind == "premise" and verdict == "contradicted":  # a condition of this setting, not the paper's claim
+        return "no", f"the premise does not hold here: {reason}"
+    if not claim.comparable and verdict in ("yes", "contradicted"):
+        return NOT_COMPARABLE, (f"{reason}; but on another metric than the paper's number, so neither agreement nor "
+                                "contradiction with it")  # fmt: skip
+    return verdict, reason
+
+
+def evaluate(claim: Claim, by_seed: dict[int, Metrics]) -> ClaimResult:
+    """The claim's values over the seeds, their interval and the verdict: its premise first (an absent premise
+    gates the claim even where the claim's own values were measured), then its own interval."""
+    values, missing = _values(claim, by_seed)
+    finite = bool(values) and all(math.isfinite(v) for v in values)
+    iv = t_interval(values) if finite else None
+    premise = evaluate(claim.premise, by_seed) if claim.premise is not None else None
+    if premise is not None and premise.verdict != "yes":
+        other = "" if claim.comparable else "; on another metric than the paper's number besides (not comparable)"
+        return ClaimResult(claim, values, iv, PREMISE_ABSENT, _premise_reason(premise) + other, premise)
+    if missing is not None:
+        return ClaimResult(claim, (), None, "no", missing, premise)
     if not values:
-        return ClaimResult(claim, (), None, "no", "no seeds ran")
-    if not all(math.isfinite(v) for v in values):  # e.g. a share of an improvement that is 0 at some seed
-        return ClaimResult(claim, values, None, "no", "undefined at some seed (a ratio over 0)")
-    iv = t_interval(values)
-    if claim.premise is not None:
-        base = evaluate(claim.premise, by_seed)
-        if base.verdict != "yes":
-            shown = base.interval.text() if base.interval else "not measured"
-            return ClaimResult(
-                claim, values, iv, "not resolved at this scale",
-                f"its premise is not established here ({claim.premise.measure}: {shown}, {base.verdict})",
-            )  # fmt: skip
+        return ClaimResult(claim, (), None, "no", "no seeds ran", premise)
+    if iv is None:  # e.g. a share of an improvement that is 0 at some seed
+        return ClaimResult(claim, values, None, "no", "undefined at some seed (a ratio over 0)", premise)
     verdict, reason = decide(iv, claim.expect, margin=claim.margin)
-    return ClaimResult(claim, values, iv, verdict, reason)
+    return ClaimResult(claim, values, iv, *_labelled(claim, verdict, reason), premise)

@@ -222,15 +222,17 @@ class DeciderConfig:
 
     hidden_size: int = field(64, doc="Width of the decider's hidden layer.")
     coverage: float = field(
-        0.9, doc="Fraction of the total positive gain CE_j - CE_{j+1} the 'continue' tokens must cover (0, 1]."
+        1.0,
+        doc="Labels: 1 (TaH2) labels 'continue' every token one more pass helps (gain CE_j - CE_{j+1} > 0); below 1 "
+        "(an ablation) only the largest gains covering that fraction of the total positive gain (0, 1].",
     )
     pos_weight: float = field(1.0, doc="BCE weight of 'continue' labels (> 1 favours running more passes).")
     loss_weight: float = field(0.1, doc="Weight of the decider BCE added to the LM loss.")
     backbone: Literal["frozen", "joint", "per_token"] = field(
-        "frozen",
-        doc="'frozen': the BCE does not reach the LM (inputs detached); 'joint': it does, LM loss at L_max; "
-        "'per_token' (TaH2 joint post-training): tokens stop where the decider says (state frozen, still attended "
-        "to), LM loss at each token's exit, nested lookahead labels pooled over data-parallel ranks.",
+        "per_token",
+        doc="'per_token' (TaH2's joint post-training, the default): tokens stop where the decider says (state "
+        "frozen, still attended to), LM loss at each token's exit, nested lookahead labels pooled over data-parallel "
+        "ranks; 'frozen': the BCE does not reach the LM (inputs detached); 'joint': it does, LM loss at L_max.",
     )
     lm_loss: Literal["last", "every_exit"] = field(
         "last",
@@ -254,8 +256,8 @@ class DeciderConfig:
             raise ConfigError(f"decider.hidden_size: must be >= 1, got {self.hidden_size}")
         if not 0.0 < self.coverage <= 1.0:
             raise ConfigError(
-                f"decider.coverage: must be in (0, 1], got {self.coverage} (0.9 labels the tokens "
-                "covering 90% of the gain)"
+                f"decider.coverage: must be in (0, 1], got {self.coverage} (1 labels every token with a gain, "
+                "0.9 the tokens covering 90% of it)"
             )
         if self.pos_weight <= 0:
             raise ConfigError(f"decider.pos_weight: must be > 0, got {self.pos_weight}")

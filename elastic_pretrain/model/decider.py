@@ -5,10 +5,12 @@ Shape legend: B batch, T sequence, D hidden, L passes, N tokens (flattened), S n
 A small head reads (hidden state after pass j, the token's input embedding, the pass index) and
 outputs a *continue* probability. It is trained in a post-training stage with **lookahead labels**
 (TaH2): run L_max passes with an exit at every pass, take each token's cross-entropy CE_j at exit j
-and the gain g_j = CE_j − CE_{j+1} of one more pass; among the tokens of the batch with positive
-gain, sorted by gain (largest first), the smallest prefix that covers ``coverage`` of the total
-positive gain is labelled "continue", every other token "stop". A coverage below 1 drops the long
-tail of tokens that gain almost nothing, which is where the compute saving comes from. The loss is
+and the gain g_j = CE_j − CE_{j+1} of one more pass. With ``coverage: 1`` (the default) a token is
+labelled "continue" exactly when one more pass lowers its loss (g_j > 0), TaH2's "whether one more
+iteration would improve the prediction for that token". A coverage below 1 is an ablation: among the
+tokens with positive gain, sorted by gain (largest first), only the smallest prefix that covers
+``coverage`` of the total positive gain is labelled "continue", dropping the long tail of tokens that
+gain almost nothing. The loss is
 a weighted binary cross-entropy (``pos_weight`` on "continue") added to the LM loss with
 ``loss_weight``.
 
@@ -101,6 +103,8 @@ def lookahead_labels(ce_L_N: Tensor, coverage: float, active_L_N: Tensor | None 
 def labels_from_gain(gain_L_N: Tensor, coverage: float) -> Tensor:
     """:func:`lookahead_labels` from the gains ``[L-1, ...]`` (pooling over ranks gathers these first)."""
     gain = gain_L_N.double().flatten(1)  # [L-1, N]
+    if coverage >= 1.0:  # TaH2: one more pass lowers this token's loss (no cumulative sum to round at the tail)
+        return (gain > 0).reshape(gain_L_N.shape)
     pos = gain.clamp(min=0)
     sorted_g, order = torch.sort(pos, dim=1, descending=True, stable=True)
     csum = torch.cumsum(sorted_g, dim=1)

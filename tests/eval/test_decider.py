@@ -47,6 +47,15 @@ def naive_labels(ce: list[list[float]], coverage: float) -> list[list[bool]]:
     return out
 
 
+def test_default_labels_are_one_more_pass_lowers_the_loss():
+    """TaH2's labels, the default (coverage 1): 'continue' exactly where the gain is positive — also a gain too small
+    to move a running sum of much larger ones (the coverage cut's cumulative sum would drop it)."""
+    ce = torch.tensor([[[5e16, 2.0, 1.0, 3.0]], [[1.0, 1.0, 2.0, 3.0 - 1e-6]]], dtype=torch.float64)  # [L=2, 1, 4]
+    assert DeciderConfig().coverage == 1.0
+    assert lookahead_labels(ce, DeciderConfig().coverage).tolist() == [[[True, True, False, True]]]
+    assert lookahead_labels(ce, 0.9).tolist() == [[[True, False, False, False]]]  # the ablation: largest gains only
+
+
 @pytest.mark.parametrize("coverage", [0.05, 0.5, 0.9, 1.0])
 def test_lookahead_labels_match_a_naive_sorting_loop(coverage):
     g = torch.Generator().manual_seed(2)
@@ -83,7 +92,7 @@ def test_decider_loss_reads_the_model_exits(model):
     x = ids(2, 9, 3)
     with torch.no_grad():
         own = model(x[:, :-1], labels=x[:, 1:], loops=4, exits=[1, 2, 3])
-        out = decider_loss(model, make_decider(model), x[:, :-1], x[:, 1:])
+        out = decider_loss(model, make_decider(model, backbone="frozen"), x[:, :-1], x[:, 1:])
     assert out.ce_per_pass == pytest.approx([float(own[ell].mean()) for ell in (1, 2, 3, 4)], abs=1e-5)
     assert float(out.lm) == pytest.approx(float(own[4].mean()), abs=1e-5)
 

@@ -11,9 +11,9 @@ import pytest
 
 from elastic_pretrain.config import flatten, load_yaml
 from elastic_pretrain.eval.curves import CurvePoint, QualityCurve
-from elastic_pretrain.experiments.analyses.decider import EXPERIMENT, FROZEN, PER_TOKEN, UNIFORM
+from elastic_pretrain.experiments.analyses.decider import BASE, COVERAGE, EXPERIMENT, FROZEN, PER_TOKEN, UNIFORM
 from elastic_pretrain.experiments.analyses.decider_measure import matched, run_metrics
-from elastic_pretrain.experiments.stats import evaluate
+from elastic_pretrain.experiments.stats import PREMISE_ABSENT, evaluate
 from tests.conftest import REPO
 from tests.experiments.quick import QuickRun
 
@@ -38,6 +38,17 @@ def test_the_uniform_control_is_the_per_token_job_trained_at_every_depth() -> No
         "decider.lm_loss",
     }
     assert (uniform["decider.backbone"], uniform["decider.lm_loss"]) == ("joint", "every_exit")
+
+
+def test_tah2_labels_by_default_and_the_coverage_cut_as_an_ablation() -> None:
+    from elastic_pretrain.model.config import DeciderConfig
+
+    assert (DeciderConfig().backbone, DeciderConfig().coverage) == ("per_token", 1.0)  # TaH2's joint post-training
+    for job in SET.glob("decider*.yaml"):
+        want = 0.9 if job.stem == COVERAGE else 1.0  # 'continue' iff one more pass lowers the token's loss
+        assert flatten(load_yaml(job))["decider.coverage"] == want, job
+    joint, cut = flatten(load_yaml(SET / "decider-per-token.yaml")), flatten(load_yaml(SET / f"{COVERAGE}.yaml"))
+    assert {k for k in joint.keys() | cut.keys() if joint.get(k) != cut.get(k)} == {"decider.coverage"}
 
 
 def test_matched_compares_every_decider_over_the_range_they_all_cover() -> None:
@@ -79,21 +90,20 @@ def test_run_metrics_average_the_inner_thresholds_only() -> None:
     assert set(run_metrics({**m, "inner": []})) == {"auc_vs_fixed"}  # no threshold inside the ends
 
 
-def _seed(joint_gain: float, noise: float) -> dict[str, dict[str, float]]:
-    frozen = {"auc_vs_fixed": 0.03 + noise, "auc_vs_base": 0.03 + noise, "auc_matched": 2.0 + noise,
-              "minus_random": 0.001 + noise, "minus_fixed": 0.03}  # fmt: skip
-    joint = {**frozen, "auc_vs_base": -0.05 + noise, "auc_matched": 2.0 - joint_gain + noise, "minus_random": -0.02,
-             "auc_vs_control": -0.03 + noise}  # fmt: skip
-    uniform = {**frozen, "auc_matched": 2.0 - joint_gain / 2 + noise}  # the extra tokens give half the gain
-    return {FROZEN: frozen, PER_TOKEN: joint, UNIFORM: uniform}
+def _seed(joint_gain: float, noise: float, depth_gain: float = -0.1) -> dict[str, dict[str, float]]:
+    frozen = {"frontier_vs_base": 0.03 + noise, "frontier_vs_random": 0.001 + noise, "frontier_vs_control": 0.1}
+    joint = {"frontier_vs_base": -0.05 + noise, "frontier_vs_random": -0.02, "frontier_vs_control": -0.03 + noise}
+    uniform = {**frozen, "frontier_vs_control": -0.03 + joint_gain / 2 + noise}  # the extra tokens give half the gain
+    return {BASE: {"depth_gain": depth_gain}, FROZEN: frozen, PER_TOKEN: joint, UNIFORM: uniform}
 
 
 def test_the_claims_are_decided_over_paired_seeds() -> None:
-    claims = {c.measure.split(":")[0].split(" (")[0]: c for c in EXPERIMENT.claims}
     vs_uniform = f"joint per-token minus {UNIFORM}"
-    assert {"frozen decider", "joint per-token decider", "joint per-token minus frozen decider", vs_uniform} <= set(
-        claims
-    )
+    names = ("frozen decider", "joint per-token decider", vs_uniform, "joint per-token minus frozen decider",
+             "frozen vs random", "joint vs random")  # fmt: skip
+    claims = dict(zip(names, (c for c in EXPERIMENT.claims if c.kind != "premise"), strict=True))
+    assert all(claims[n].measure.startswith(n) for n in names[:4])
+    assert all("random stopping" in claims[n].measure for n in names[4:])
     by_seed = {s: _seed(0.04, n) for s, n in zip((1, 2, 3), (0.0, 0.002, -0.001), strict=True)}
     verdicts = {k: evaluate(c, by_seed).verdict for k, c in claims.items()}
     assert verdicts["frozen decider"] == "contradicted"  # adaptive worse than fixed depth at every seed
@@ -102,14 +112,19 @@ def test_the_claims_are_decided_over_paired_seeds() -> None:
     assert verdicts[vs_uniform] == "yes"
     # the per-token claim reads the control's fixed depth, not the base's: with no gain over the control it is
     # not decided in per-token depth's favour even though the base is beaten
-    flat = {s: {**d, PER_TOKEN: {**d[PER_TOKEN], "auc_vs_control": 0.01 + 0.01 * s}} for s, d in by_seed.items()}
+    flat = {s: {**d, PER_TOKEN: {**d[PER_TOKEN], "frontier_vs_control": 0.01 + 0.01 * s}} for s, d in by_seed.items()}
     assert evaluate(claims["joint per-token decider"], flat).verdict == "contradicted"
     # the joint-vs-frozen difference is paired within a seed: seed noise shared by both arms cancels
     noisy = {s: _seed(0.04, n) for s, n in zip((1, 2, 3), (0.0, 0.5, -0.5), strict=True)}
     assert evaluate(claims["joint per-token minus frozen decider"], noisy).verdict == "yes"
     assert evaluate(claims["joint per-token decider"], noisy).verdict == "not resolved at this scale"
+    # where depth does not pay on the base, none of it is read (issue 32: never "contradicted" on no premise)
+    gains = (0.001, -0.002, 0.0005)  # the base's ℓ = L_max minus ℓ = 1: the interval includes 0
+    flat_depth = {s: _seed(0.04, n, g) for s, n, g in zip((1, 2, 3), (0.0, 0.002, -0.001), gains, strict=True)}
+    assert {evaluate(c, flat_depth).verdict for c in claims.values()} == {PREMISE_ABSENT}
     # a job set without the per-token arm: its claims say so instead of failing
-    missing = evaluate(claims["joint per-token minus frozen decider"], {1: {FROZEN: by_seed[1][FROZEN]}})
+    without = {s: {BASE: {"depth_gain": -0.1 - s / 100}, FROZEN: by_seed[s][FROZEN]} for s in by_seed}
+    missing = evaluate(claims["joint per-token minus frozen decider"], without)
     assert missing.verdict == "no" and "decider-per-token" in missing.reason
 
 
@@ -117,9 +132,10 @@ def test_the_claims_are_decided_over_paired_seeds() -> None:
 def test_quick_decider_experiment_measures_both_deciders(decider_quick: QuickRun) -> None:
     # one seed, 2 steps per job, run with decider-depths in one process (tests/experiments/conftest.py)
     numbers = decider_quick.numbers("decider")
-    assert [r["job"] for r in numbers["runs"]] == ["late-switch", "decider-per-token", UNIFORM, "decider"]
+    assert [r["job"] for r in numbers["runs"]] == ["late-switch", COVERAGE, "decider-per-token", UNIFORM, "decider"]
     assert {n: d["backbone"] for n, d in numbers["deciders"].items()} == {
         FROZEN: "frozen",
+        COVERAGE: "per_token",
         PER_TOKEN: "per_token",
         UNIFORM: "joint",
     }
@@ -131,6 +147,7 @@ def test_quick_decider_experiment_measures_both_deciders(decider_quick: QuickRun
         "fixed depth (late-switch)",
         f"fixed depth ({UNIFORM})",
         f"adaptive ({FROZEN})",
+        f"adaptive ({COVERAGE})",
         f"adaptive ({PER_TOKEN})",
         f"adaptive ({UNIFORM})",
     }
@@ -138,14 +155,13 @@ def test_quick_decider_experiment_measures_both_deciders(decider_quick: QuickRun
     # the frozen decider's backbone is the base model: its own fixed depth is the base's, so both AUCs agree
     assert metrics[FROZEN]["auc_vs_base"] == pytest.approx(metrics[FROZEN]["auc_vs_fixed"], abs=1e-5)
     assert numbers["deciders"][PER_TOKEN]["backbone_drift"] > 1e-3  # the joint backbone trained
-    assert len(numbers["claims"]) == 6
-    for claim in numbers["claims"]:  # every claim measured, except where the sweep has nothing to measure
-        if "random stopping" in claim["measure"]:
-            # against random stopping only the thresholds strictly between the ends count; after 2 training
-            # steps a decider can stop every token at the same pass, and then there is none, which is said
-            name = FROZEN if claim["measure"].startswith("frozen") else PER_TOKEN
-            inner = [r for r in numbers["deciders"][name]["adaptive"] if 1.0 + 1e-6 < r["mean_passes"] < 4.0 - 1e-6]
-            assert bool(claim["values"]) == bool(inner), claim
-            assert claim["values"] or "minus_random" in claim["reason"]
-        else:
-            assert claim["values"], claim
+    assert len(numbers["claims"]) == 7 and numbers["claims"][0]["kind"] == "premise"
+    # every claim is measured where the deciders it reads decide something: after 2 training steps a decider can
+    # stop every token at the same pass, and then its sweep has no point off the forced ends, no frontier
+    inner = {n: any(1 + 1e-6 < r["mean_passes"] < 4 - 1e-6 for r in d["adaptive"])
+             for n, d in numbers["deciders"].items()}  # fmt: skip
+    reads = [[FROZEN], [PER_TOKEN], [PER_TOKEN, UNIFORM], [PER_TOKEN, FROZEN], [FROZEN], [PER_TOKEN]]
+    for claim, names in zip(numbers["claims"][1:], reads, strict=True):
+        assert bool(claim["values"]) == all(inner[n] for n in names), claim
+        assert claim["verdict"] == "not resolved — premise absent"  # one seed: the premise has no interval
+    assert numbers["claims"][0]["values"] and "depth_gain" in metrics["late-switch"]

@@ -13,7 +13,7 @@ from elastic_pretrain.config import flatten, load_yaml
 from elastic_pretrain.eval.adaptive import AdaptiveResult, AdaptiveSweep, FixedPoint
 from elastic_pretrain.experiments.analyses.decider_depths import DEPTHS, EXPERIMENT, arm, depth_metrics, slopes
 from elastic_pretrain.experiments.registry import EXPERIMENTS
-from elastic_pretrain.experiments.stats import evaluate
+from elastic_pretrain.experiments.stats import PREMISE_ABSENT, evaluate
 from tests.conftest import REPO
 from tests.experiments.quick import QuickRun
 
@@ -55,7 +55,9 @@ def _sweep(acc_fixed: float, acc_adaptive: float, loss_fixed: float) -> dict:
     class Cmp:
         aucs = (2.5, 2.49)
 
-    return {"sweep": AdaptiveSweep(fixed=fixed, adaptive=adaptive), "top": 3, "cmp": Cmp(), "inner": []}
+    base_loss = {p.loops: p.loss + 0.02 for p in fixed}  # the base: 0.02 nat above the post-trained backbone
+    return {"sweep": AdaptiveSweep(fixed=fixed, adaptive=adaptive), "top": 3, "cmp": Cmp(), "inner": [],
+            "control": [], "base_loss": base_loss}  # fmt: skip
 
 
 def test_tah2_measure_per_doubling_of_decode_compute() -> None:
@@ -69,29 +71,52 @@ def test_tah2_measure_per_doubling_of_decode_compute() -> None:
     metrics = depth_metrics(m)
     assert metrics["fixed_loss_at_l_max"] == pytest.approx(2.9) and metrics["adaptive_best_loss"] == pytest.approx(2.9)
     assert metrics["auc_vs_fixed"] == pytest.approx(-0.01) and metrics["l_max"] == 3.0
+    # the premise and the frontier (issue 32): the base gains 2 x loss_fixed from ℓ = 1 to 3; the one threshold the
+    # decider decides (2 passes) sits 0.01 below its own fixed depth and 0.03 below the base's
+    assert metrics["base_depth_gain"] == pytest.approx(-0.1) and metrics["frontier_points"] == 1.0
+    assert metrics["frontier_vs_own_fixed"] == pytest.approx(-0.01)
+    assert metrics["frontier_vs_base"] == pytest.approx(-0.03)
+    # stored as the report stores it, rescoring from the JSON gives the same metrics
+    import json
+
+    from elastic_pretrain.experiments.analyses.decider_depths import rescore, sweep_numbers
+
+    stored = json.loads(json.dumps({"depths": {"decider-L2": sweep_numbers(m)}}))
+    assert rescore(stored, {"decider-L2": {"x": 1.0}})["decider-L2"] == {"x": 1.0, **scores_of(m)}
+    assert rescore({"depths": {"decider-L2": {"l_max": 2}}}, {"decider-L2": {"x": 1.0}}) == {"decider-L2": {"x": 1.0}}
 
 
-def _seed(noise: float, depths: tuple[int, ...] = DEPTHS) -> dict[str, dict[str, float]]:
-    # the adaptive advantage grows with L_max (AUC gap -0.01 at 2, -0.02 at 4, -0.04 at 8); slopes steeper by 0.9
-    return {
-        arm(d): {"acc_per_doubling_gain": 0.9 + noise, "auc_vs_fixed": -0.01 * d / 2 + noise / 100} for d in depths
-    }
+def scores_of(m: dict) -> dict:
+    from elastic_pretrain.experiments.analyses.decider_depths import scores, sweep_numbers
+
+    return scores(sweep_numbers(m))
+
+
+def _seed(noise: float, depths: tuple[int, ...] = DEPTHS, gain: float = -0.1) -> dict[str, dict[str, float]]:
+    # the adaptive advantage on the frontier grows with L_max (-0.01 at 2, -0.02 at 4, -0.04 at 8); depth pays
+    return {arm(d): {"frontier_vs_base": -0.01 * d / 2 + noise / 100, "base_depth_gain": gain + noise / 10}
+            for d in depths}  # fmt: skip
 
 
 def test_the_claims_are_decided_over_seeds_and_say_when_a_depth_is_missing() -> None:
-    slope_claims, growth = EXPERIMENT.claims[:-1], EXPERIMENT.claims[-1]
-    assert [c.measure.split(":")[0] for c in slope_claims] == [f"L_max = {d}" for d in DEPTHS]
+    premises = [c for c in EXPERIMENT.claims if c.kind == "premise"]
+    frontier, growth = [c for c in EXPERIMENT.claims if c.kind != "premise"][:-1], EXPERIMENT.claims[-1]
+    assert [c.measure.split(":")[0] for c in frontier] == [f"L_max = {d}" for d in DEPTHS]
+    assert [c.premise for c in frontier] == premises[:-1] and growth.premise is premises[-1]
     by_seed = {s: _seed(n) for s, n in zip((1, 2, 3), (0.0, 0.1, -0.05), strict=True)}
-    assert all(evaluate(c, by_seed).verdict == "yes" for c in slope_claims)
+    assert all(evaluate(c, by_seed).verdict == "yes" for c in frontier)
     result = evaluate(growth, by_seed)
     assert result.verdict == "yes" and result.values[0] == pytest.approx(-0.04 + 0.01)  # L_max 8 minus L_max 2
     # without L_max = 8 the growth is read at the deepest arm there is; without a deeper arm it is not measured
     no8 = {s: _seed(n, (2, 4)) for s, n in zip((1, 2, 3), (0.0, 0.1, -0.05), strict=True)}
     assert evaluate(growth, no8).values[0] == pytest.approx(-0.02 + 0.01)
-    assert evaluate(slope_claims[-1], no8).verdict == "no"
+    assert evaluate(frontier[-1], no8).verdict == PREMISE_ABSENT  # its premise is not measured either
     only2 = {1: _seed(0.0, (2,))}
     missing = evaluate(growth, only2)
-    assert missing.verdict == "no" and "decider-L8" in missing.reason
+    assert missing.verdict == PREMISE_ABSENT and "decider-L8" in missing.reason
+    # depth that does not pay on the bases: nothing is read, whatever the frontier says
+    flat = {s: _seed(n, gain=0.0) for s, n in zip((1, 2, 3), (0.0, 0.1, -0.05), strict=True)}
+    assert {evaluate(c, flat).verdict for c in [*frontier, growth]} == {PREMISE_ABSENT}
 
 
 @pytest.mark.slow
@@ -103,5 +128,9 @@ def test_quick_decider_depths_experiment_measures_every_depth(decider_quick: Qui
     assert {n: d["l_max"] for n, d in numbers["depths"].items()} == {arm(d): d for d in DEPTHS}
     metrics = numbers["metrics_by_seed"]["1234"]
     for d in DEPTHS:
-        assert {"acc_per_doubling_gain", "loss_per_doubling_gain", "auc_vs_fixed"} <= set(metrics[arm(d)])
-    assert len(numbers["claims"]) == 4 and all(c["values"] for c in numbers["claims"])  # every claim measured
+        assert {"acc_per_doubling_gain", "loss_per_doubling_gain", "auc_vs_fixed", "base_depth_gain"} <= set(
+            metrics[arm(d)]
+        )
+        assert "adaptive" in numbers["depths"][arm(d)]  # the sweep is stored: --from-json can rescore it
+    premises = [c for c in numbers["claims"] if c["kind"] == "premise"]
+    assert len(numbers["claims"]) == 8 and len(premises) == 4 and all(c["values"] for c in premises)

@@ -125,7 +125,11 @@ def test_a_claim_undefined_at_a_seed_is_not_decided() -> None:
     claim = next(c for c in ls.EXPERIMENT.claims if c.measure.startswith("switch-0.25-noheads: share"))
     flat = {"loss@1": 2.0, "loss@max": 2.0, "compute": 1.0}  # mixed-scratch improves nothing: no share to retain
     by_seed = {s: {a: dict(flat) for a in ("baseline", "mixed-scratch", "switch-0.25-noheads")} for s in range(3)}
-    result = evaluate(claim, by_seed)
+    result = evaluate(claim, by_seed)  # its premise (loops pay) is absent: that, not the division, is the reason
+    assert result.verdict == "not resolved — premise absent" and result.interval is None and "premise" in result.reason
+    import dataclasses
+
+    result = evaluate(dataclasses.replace(claim, premise=None), by_seed)
     assert result.verdict == "no" and result.interval is None and "undefined" in result.reason
 
 

@@ -168,6 +168,7 @@ def test_a_post_training_job_loads_after_its_base(tmp_path: Path) -> None:
     jobs = load_jobs("decider", tmp_path, [], jobs_dir=REPO / "jobs/experiments")
     assert [(p.name, s, j is None) for p, s, j in jobs] == [
         ("late-switch.yaml", 1234, False),
+        ("decider-per-token-coverage.yaml", 1234, True),
         ("decider-per-token.yaml", 1234, True),
         ("decider-uniform.yaml", 1234, True),
         ("decider.yaml", 1234, True),
@@ -245,7 +246,7 @@ def test_every_arm_trains_with_every_seed_paired_and_seed_major(tmp_path: Path) 
     assert [(p.stem, s) for p, s, _ in jobs] == [
         (stem, seed)
         for seed in (1234, 1235, 1236)
-        for stem in ("late-switch", "decider-per-token", "decider-uniform", "decider")
+        for stem in ("late-switch", "decider-per-token-coverage", "decider-per-token", "decider-uniform", "decider")
     ]
     for path, seed, job in jobs:
         if job is not None:  # the same job file, only the seed and the run directory differ

@@ -20,6 +20,7 @@ from elastic_pretrain.experiments.analyses.kv_cache import (
     TRAINED,
     arm_metrics,
     measure,
+    one_loop_loss,
 )
 from elastic_pretrain.experiments.registry import EXPERIMENTS
 from elastic_pretrain.experiments.runner import job_diff
@@ -63,6 +64,13 @@ def test_measure_scores_the_continuation_against_the_per_loop_forward(mesh1) -> 
     assert total["prefill"] == total["last-loop"] < total["per-loop"] == total["per-loop@cont"]
     assert m["last-loop"]["core_kv_bytes_per_token"] * 3 == m["per-loop"]["core_kv_bytes_per_token"] > 0
     assert arm_metrics({3: m})["core_kv_ratio_error"] == 0.0
+    # the premise of the size-of-the-cost rows: the per-loop loss at L_max minus at ℓ = 1 (one pass: one cache)
+    with torch.no_grad():
+        one = float(net(ids[:, :-1], labels=ids[:, 1:], loops=1)[1].mean())
+    assert one_loop_loss(net, ids) == pytest.approx(one, abs=1e-5)
+    premise = arm_metrics({3: m}, one_loop_loss(net, ids))
+    assert premise["depth_gain"] == pytest.approx(m["per-loop"]["loss"] - one, abs=1e-5)
+    assert "depth_gain" not in arm_metrics({3: m})  # a report stored before it was measured
 
 
 def _modes(per: float, last: float, ref: float, pre: float, *, acc: tuple[float, float] = (0.5, 0.49),
@@ -91,17 +99,24 @@ def test_arm_metrics_name_the_gaps_at_each_loop_count() -> None:
 def _seed(shrink: float, noise: float, *, late_gap: float = 0.2) -> dict[str, dict[str, float]]:
     def arm(gap: float, per: float) -> dict[str, float]:
         return {"last_minus_per@max": gap + noise, "prefill_minus_per@max": gap / 2 + noise,
-                "acc_drop@max": 0.01 + noise / 10, "per_loop@max": per + noise, "core_kv_ratio_error": 0.0}  # fmt: skip
+                "acc_drop@max": 0.01 + noise / 10, "per_loop@max": per + noise, "core_kv_ratio_error": 0.0,
+                "depth_gain": -0.2 + noise}  # fmt: skip
 
     return {"fixed-depth": arm(0.15, 2.3), LATE: arm(late_gap, 2.4), TRAINED: arm(late_gap - shrink, 2.402)}
 
 
 def test_the_claims_are_decided_over_paired_seeds() -> None:
     claims = {c.measure: c for c in EXPERIMENT.claims}
-    assert len(claims) == len(EXPERIMENT.claims) == 3 * len(ARMS) + 4
+    assert len(claims) == len(EXPERIMENT.claims) == 4 * len(ARMS) + 4
     by_seed = {s: _seed(0.15, n) for s, n in zip((1, 2, 3), (0.0, 0.004, -0.003), strict=True)}
     verdicts = {k: evaluate(c, by_seed).verdict for k, c in claims.items()}
-    assert all(v == "yes" for v in verdicts.values()), verdicts
+    # the size of the cost is next-token accuracy against Koi-4B's benchmark scores: inside ELR's 0–3%, but "not
+    # comparable"; every other claim is decided (the depth premise of each arm holds here)
+    bands = {k for k in claims if "relative drop of next-token accuracy" in k}
+    assert len(bands) == len(ARMS) and {verdicts[k] for k in bands} == {"not comparable"}
+    assert all(v == "yes" for k, v in verdicts.items() if k not in bands), verdicts
+    no_depth = {s: {a: {**m, "depth_gain": 0.01 * (s - 2)} for a, m in d.items()} for s, d in by_seed.items()}
+    assert {evaluate(claims[k], no_depth).verdict for k in bands} == {"not resolved — premise absent"}
     # the gap's shrinkage is paired within a seed: noise shared by both arms cancels
     noisy = {s: _seed(0.15, n) for s, n in zip((1, 2, 3), (0.0, 0.1, -0.05), strict=True)}
     shrink = next(c for k, c in claims.items() if k.startswith(f"{LATE} minus {TRAINED}: last-loop gap (token"))
@@ -109,14 +124,15 @@ def test_the_claims_are_decided_over_paired_seeds() -> None:
     # no gap to shrink (late-switch's last-loop cache costs nothing): the shrinkage is not resolved
     no_gap = {s: _seed(0.15, n, late_gap=-0.05) for s, n in zip((1, 2, 3), (0.0, 0.004, -0.003), strict=True)}
     result = evaluate(shrink, no_gap)
-    assert result.verdict == "not resolved at this scale" and "premise" in result.reason
+    assert result.verdict == "not resolved — premise absent" and "premise" in result.reason
     # a per-loop cost beyond ±0.01 nat contradicts "no cost"; a cache that is not 1/ℓ fails the memory claim
     cost = next(c for k, c in claims.items() if k.startswith(f"{TRAINED} minus {LATE}: per-loop"))
     worse = {s: {**m, TRAINED: {**m[TRAINED], "per_loop@max": 2.45}} for s, m in by_seed.items()}
     assert evaluate(cost, worse).verdict == "contradicted"
     memory = next(c for k, c in claims.items() if k.startswith("every arm"))
     leaky = {s: {**m, LATE: {**m[LATE], "core_kv_ratio_error": 0.5}} for s, m in by_seed.items()}
-    assert evaluate(memory, leaky).verdict == "contradicted"
+    assert memory.kind == "implementation check"  # bytes counted from our caches: a check of the code, not of ELR
+    assert evaluate(memory, leaky).verdict == "no" and "the check fails" in evaluate(memory, leaky).reason
     # a job set without the trained arm: its claims say so instead of failing
     missing = evaluate(shrink, {s: {k: v for k, v in m.items() if k != TRAINED} for s, m in by_seed.items()})
     assert missing.verdict == "no" and TRAINED in missing.reason

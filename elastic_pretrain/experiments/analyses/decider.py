@@ -1,28 +1,38 @@
 """decider: TaH2 iteration deciders (adaptive depth) — frozen backbone and joint post-training under per-token
 depth — vs fixed depth at matched mean passes, with random per-token stopping as the control. The measuring
-is in ``decider_measure.py``."""
+is in ``decider_measure.py``.
+
+The claims (issue 32) score adaptive depth on the Pareto frontier of the operating points each decider reaches
+(forced ends and dominated thresholds dropped), and every one presupposes that depth pays here: the base's
+fixed depth at ℓ = L_max below ℓ = 1 on the same checkpoint (:data:`DEPTH_PAYS`). Both come from the stored
+numbers (:func:`rescore`), so ``--from-json`` decides them for finished runs."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
+from elastic_pretrain.eval.curves import pareto_front
 from elastic_pretrain.experiments.analyses.decider_measure import (
     base_curve,
     decider_runs,
+    fixed_curve,
+    frontier_scores,
     matched,
     measure,
+    reachable,
     run_metrics,
 )
 from elastic_pretrain.experiments.measure import run_flops
 from elastic_pretrain.experiments.present import figure, table
 from elastic_pretrain.experiments.runner import Context, Experiment, Findings
-from elastic_pretrain.experiments.stats import Claim, paired
+from elastic_pretrain.experiments.stats import Claim, Metrics
 
 TAH2 = "seeds/000 (TaH2)"
 # the job names (arms) the claims read; UNIFORM is the control for PER_TOKEN: a backbone post-trained on the same
-# tokens at every depth (`decider.backbone: joint`, `decider.lm_loss: every_exit`)
-FROZEN, PER_TOKEN, UNIFORM = "decider", "decider-per-token", "decider-uniform"
+# tokens at every depth (`decider.backbone: joint`, `decider.lm_loss: every_exit`); BASE the run they post-train
+FROZEN, PER_TOKEN, UNIFORM, BASE = "decider", "decider-per-token", "decider-uniform", "late-switch"
+COVERAGE = "decider-per-token-coverage"  # the labels ablation: PER_TOKEN with the coverage cut (decider.coverage 0.9)
 
 
 def _reading(m: dict[str, Any]) -> list[str]:
@@ -60,29 +70,58 @@ def _reading(m: dict[str, Any]) -> list[str]:
     return out
 
 
-def _draw(ms: list[dict[str, Any]], axes: Any) -> None:
-    first = ms[0]
-    base = [(p.relative_compute, first["base_loss"][p.loops], float("nan")) for p in first["sweep"].fixed]
-    series = [(f"fixed depth ({first['base'].name})", base, "-o")]
-    for m in ms:
-        name = m["run"].name
-        series.append(
-            (f"adaptive ({name})", [(r.relative_compute, r.loss, r.accuracy) for r in m["sweep"].adaptive], "-s")
-        )
-        series.append(
-            (f"random stop ({name})", [(c["relative_compute"], c["loss"], c["accuracy"]) for c in m["control"]], "x")
-        )
-        if m["backbone"] != "frozen":  # a post-trained backbone has its own fixed depth
-            own = [(p.relative_compute, p.loss, p.accuracy) for p in m["sweep"].fixed]
-            series.append((f"fixed depth ({name})", own, "--o"))
-    for name, pts, style in series:
+def _draw(numbers: dict[str, Any], axes: Any) -> None:
+    """Fixed depth, every decider's sweep (its Pareto frontier joined by a line) and random stopping, from the
+    stored numbers (the report's plot, and ``--from-json``'s); one colour per run."""
+    deciders = numbers["deciders"]
+    first = next(iter(deciders.values()))
+    base = [(x, y, float("nan")) for x, y in fixed_curve(numbers["base_loss_by_loops"], first)]
+    series = [(f"fixed depth ({BASE})", base, "-o", "C0")]
+    for i, (name, d) in enumerate(deciders.items(), start=1):
+        top, colour = max(int(p["loops"]) for p in d["fixed"]), f"C{i}"
+        pts = [(r["relative_compute"], r["loss"], r["accuracy"]) for r in d["adaptive"]]
+        front = set(pareto_front([(r["relative_compute"], r["loss"]) for r in reachable(d["adaptive"], top)]))
+        series += [
+            (f"thresholds ({name})", pts, "s", colour),
+            (f"Pareto frontier ({name})", [p for p in pts if (p[0], p[1]) in front], "-D", colour),
+            (f"random stop ({name})", [(c["relative_compute"], c["loss"], c["accuracy"]) for c in d["random_stop"]],
+             "x", colour),
+        ]  # fmt: skip
+        if d["backbone"] != "frozen":  # a post-trained backbone has its own fixed depth
+            own = [(p["relative_compute"], p["loss"], p["accuracy"]) for p in d["fixed"]]
+            series.append((f"fixed depth ({name})", own, "--o", colour))
+    for name, pts, style, colour in series:
         pts = sorted(pts)
         for ax, k in zip(axes, (1, 2), strict=True):
-            ax.plot([p[0] for p in pts], [p[k] for p in pts], style, label=name, ms=4)
+            ax.plot([p[0] for p in pts], [p[k] for p in pts], style, label=name, ms=4, color=colour, mfc="none")
     for ax, label in zip(axes, ("held-out loss (nats/token)", "next-token accuracy"), strict=True):
         ax.set(xlabel="relative compute FLOPs(mean passes) / FLOPs(L_max)", ylabel=label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
+
+
+def replot(numbers: dict[str, Any], path: Any) -> None:
+    figure(path, lambda axes: _draw(numbers, axes), panels=2)
+
+
+def rescore(numbers: dict[str, Any], metrics: Metrics) -> Metrics:
+    """One seed's metrics with the Pareto-frontier scores and the premise, from its stored numbers: per decider
+    run :func:`decider_measure.frontier_scores` against its own fixed depth, the base's (``frontier_vs_base``),
+    the control's (``frontier_vs_control``) and random stopping; for the base run (late-switch) its fixed-depth
+    loss at ℓ = 1 and L_max and their difference (``depth_gain``, the premise)."""
+    deciders, base_loss = numbers.get("deciders"), numbers.get("base_loss_by_loops")
+    if not deciders or not base_loss:
+        return metrics
+    loss = {int(k): float(v) for k, v in base_loss.items()}
+    top = max(loss)
+    refs = {"base": fixed_curve(base_loss, next(iter(deciders.values())))}
+    if UNIFORM in deciders:
+        refs["control"] = [(float(p["relative_compute"]), float(p["loss"])) for p in deciders[UNIFORM]["fixed"]]
+    base = {"loss@1": loss[1], "loss@max": loss[top], "depth_gain": loss[top] - loss[1]}
+    out: Metrics = {BASE: {**metrics.get(BASE, {}), **base}}
+    for name, d in deciders.items():
+        out[name] = {**metrics.get(name, {}), **frontier_scores(d, refs)}
+    return out
 
 
 def _method(ms: list[dict[str, Any]]) -> list[str]:
@@ -106,9 +145,21 @@ def _method(ms: list[dict[str, Any]]) -> list[str]:
         f"{UNIFORM}'s own fixed depth over the relative-compute range they all cover (`auc_matched`; `auc_vs_base` "
         f"= minus the base's; `auc_vs_control` = minus {UNIFORM}'s fixed depth, a backbone that saw the same extra "
         "tokens without per-token depth).",
+        f"Labels: TaH2's — 'continue' exactly when one more pass lowers the token's loss (`decider.coverage: 1`, "
+        f"the default) — in every decider job but {COVERAGE}, the ablation with the coverage cut (`decider.coverage: "
+        "0.9`: only the largest gains, covering 90% of the total); reports made before issue 32 trained every arm "
+        "with the cut (their `Jobs differ` line and run configs say which).",
         "Control: the same execution with a random stop rule (each pass, each token stops with probability q, "
         "seed 0). The per-seed quantities `minus_fixed`/`minus_random` are means over the thresholds strictly "
         "between the ends.",
+        "The claims (issue 32) read the Pareto frontier of each decider's sweep: of the thresholds where it decides "
+        "(1 < mean passes < L_max; threshold 0 and the thresholds where every token stops after one pass are fixed "
+        "depth, not a decision) the ones no other threshold beats in both compute and loss; `frontier_vs_<ref>` "
+        "is the mean over those points of adaptive minus the reference curve at the same compute (`base`: the "
+        "base's fixed depth, `control`: the uniform control's, `own_fixed`: its own checkpoint's, `random`: random "
+        "stopping), `acc_frontier_vs_own_fixed` the same on the accuracy frontier (points). The AUCs above "
+        "(which include the forced and dominated points) stay in the tables for comparison. The premise row: the "
+        f"base's fixed-depth loss at ℓ = L_max minus at ℓ = 1 (`{BASE}` `depth_gain`).",
     ]
 
 
@@ -167,7 +218,12 @@ def analyse(ctx: Context) -> Findings:
     control = next((m["sweep"].curves()[0] for m in ms if m["run"].name == UNIFORM), None)
     control = None if control is None else dataclasses.replace(control, name=f"fixed depth ({UNIFORM})")
     cmp, across = matched(base_curve(ms[0]), curves, control)
-    metrics = {m["run"].name: {**run_metrics(m), **across[m["run"].name]} for m in ms}
+    numbers = {
+        "deciders": {m["run"].name: _numbers(m) for m in ms},  # not "runs": the report's run table
+        "base_loss_by_loops": ms[0]["base_loss"],
+        "matched": {"range": [cmp.lo, cmp.hi], "auc": dict(zip(cmp.names, cmp.aucs, strict=True))},
+    }
+    metrics = rescore(numbers, {m["run"].name: {**run_metrics(m), **across[m["run"].name]} for m in ms})
     return Findings(
         tables=[
             *(f"**{m['run'].name}** ({m['backbone']} backbone)\n\n{m['sweep'].markdown()}" for m in ms),
@@ -179,13 +235,9 @@ def analyse(ctx: Context) -> Findings:
             + ", ".join(f"{n} {a:.4f}" for n, a in zip(cmp.names, cmp.aucs, strict=True))
             + " (lower is better).",
         ],
-        numbers={
-            "deciders": {m["run"].name: _numbers(m) for m in ms},  # not "runs": the report's run table
-            "base_loss_by_loops": ms[0]["base_loss"],
-            "matched": {"range": [cmp.lo, cmp.hi], "auc": dict(zip(cmp.names, cmp.aucs, strict=True))},
-        },
+        numbers=numbers,
         metrics=metrics,
-        plot=lambda path: figure(path, lambda axes: _draw(ms, axes), panels=2),
+        plot=lambda path: replot(numbers, path),
         method=_method(ms),
     )
 
@@ -194,6 +246,26 @@ def _of(arm: str, metric: str) -> Any:
     return lambda ms: ms[arm][metric]
 
 
+def _minus(a: str, b: str, metric: str) -> Any:
+    return lambda ms: ms[a][metric] - ms[b][metric]
+
+
+FRONTIER = (
+    "on the loss–compute Pareto frontier of the thresholds it decides (forced ends, where every token runs ℓ = 1 "
+    "or L_max, and dominated thresholds dropped), the mean of adaptive minus"
+)
+DEPTH_PAYS = Claim(
+    paper="adaptive depth presupposes that depth pays: TaH2's decider labels \"whether one more iteration would "
+    'improve the prediction for that token", and "Extra compute goes where it moves the answer" needs compute that '
+    "moves it",
+    source=TAH2,
+    magnitude="TaH2's looped backbones gain with depth (the baseline's slope: 1.79 points per doubling, AIME)",
+    measure=f"{BASE} (the base every decider post-trains): fixed-depth loss at ℓ = L_max minus at ℓ = 1, same "
+    "checkpoint (nats)",
+    value=_of(BASE, "depth_gain"),
+    expect="negative",
+    kind="premise",
+)
 _SLOPE = 'adaptive depth beats uniform depth at matched compute: "Extra compute goes where it moves the answer"'
 EXPERIMENT = Experiment(
     name="decider",
@@ -203,36 +275,43 @@ EXPERIMENT = Experiment(
     "number of passes. At the same mean passes per token (the same compute), is the held-out loss better than "
     "running every token at one fixed depth, better than random per-token stopping, and is the joint decider "
     "better than the frozen one and than a backbone post-trained on the same tokens at every depth? Threshold "
-    "sweeps against fixed depth ℓ = 1..4 at the same relative compute.",
+    "sweeps against fixed depth ℓ = 1..4 at the same relative compute, scored on each decider's Pareto frontier; "
+    "every claim presupposes that depth pays on the base (its own row).",
     analyse=analyse,
+    rescore=rescore,
+    replot=replot,
     claims=(
+        DEPTH_PAYS,
         Claim(
             paper=_SLOPE + ' (frozen backbone, a variant); "53% steeper accuracy-compute slope"',
             source=TAH2,
             magnitude="slope 2.74 vs 1.79 on AIME",
-            measure="frozen decider: adaptive minus fixed-depth AUC of loss over relative compute (nats)",
-            value=_of(FROZEN, "auc_vs_fixed"),
+            measure=f"frozen decider: {FRONTIER} the base's fixed-depth loss at the same compute (nats)",
+            value=_of(FROZEN, "frontier_vs_base"),
             expect="negative",
+            premise=DEPTH_PAYS,
         ),
         Claim(
             paper=_SLOPE + '; the decider is "post-trained jointly with the backbone through lookahead depth '
             'supervision"',
             source=TAH2,
             magnitude="+3.4 points over the baseline's peak accuracy at matched test-time compute (AIME)",
-            measure="joint per-token decider: adaptive minus the fixed depth of a backbone post-trained on the same "
-            f"tokens at every depth ({UNIFORM}), AUC of loss over the common compute range (nats)",
-            value=_of(PER_TOKEN, "auc_vs_control"),
+            measure=f"joint per-token decider: {FRONTIER} the fixed depth of a backbone post-trained on the same "
+            f"tokens at every depth ({UNIFORM}) (nats)",
+            value=_of(PER_TOKEN, "frontier_vs_control"),
             expect="negative",
+            premise=DEPTH_PAYS,
         ),
         Claim(
-            paper="training under per-token depth is what helps: the decider is \"post-trained jointly with the "
+            paper='training under per-token depth is what helps: the decider is "post-trained jointly with the '
             'backbone", which "makes loop depth a per-token decision"',
             source=TAH2,
             magnitude="not given (TaH2 reports only the joint model)",
-            measure=f"joint per-token minus {UNIFORM} (the same extra tokens at every depth, its own decider): "
-            "adaptive AUC of loss over the common compute range (nats)",
-            value=paired(PER_TOKEN, UNIFORM, "auc_matched"),
+            measure=f"joint per-token minus {UNIFORM} (the same extra tokens at every depth, its own decider): each "
+            f"one's frontier minus {UNIFORM}'s fixed depth, as above (nats)",
+            value=_minus(PER_TOKEN, UNIFORM, "frontier_vs_control"),
             expect="negative",
+            premise=DEPTH_PAYS,
         ),
         Claim(
             paper="joint post-training beats a frozen backbone: TaH2's decider is \"post-trained jointly with the "
@@ -240,28 +319,31 @@ EXPERIMENT = Experiment(
             "controls for that)",
             source=TAH2,
             magnitude="not given (TaH2 reports only the joint model)",
-            measure="joint per-token minus frozen decider: adaptive AUC of loss over the common compute range (nats)",
-            value=paired(PER_TOKEN, FROZEN, "auc_matched"),
+            measure="joint per-token minus frozen decider: each one's frontier minus the base's fixed depth, as above "
+            "(nats)",
+            value=_minus(PER_TOKEN, FROZEN, "frontier_vs_base"),
             expect="negative",
+            premise=DEPTH_PAYS,
         ),
         Claim(
             paper='the decider puts passes where they help: "The decider gets online labels saying whether one more '
             'iteration would improve the prediction for that token"',
             source=TAH2,
             magnitude="not given (vs random allocation)",
-            measure="frozen decider minus random stopping loss at the same compute, mean over the inner thresholds "
-            "(nats)",
-            value=_of(FROZEN, "minus_random"),
+            measure=f"frozen decider: {FRONTIER} random stopping's loss at the same compute (nats)",
+            value=_of(FROZEN, "frontier_vs_random"),
             expect="negative",
+            premise=DEPTH_PAYS,
         ),
         Claim(
             paper='the joint decider puts passes where they help: "Extra compute goes where it moves the answer"',
             source=TAH2,
             magnitude="not given (vs random allocation)",
-            measure="joint per-token decider minus random stopping (on its own backbone) loss at the same compute, "
-            "mean over the inner thresholds (nats)",
-            value=_of(PER_TOKEN, "minus_random"),
+            measure=f"joint per-token decider: {FRONTIER} random stopping's loss (on its own backbone) at the same "
+            "compute (nats)",
+            value=_of(PER_TOKEN, "frontier_vs_random"),
             expect="negative",
+            premise=DEPTH_PAYS,
         ),
     ),
 )

@@ -1,15 +1,26 @@
 """decider-depths: TaH2's L_max sweep — the joint per-token decider (``decider.backbone: per_token``) post-trained on
 bases of L_max = 2, 4, 8 (``jobs/experiments/decider-depths/``), and TaH2's measure at each: accuracy (and loss)
 gained per doubling of decode compute, adaptive vs fixed depth. Each decider run is measured as in ``decider``
-(``decider_measure.measure``: threshold sweep, fixed depth ℓ = 1..L_max, random stopping)."""
+(``decider_measure.measure``: threshold sweep, fixed depth ℓ = 1..L_max, random stopping).
+
+The claims (issue 32) score adaptive depth on the Pareto frontier of the thresholds each decider decides, against
+its base's fixed depth, and each presupposes that depth pays on that base (fixed depth at ℓ = L_max below ℓ = 1,
+:func:`depth_pays`). Reports written before both were stored lack the numbers for them (their claims read
+"not resolved — premise absent", the premise "not measured"); a rerun stores them (:func:`rescore`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
 from elastic_pretrain.eval.adaptive import accuracy_per_doubling
-from elastic_pretrain.experiments.analyses.decider_measure import decider_runs, measure, run_metrics
+from elastic_pretrain.experiments.analyses.decider_measure import (
+    decider_runs,
+    frontier_scores,
+    measure,
+    run_metrics,
+)
 from elastic_pretrain.experiments.measure import run_flops
 from elastic_pretrain.experiments.present import figure, table
 from elastic_pretrain.experiments.runner import Context, Experiment, Findings
@@ -45,20 +56,65 @@ def slopes(m: dict[str, Any]) -> dict[str, float]:
 
 
 def depth_metrics(m: dict[str, Any]) -> dict[str, float]:
-    """One decider run's per-seed metrics: TaH2's slopes, the ``decider`` AUC/random-stop metrics, and the
-    fixed-depth loss at L_max (does uniform depth plateau as L_max grows?)."""
+    """One decider run's per-seed metrics: TaH2's slopes, the ``decider`` AUC/random-stop metrics, the
+    fixed-depth loss at L_max (does uniform depth plateau as L_max grows?), and (:func:`scores`) the premise
+    and the Pareto-frontier scores."""
     top = m["top"]
-    return {**slopes(m), **run_metrics(m), "l_max": float(top), "fixed_loss_at_l_max": m["sweep"].fixed[-1].loss,
-            "adaptive_best_loss": min(r.loss for r in m["sweep"].adaptive)}  # fmt: skip
+    out = {**slopes(m), **run_metrics(m), "l_max": float(top), "fixed_loss_at_l_max": m["sweep"].fixed[-1].loss,
+           "adaptive_best_loss": min(r.loss for r in m["sweep"].adaptive)}  # fmt: skip
+    return {**out, **scores(sweep_numbers(m))}
 
 
-def _gain_growth(metrics: Metrics) -> float:
-    """Adaptive minus fixed-depth AUC of loss at the deepest L_max of the set minus that at L_max = 2 (KeyError, "not
-    measured", without L_max = 2 and a deeper arm)."""
+def sweep_numbers(m: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`scores` reads, as the report stores it: the sweep, fixed depth and random stopping of the
+    decider run and its base's fixed-depth loss per ℓ."""
+    sweep = m["sweep"]
+    return {
+        "fixed": [dataclasses.asdict(p) for p in sweep.fixed],
+        "adaptive": [dataclasses.asdict(r) for r in sweep.adaptive],
+        "random_stop": m["control"],
+        "base_loss": dict(m["base_loss"]),
+    }
+
+
+def scores(run: dict[str, Any]) -> dict[str, float]:
+    """From one decider run's stored sweep (:func:`sweep_numbers`): its base's fixed-depth loss at ℓ = 1 and
+    L_max and their difference (``base_depth_gain``, the premise) and the frontier scores
+    (``decider_measure.frontier_scores``; ``frontier_vs_base`` against the base's fixed depth)."""
+    base = {int(k): float(v) for k, v in run["base_loss"].items()}
+    top = max(base)
+    rel = {int(p["loops"]): float(p["relative_compute"]) for p in run["fixed"]}
+    out = {"base_loss@1": base[1], "base_loss@max": base[top], "base_depth_gain": base[top] - base[1]}
+    return {**out, **frontier_scores(run, {"base": [(rel[ell], v) for ell, v in base.items()]})}
+
+
+def rescore(numbers: dict[str, Any], metrics: Metrics) -> Metrics:
+    """One seed's metrics with :func:`scores` recomputed from the stored sweeps (reports that stored none keep
+    theirs: their frontier and premise are not measured)."""
+    depths = numbers.get("depths") or {}
+    return {
+        name: {**m, **(scores(depths[name]) if "adaptive" in depths.get(name, {}) else {})}
+        for name, m in metrics.items()
+    }
+
+
+def _deepest(metrics: Metrics) -> str:
+    """The deepest arm beyond L_max = 2 (KeyError, "not measured", without one)."""
     deeper = [d for d in DEPTHS[1:] if arm(d) in metrics]
     if not deeper:
         raise KeyError(arm(DEPTHS[-1]))
-    return metrics[arm(deeper[-1])]["auc_vs_fixed"] - metrics[arm(DEPTHS[0])]["auc_vs_fixed"]
+    return arm(deeper[-1])
+
+
+def _gain_growth(metrics: Metrics) -> float:
+    """Adaptive minus fixed depth on the frontier at the deepest L_max of the set minus that at L_max = 2 (KeyError,
+    "not measured", without L_max = 2 and a deeper arm)."""
+    return metrics[_deepest(metrics)]["frontier_vs_base"] - metrics[arm(DEPTHS[0])]["frontier_vs_base"]
+
+
+def _both_pay(metrics: Metrics) -> float:
+    """The larger of the base's depth gain at L_max = 2 and at the deepest L_max: negative when depth pays at both."""
+    return max(metrics[arm(DEPTHS[0])]["base_depth_gain"], metrics[_deepest(metrics)]["base_depth_gain"])
 
 
 def _depth_table(ms: list[dict[str, Any]], per: dict[str, dict[str, float]]) -> str:
@@ -143,12 +199,36 @@ def analyse(ctx: Context) -> Findings:
         ],
         reading=_reading(ms, per),
         numbers={
-            "depths": {m["run"].name: {"l_max": m["top"], "base": m["base"].name, **per[m["run"].name]} for m in ms}
+            "depths": {
+                m["run"].name: {"l_max": m["top"], "base": m["base"].name, **per[m["run"].name], **sweep_numbers(m)}
+                for m in ms
+            }
         },
         metrics=per,
         plot=lambda path: figure(path, lambda axes: _draw(ms, axes), panels=2),
         method=_method(ms),
     )
+
+
+def depth_pays(depth: int) -> Claim:
+    """The premise at one L_max: the base's fixed depth at ℓ = L_max below ℓ = 1 (same checkpoint)."""
+    return Claim(
+        paper=f'adaptive depth presupposes that depth pays (L_max = {depth}): "As the maximum allowed iteration '
+        'depth grows, existing looped models mostly plateau" — after gaining',
+        source=TAH2,
+        magnitude="TaH2's looped backbones gain with depth",
+        measure=f"base-L{depth}: fixed-depth loss at ℓ = {depth} minus at ℓ = 1, same checkpoint (nats)",
+        value=lambda ms: ms[arm(depth)]["base_depth_gain"],
+        expect="negative",
+        kind="premise",
+    )
+
+
+PREMISES = {d: depth_pays(d) for d in DEPTHS}  # rows of the table and the premises of the claims at each L_max
+FRONTIER = (
+    "on the loss–compute Pareto frontier of the thresholds the decider decides (forced ends and dominated "
+    "thresholds dropped), the mean of adaptive minus the base's fixed-depth loss at the same compute (nats)"
+)
 
 
 def _slope_claim(depth: int) -> Claim:
@@ -157,30 +237,47 @@ def _slope_claim(depth: int) -> Claim:
         f'"every doubling of test-time compute buys roughly half again as much accuracy" (L_max = {depth})',
         source=TAH2,
         magnitude="slope 2.74 vs 1.79 points per doubling on AIME",
-        measure=f"L_max = {depth}: adaptive minus fixed-depth accuracy per doubling of decode compute (points)",
-        value=lambda ms: ms[arm(depth)]["acc_per_doubling_gain"],
-        expect="positive",
+        measure=f"L_max = {depth}: {FRONTIER}",
+        value=lambda ms: ms[arm(depth)]["frontier_vs_base"],
+        expect="negative",
+        premise=PREMISES[depth],
     )
 
 
+BOTH_PAY = Claim(
+    paper="adaptive depth presupposes that depth pays at L_max = 2 and at the deepest L_max",
+    source=TAH2,
+    magnitude="TaH2's looped backbones gain with depth",
+    measure="the larger of the base's fixed-depth loss at ℓ = L_max minus at ℓ = 1 at L_max = 2 and at the deepest "
+    "L_max (nats)",
+    value=_both_pay,
+    expect="negative",
+    kind="premise",
+)
 EXPERIMENT = Experiment(
     name="decider-depths",
     title="TaH2's L_max sweep: the joint per-token decider at L_max 2, 4, 8, accuracy per doubling of decode compute",
     question="TaH2 post-trains its decider jointly with looped backbones of growing maximum depth. Here the joint "
     "per-token decider is post-trained on ELR late-switch bases of L_max = 2, 4 and 8 (same width, data and "
     "tokens). At each L_max: does adaptive depth buy more accuracy (less loss) per doubling of decode compute than "
-    "fixed depth, and does its advantage over fixed depth grow with L_max while fixed depth plateaus?",
+    "fixed depth, and does its advantage over fixed depth grow with L_max while fixed depth plateaus? The claims "
+    "read each decider's Pareto frontier against its base's fixed depth, and presuppose that depth pays on each "
+    "base (their rows).",
     analyse=analyse,
+    rescore=rescore,
     claims=(
-        *(_slope_claim(d) for d in DEPTHS),
+        *(c for d in DEPTHS for c in (PREMISES[d], _slope_claim(d))),
+        BOTH_PAY,
         Claim(
             paper='"As the maximum allowed iteration depth grows, existing looped models mostly plateau. TaH2 keeps '
             'gaining"',
             source=TAH2,
             magnitude="+2.8 points over the baseline at depth 2, +3.9 at depth 8 (AIME)",
-            measure="adaptive minus fixed-depth AUC of loss at the deepest L_max minus the same at L_max = 2 (nats)",
+            measure="adaptive minus fixed depth on the Pareto frontier (as above) at the deepest L_max minus the same "
+            "at L_max = 2 (nats)",
             value=_gain_growth,
             expect="negative",
+            premise=BOTH_PAY,
         ),
     ),
 )

@@ -1,6 +1,7 @@
 """decider, measured: one decider run's threshold sweep, random-stopping control and per-run paired differences
-(:func:`measure`), and the compute-matched comparison of every decider run against the base model's fixed depth
-over one common compute range (:func:`matched`), from which the per-seed claim metrics come."""
+(:func:`measure`), the compute-matched comparison of every decider run against the base model's fixed depth
+over one common compute range (:func:`matched`), and the Pareto-frontier scores the claims read
+(:func:`frontier_scores`), computed from the stored numbers of a run so that ``--from-json`` recomputes them."""
 
 from __future__ import annotations
 
@@ -122,3 +123,53 @@ def base_curve(m: dict[str, Any]) -> Any:
 
     pts = tuple(CurvePoint(p.loops, p.relative_compute, m["base_loss"][p.loops]) for p in m["sweep"].fixed)
     return QualityCurve(name=f"fixed depth ({m['base'].name})", points=pts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pareto-frontier scores (issue 32): adaptive depth judged on the operating points a user would choose
+Curve = list[tuple[float, float]]
+
+
+def reachable(adaptive: list[dict[str, Any]], top: int) -> list[dict[str, Any]]:
+    """The sweep's points the decider decides: 1 < mean passes < L_max. Threshold 0 forces every token to
+    L_max and a threshold above 1 forces ℓ = 1 (as does any threshold where the decider stops every token after
+    one pass): those are fixed depth, not a decision, and an AUC over them credits fixed depth to the decider."""
+    return [r for r in adaptive if 1.0 + 1e-6 < float(r["mean_passes"]) < top - 1e-6]
+
+
+def frontier_scores(run: dict[str, Any], refs: dict[str, Curve]) -> dict[str, float]:
+    """One decider run's scores from its stored numbers (``fixed``, ``adaptive``, ``random_stop``: the
+    analysis's ``numbers["deciders"][run]``): on the loss–compute Pareto frontier of its reachable points
+    (:func:`reachable`, dominated points dropped: ``eval/curves.py pareto_front``), the mean of adaptive minus
+    each reference curve at the same compute (``frontier_vs_<ref>``, nats; its own checkpoint's fixed depth as
+    ``own_fixed``, random stopping with the sweep's ends as ``random``); the same on the accuracy frontier
+    against its own fixed depth (``acc_frontier_vs_own_fixed``, points); its own fixed depth's loss at L_max
+    minus at ℓ = 1 (``own_depth_gain``). No reachable point (every threshold forced): no frontier scores."""
+    from elastic_pretrain.eval.curves import frontier_gap, pareto_front
+
+    fixed = {int(p["loops"]): p for p in run["fixed"]}
+    top = max(fixed)
+    ada = run["adaptive"]
+    ends = [(float(r["relative_compute"]), float(r["loss"])) for r in (ada[0], ada[-1])]  # ℓ = L_max, ℓ = 1
+    curves = {
+        "own_fixed": [(float(p["relative_compute"]), float(p["loss"])) for p in fixed.values()],
+        "random": [*ends, *((float(c["relative_compute"]), float(c["loss"])) for c in run["random_stop"])],
+        **refs,
+    }
+    pts = [(float(r["relative_compute"]), float(r["loss"])) for r in reachable(ada, top)]
+    out = {"own_depth_gain": float(fixed[top]["loss"]) - float(fixed[1]["loss"]), "frontier_points": 0.0}
+    if not pts:
+        return out
+    out["frontier_points"] = float(len(pareto_front(pts)))
+    out.update({f"frontier_vs_{name}": frontier_gap(pts, curve) for name, curve in curves.items()})
+    acc = [(float(r["relative_compute"]), -float(r["accuracy"])) for r in reachable(ada, top)]
+    own_acc = [(float(p["relative_compute"]), -float(p["accuracy"])) for p in fixed.values()]
+    out["acc_frontier_vs_own_fixed"] = -100.0 * frontier_gap(acc, own_acc)  # points, higher is better
+    return out
+
+
+def fixed_curve(losses_by_loops: dict[Any, Any], run: dict[str, Any]) -> Curve:
+    """A base run's fixed depth (``{ℓ: loss}``, keys int or, from JSON, str) at the relative compute of each ℓ
+    on ``run``'s sweep (same model shape)."""
+    rel = {int(p["loops"]): float(p["relative_compute"]) for p in run["fixed"]}
+    return [(rel[int(k)], float(v)) for k, v in losses_by_loops.items() if int(k) in rel]

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from elastic_pretrain.experiments.analyses.samplers import DEPTH_PAYS, matches
 from elastic_pretrain.experiments.analyses.samplers import EXPERIMENT as DP2
-from elastic_pretrain.experiments.analyses.samplers import matches
 
 EXPERIMENT = dataclasses.replace(
     DP2,
@@ -25,7 +25,14 @@ EXPERIMENT = dataclasses.replace(
     question="At equal tokens, paired seeds and the same depth distribution per token, does EP-group ordering "
     "(`order: deep_first`) or drawing ℓ per EP group (`depth_group: expert_group`) change the held-out loss at "
     "ℓ = 1 and ℓ = L_max against ELR's independent-rank draws, and what do they do to depth efficiency and wall "
-    "time per token? 2 processes each: data-parallel 2, expert-parallel 2.",
-    claims=tuple(matches(arm, m, ell) for arm in ("expert-group", "deep-first") for m, ell in (("loss@1", "1"),
-                                                                                           ("loss@max", "L_max"))),
+    "time per token? 2 processes each: data-parallel 2, expert-parallel 2. Every claim presupposes that depth pays "
+    "here (its own row).",
+    claims=(
+        DEPTH_PAYS,  # the premise of every row below (issue 32)
+        *(
+            matches(arm, m, ell)
+            for arm in ("expert-group", "deep-first")
+            for m, ell in (("loss@1", "1"), ("loss@max", "L_max"))
+        ),
+    ),
 )

@@ -243,7 +243,7 @@ def test_a_link_below_the_artifact_root_is_not_followed(tmp_path: Path, template
     outside = tmp_path / "outside"
     outside.mkdir()
     (local_store_dir(run) / "artifacts").symlink_to(outside)
-    with pytest.raises(UserError, match="is a symbolic link, not a directory; elastic-pretrain writes only into real directories"):
+    with pytest.raises(UserError, match="is a symbolic link, not a directory; elastic-pretrain writes only into real"):
         store.artifact_dir(run, f"artifacts/{run_id}/artifacts")
     assert list(outside.iterdir()) == []
 

@@ -98,8 +98,8 @@ def test_deep_json_in_a_manifest_an_index_a_run_json_and_a_corpus_line(tmp_path:
     from elastic_pretrain.data.manifest import read_manifest
     from elastic_pretrain.data.shards import check_mds_index
     from elastic_pretrain.data.sources import _jsonl
-    from elastic_pretrain.tracking.commands import resolve_target
-    from elastic_pretrain.tracking.config import local_store_dir, local_store_uri
+    from elastic_pretrain.tracking.commands import _run_info
+    from elastic_pretrain.tracking.config import local_store_dir
 
     (tmp_path / "manifest.json").write_text(DEEP)
     with pytest.raises(UserError) as err:
@@ -114,9 +114,8 @@ def test_deep_json_in_a_manifest_an_index_a_run_json_and_a_corpus_line(tmp_path:
     assert "corpus.jsonl:2: nested deeper" in one_line(err) and "fix or drop the line" in one_line(err)
     run = tmp_path / "run"
     local_store_dir(run).mkdir(parents=True)
-    (local_store_dir(run) / "mlflow.db").touch()
-    (local_store_dir(run) / "run.json").write_text(DEEP)  # unreadable: the run's own store, as without one
-    assert resolve_target(None, None, run)[0] == local_store_uri(run)
+    (local_store_dir(run) / "run.json").write_text(DEEP)  # unreadable: nothing recorded, as without one
+    assert _run_info(run) == {}
 
 
 def test_deep_yaml_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -406,6 +405,22 @@ def test_decider_files(tmp_path: Path) -> None:
             load_decider(good)
 
 
+def test_eval_folder_that_is_a_file(tmp_path: Path) -> None:
+    """Before: the evaluation ran, then ``mkdir`` of the report folder ended it in a FileExistsError traceback.
+    Now one line before anything is loaded, and the file is left alone."""
+    from elastic_pretrain.eval.commands import report_dir, run_dir_of
+
+    job = tiny_job(tmp_path)
+    ckpt = commit_step(tmp_path / "run", 2, {"trainer": {"step": 2, "tokens": 64, "elapsed_s": 1.0},
+                                             "config": public_dict(job)})  # fmt: skip
+    (tmp_path / "run" / "config.yaml").write_text("name: tiny-cpu\n")  # a run directory: its report goes beside
+    folder = report_dir(ckpt, run_dir_of(ckpt))[0].parent  # <run>/eval
+    folder.write_text("someone's notes\n")
+    proc = run_cli("eval", str(ckpt), "--data", "stdlib-code", "--sequences", "2", "--no-track")
+    one_line_error(proc, f"{folder}: is a regular file, not a directory", "delete it")
+    assert folder.read_text() == "someone's notes\n"
+
+
 # ------------------------------------------------------ end to end: the commands a user runs (slow)
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -442,15 +457,3 @@ def test_resume_from_a_checkpoint_with_states_out_of_range(trained: Path, tmp_pa
                    *QUICK)  # fmt: skip
     line = one_line_error(proc, "trainer.json", words, "use another checkpoint")
     assert "resumed from" not in proc.stdout, line
-
-
-@pytest.mark.slow
-def test_eval_folder_that_is_a_file(trained: Path, tmp_path: Path) -> None:
-    """Before: the evaluation ran, then ``mkdir`` of ``<checkpoint>/eval`` ended it in a FileExistsError
-    traceback. Now one line before anything is loaded; the file is left alone."""
-    ckpt = tmp_path / "run" / "checkpoints" / "step_2"
-    shutil.copytree(trained, ckpt)
-    (ckpt / "eval").write_text("someone's notes\n")
-    proc = run_cli("eval", str(ckpt), "--data", "stdlib-code", "--sequences", "2", "--no-track")
-    one_line_error(proc, f"{ckpt / 'eval'}: is a file, not a directory", "--out <folder>")
-    assert (ckpt / "eval").read_text() == "someone's notes\n"

@@ -39,7 +39,12 @@ def test_one_rank_fault_is_agreed_slow_rank_is_named_and_profile_is_logged(tmp_p
     run_id = (run / "mlflow_run_id").read_text().strip()
     metrics = client.get_run(run_id).data.metrics
     assert metrics["faults/nonfinite"] == 1 and metrics["straggler/rank"] == 1 and metrics["straggler/ratio"] > 1
-    assert [a.path for a in client.list_artifacts(run_id, "profile")] == ["profile/rank_0.json"]
+    here = os.getcwd()
+    os.chdir(run / "mlflow")  # artifact locations are relative to the store's folder (docs/tracking.md)
+    try:
+        assert [a.path for a in client.list_artifacts(run_id, "profile")] == ["profile/rank_0.json"]
+    finally:
+        os.chdir(here)
 
 
 @pytest.mark.long  # waits out a hang watchdog and restarts; the one-rank fault test above stays in CI

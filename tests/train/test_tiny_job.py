@@ -12,7 +12,7 @@ from tests.conftest import REPO, VENV_BIN
 pytestmark = pytest.mark.slow
 
 
-def test_tiny_job_trains_and_reports_every_loop_count(tmp_path):
+def test_tiny_job_trains_and_reports_every_loop_count(tmp_path, monkeypatch):
     cli = str(VENV_BIN / "elastic-pretrain")
     subprocess.run([cli, "prepare-data", "stdlib-code"], cwd=REPO, check=True, capture_output=True, timeout=300)
     run_dir = tmp_path / "run"
@@ -42,6 +42,7 @@ def test_tiny_job_trains_and_reports_every_loop_count(tmp_path):
     assert {f"val_loss_loops_{k}" for k in range(1, 5)} <= set(run.data.metrics)
     assert run.data.params["model.flatten"] == "2"
     # MFU against the named peak (0.1 TFLOP/s given on the command line: CPUs have no known peak)
+    monkeypatch.chdir(run_dir / "mlflow")  # artifact locations are relative to the store's folder (docs/tracking.md)
     index = [a.path for a in client.list_artifacts(run.info.run_id, "checkpoints")]
     assert index == ["checkpoints/index.json"]  # the checkpoint index, logged at the end
     assert 0 < run.data.metrics["mfu"] < 1 and "train.peak_tflops" in run.data.tags["mfu.peak_flops_per_s"]

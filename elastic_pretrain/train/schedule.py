@@ -396,9 +396,16 @@ class ScheduleController:
 
     # --- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"phase": self.phase, "switch_step": self.switch_step, "seed": self.seed}
+        return {"phase": self.phase, "switch_step": self.switch_step, "seed": self.seed,
+                "total_tokens": self.total_tokens}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The checkpoint's phase, and its ``total_tokens``: the switch point (``switch_at`` of them) belongs to
+        the run's schedule, fixed by the ``train.steps`` it started with, like megatron's LR horizon. A larger
+        ``train.steps`` on resume adds steps at the schedule's end instead of moving the switch (issue 33).
+        A checkpoint written before the count was saved keeps this job's."""
         self.phase = state["phase"]
         self.switch_step = state["switch_step"]
         self.seed = int(state["seed"])
+        if isinstance(state.get("total_tokens"), int) and state["total_tokens"] > 0:
+            self.total_tokens = state["total_tokens"]

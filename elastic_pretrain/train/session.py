@@ -70,7 +70,7 @@ class Session:
 
     def checkpointed(self) -> dict[str, Stateful]:
         """The session's other checkpointed state, by its name in ``trainer.json``."""
-        return {"scheduler": self.scheduler, "controller": ControllerState(self), "data": self.batches}
+        return {"scheduler": SchedulerState(self.scheduler), "controller": ControllerState(self), "data": self.batches}
 
     def describe(self) -> str:
         """The banner: the shape as the job file states it and as flattened (Foil), and one parameter line."""
@@ -106,6 +106,43 @@ class ControllerState:
     def load_state_dict(self, state: dict[str, Any], /) -> None:
         self.session.controller.load_state_dict(state)
         self.session.sync_phase()
+
+
+@dataclasses.dataclass
+class SchedulerState:
+    """megatron's LR scheduler as a checkpoint holds it. On load megatron keeps the checkpoint's horizon
+    (``lr_decay_steps``, warmup: ``use_checkpoint_opt_param_scheduler``); WSD's decay window follows that
+    horizon here too. A run's schedule is fixed by the ``train.steps`` it started with (issue 33:
+    docs/run-directory.md, "Training further")."""
+
+    scheduler: OptimizerParamScheduler
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any], /) -> None:
+        self.scheduler.load_state_dict(state)
+        if self.scheduler.lr_decay_style == "WSD":
+            self.scheduler.wsd_decay_steps = wsd_decay_steps(self.scheduler.lr_decay_steps)
+            self.scheduler.step(increment=0)  # the resumed step's learning rate under that window
+
+
+def wsd_decay_steps(steps: int) -> int:
+    """WSD's final decay: the last fifth of the schedule."""
+    return max(1, steps // 5)
+
+
+def schedule_end_note(scheduler: OptimizerParamScheduler, controller: ScheduleController, *, step: int,
+                      steps: int) -> str | None:
+    """One line when ``train.steps`` reaches past the run's schedule (a finished run trained further): the
+    steps beyond its horizon run at the schedule's final learning rate, in its final depth phase."""
+    horizon = int(scheduler.lr_decay_steps)
+    if steps <= horizon:
+        return None
+    final = scheduler.max_lr if scheduler.lr_decay_style == "constant" else scheduler.min_lr
+    return (f"train.steps={steps} goes past this run's {horizon}-step schedule: steps {max(horizon, step) + 1}.."
+            f"{steps} train at its end (learning rate {final:.2e}, {controller.phase} depth); a new schedule "
+            "needs a new run (docs/run-directory.md)")
 
 
 def copy_to_main_params(optimizer: Any, params: list[torch.nn.Parameter]) -> None:
@@ -145,7 +182,7 @@ def build_optimizer(job: JobConfig, model: DistributedDataParallel) -> tuple[Any
         optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.warmup_steps,
         lr_decay_steps=t.steps, lr_decay_style=t.decay, start_wd=t.weight_decay, end_wd=t.weight_decay,
         wd_incr_steps=t.steps, wd_incr_style="constant",
-        wsd_decay_steps=max(1, t.steps // 5) if t.decay == "WSD" else None,
+        wsd_decay_steps=wsd_decay_steps(t.steps) if t.decay == "WSD" else None,
         lr_wsd_decay_style="linear" if t.decay == "WSD" else None,
     )
     return optimizer, scheduler

@@ -30,8 +30,9 @@ from elastic_pretrain.train.decider import load_base
 from elastic_pretrain.train.faults import FaultMonitor
 from elastic_pretrain.train.mfu import baseline_flops_per_token, device_peak, step_flops, utilisation
 from elastic_pretrain.train.profiling import ProfileWindow
+from elastic_pretrain.train.resume import check_steps_left
 from elastic_pretrain.train.schedule import ExpertLayout, ScheduleController
-from elastic_pretrain.train.session import Session
+from elastic_pretrain.train.session import Session, schedule_end_note
 from elastic_pretrain.train.step import MicroBatch, StepResult
 from elastic_pretrain.train.stragglers import DATA_WAIT_KEY, StragglerReport
 from elastic_pretrain.train.watchdog import HangWatchdog
@@ -483,6 +484,7 @@ def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
         store = CheckpointStore(files.checkpoints)
         source = resume_source(job, store)
         meta = check_resumable(source, job) if source else {}
+        check_steps_left(source, meta, job)
         if mesh.rank == 0 and (repaired := repair_latest(store)):  # a crash left it naming an older/missing step
             print(repaired, flush=True)
         session = build_session(job, mesh)
@@ -498,6 +500,11 @@ def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
             ckpt.restore(source, meta)
             if mesh.rank == 0:
                 print(f"resumed from {source} (step {state.step}, {state.tokens:,} tokens)", flush=True)
+                note = schedule_end_note(session.scheduler, session.controller, step=state.step, steps=job.train.steps)
+                if note:
+                    print(note, flush=True)
+        if mesh.is_logging_rank and state.step < job.train.steps:
+            files.finished.unlink(missing_ok=True)  # trained further: finished again at the end (Slurm reads it)
         elif job.decider is not None:  # a decider job starts from its base model (decider.init_from)
             load_base(session.net, Path(job.decider.init_from or ""))
             if mesh.is_logging_rank:

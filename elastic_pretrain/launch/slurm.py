@@ -100,15 +100,23 @@ def explain_sbatch_error(stderr: str) -> str:
 
 
 def submit(cfg: SlurmConfig, spec: LaunchSpec) -> str:
-    """Render the script into ``<run_dir>/slurm/``, submit it, record and return the job id."""
+    """Render the script into ``<run_dir>/slurm/``, snapshot the job there, submit, record and return the job id."""
     files = RunFiles(spec.run_dir)
-    check_can_submit(files)
+    check_can_submit(files, spec.train_steps)
     script = render(cfg, spec)
     files.slurm_dir.mkdir(parents=True, exist_ok=True)
     write_private(files.script, script)  # it holds slurm.env values and the overrides: owner-only
+    if spec.job_snapshot is not None:
+        write_private(files.job_snapshot, spec.job_snapshot)  # what every (re)start trains; secrets included
     files.cancelled.unlink(missing_ok=True)
+    # training further (check_can_submit let a finished run through): the batch script must not take an old
+    # FINISHED for this job's, should the job end before the trainer's start removes it
+    finished = files.finished.read_bytes() if files.finished.is_file() else None
+    files.finished.unlink(missing_ok=True)
     proc = run_slurm(["sbatch", "--parsable", str(files.script)], cwd=spec.workdir)
     if proc.returncode != 0:
+        if finished is not None:
+            files.finished.write_bytes(finished)
         raise UserError(explain_sbatch_error(proc.stderr or proc.stdout))
     job_id = proc.stdout.strip().split(";")[0]
     if not job_id.isdigit():
@@ -132,25 +140,39 @@ def read_job_id(files: RunFiles) -> str | None:
     return job_id
 
 
-def check_can_submit(files: RunFiles) -> None:
-    """Refuse to start a second job on a run directory that is finished or already has a live job."""
-    if files.finished.exists():
-        raise UserError(
-            f"{files.run_dir} has finished training ({files.finished} exists): pick another --run-dir, "
-            "or delete that file to train it further"
-        )
+def check_can_submit(files: RunFiles, steps: int | None = None) -> None:
+    """Refuse to start a second job on a run directory that is finished (unless ``steps``, the job's
+    train.steps, trains it further) or already has a live job."""
+    refusal = finished_refusal(files, steps) or live_job_refusal(files)
+    if refusal:
+        raise UserError(refusal)
+
+
+def finished_refusal(files: RunFiles, steps: int | None) -> str | None:
+    """A finished run directory takes a job only to train further: ``steps`` above its last committed step."""
+    if not files.finished.exists():
+        return None
+    done = last_committed_step(files)
+    if steps is not None and done is not None and steps > done:
+        return None
+    at = f" at step {done}" if done is not None else ""
+    further = f"raise train.steps above {done}" if done is not None else "delete that file"
+    return (f"{files.run_dir} has finished training{at} ({files.finished} exists): to train it further {further} "
+            "(docs/run-directory.md); for a new run pick another --run-dir")
+
+
+def live_job_refusal(files: RunFiles) -> str | None:
     job_id = read_job_id(files)
     if job_id is None:
-        return
+        return None
     try:
         state = query_job(job_id)
     except UserError:
-        return  # no Slurm to ask: sbatch will report that itself
+        return None  # no Slurm to ask: sbatch will report that itself
     if state is not None and state.live:
-        raise UserError(
-            f"{files.run_dir} already has job {job_id} ({state.state}): wait for it, or stop it with "
-            f"`elastic-pretrain cancel {files.run_dir}`"
-        )
+        return (f"{files.run_dir} already has job {job_id} ({state.state}): wait for it, or stop it with "
+                f"`elastic-pretrain cancel {files.run_dir}`")
+    return None
 
 
 def query_job(job_id: str) -> JobState | None:
@@ -214,7 +236,7 @@ def run_status(run_dir: Path) -> RunStatus:
         latest_problem=latest_problem(CheckpointStore(files.checkpoints)),
         finished=files.finished.exists(),
         mlflow_run_id=read_text_or_none(files.mlflow_run_id),
-        log=str(files.log),
+        log=str(files.job_log(job_id) if job_id else files.job_log("<id>")),
     )
 
 

@@ -56,6 +56,8 @@ class SplitInfo:
     shards: list[ShardInfo]
     # sha256 of the split's MDS index.json (None for wds, and in manifests written before it was hashed)
     index_sha256: str | None = None
+    # per-token difficulty files beside the shards, row for row (a synthetic source; data/difficulty.py)
+    difficulty: list[ShardInfo] | None = None
 
     def shard_offsets(self) -> list[int]:
         """Global index of the first sample of each shard, plus the total at the end."""
@@ -83,10 +85,14 @@ class Manifest:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Manifest:
+        def shards(infos: list[dict[str, Any]]) -> list[ShardInfo]:
+            return [ShardInfo(**sh) for sh in infos]
+
         splits = {
-            name: SplitInfo(**{**s, "shards": [ShardInfo(**sh) for sh in s["shards"]]})
+            name: SplitInfo(**{**s, "shards": shards(s["shards"]),
+                               "difficulty": None if s.get("difficulty") is None else shards(s["difficulty"])})
             for name, s in obj["splits"].items()
-        }
+        }  # fmt: skip
         manifest = cls(**{**obj, "splits": splits})
         manifest.check_shape()
         return manifest
@@ -101,13 +107,14 @@ class Manifest:
         if not _is_count(self.seq_len) or self.dtype not in DTYPES:
             raise TypeError(f"seq_len {self.seq_len!r} / dtype {self.dtype!r} are not a length and {DTYPES}")
         for split, info in self.splits.items():
-            names = [split] + [s.name for s in info.shards]
+            files = info.shards + (info.difficulty or [])
+            names = [split] + [s.name for s in files]
             bad = next((n for n in names if not is_plain_name(n)), None)
             if bad is not None:
                 raise TypeError(f"{bad!r} is not a plain file name (letters, digits, '.', '_', '-')")
             if info.index_sha256 is not None and not _is_sha256(info.index_sha256):
                 raise TypeError(f"splits.{split}.index_sha256 is not a sha256 hex digest")
-            for s in info.shards:
+            for s in files:
                 if not (_is_count(s.samples) and _is_count(s.bytes) and _is_sha256(s.sha256)):
                     raise TypeError(f"shard {s.name}: samples/bytes/sha256 are not counts and a hex digest")
 

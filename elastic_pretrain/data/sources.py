@@ -15,6 +15,7 @@ import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 
+from elastic_pretrain.data import synthetic
 from elastic_pretrain.data.config import PrepareConfig, local_path
 from elastic_pretrain.errors import UserError
 
@@ -124,8 +125,13 @@ def _parquet(path: Path, name: str, field: str) -> Iterator[Document]:
             row += 1
 
 
-def iter_documents(cfg: PrepareConfig, counts: dict[str, int]) -> Iterator[Document]:
-    """All documents of the configured source; undecodable text files are counted in ``counts``."""
+def iter_documents(cfg: PrepareConfig, counts: dict[str, int], *, seq_len: int = 0) -> Iterator[Document]:
+    """All documents of the configured source; undecodable text files are counted in ``counts``. A synthetic
+    source generates documents of ``seq_len`` characters forever (data/synthetic.py)."""
+    if cfg.source == "synthetic":
+        assert cfg.synthetic is not None  # PrepareConfig checks it
+        yield from synthetic.documents(cfg.synthetic, seed=cfg.seed, chars=seq_len)
+        return
     for path, name in list_files(cfg):
         kind = _kind(path, cfg)
         if kind == "jsonl":

@@ -13,6 +13,7 @@ its figures, checks print ``PASS``/``FAIL`` lines, and a summary table closes th
 overall timeout interrupts it). Sections that need Transformer Engine are skipped on a CUDA machine without it
 (they run their code paths at toy sizes on CPU). The sections live in bench/gpu_trainer.py, gpu_numerics.py and
 gpu_perf.py as functions of a :class:`bench.gpu_common.Ctx`, so a CPU test runs each of them.
+``GPU_CHECK_STALL=name[,name]`` (tests only) makes those sections sleep past their budget.
 """
 
 from __future__ import annotations
@@ -150,6 +151,8 @@ def run_sections(sections: list[Section], ctx: Any, *, deadline: float, scale: i
         status, note = "ok", ""
         try:
             with alarm(budget):
+                if s.name in os.environ.get("GPU_CHECK_STALL", "").split(","):
+                    time.sleep(budget + 60)  # tests only: a section that cannot finish (the budget must stop it)
                 resolve(s.target)(ctx)
         except Overrun:
             status, note = "stopped", f"overran its {budget:.0f} s budget"

@@ -24,6 +24,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from elastic_pretrain.model.config import DeciderConfig, ModelConfig
+from elastic_pretrain.model.decider import PerTokenRun
 from elastic_pretrain.model.looped import LoopedMoEModel
 from elastic_pretrain.model.vocab import padded_vocab_size
 from elastic_pretrain.parallel.cpu_compat import SequenceParallelTorchNorm
@@ -137,12 +138,14 @@ def to_te_names(state: dict[str, torch.Tensor], te_keys: set[str]) -> dict[str, 
     return out
 
 
-@pytest.mark.parametrize("normalization", ["RMSNorm", "LayerNorm"])
-def test_te_spec_computes_what_the_local_spec_computes(mesh1, te_standins, normalization):
+@pytest.mark.parametrize(("normalization", "backbone"),
+                         [("RMSNorm", "per_token"), ("LayerNorm", "per_token"), ("RMSNorm", "joint")])
+def test_te_spec_computes_what_the_local_spec_computes(mesh1, te_standins, normalization, backbone):
     """Same weights → same logits at every ℓ, with the loop-conditioning heads on, and the same decider
-    logits: the heads and the decider work beside TE modules."""
+    outputs (per-token depth, the default backbone, and the joint all-exits run): the heads and the decider
+    work beside TE modules."""
     cfg = tiny(normalization=normalization)
-    decider = DeciderConfig(hidden_size=16)
+    decider = DeciderConfig(hidden_size=16, backbone=backbone)
     torch.manual_seed(0)
     local = build(cfg, "local", decider).eval()
     te = build(cfg, "te", decider).eval()
@@ -159,8 +162,15 @@ def test_te_spec_computes_what_the_local_spec_computes(mesh1, te_standins, norma
     with torch.no_grad():
         for ell in range(1, cfg.max_loops + 1):
             torch.testing.assert_close(te(tokens, loops=ell)[ell], local(tokens, loops=ell)[ell], rtol=0, atol=1e-6)
-        te_losses, te_logits = te.forward_decider(tokens, labels)
-        local_losses, local_logits = local.forward_decider(tokens, labels)
+        te_run, local_run = te.forward_decider(tokens, labels), local.forward_decider(tokens, labels)
+    if backbone == "per_token":
+        assert isinstance(te_run, PerTokenRun) and isinstance(local_run, PerTokenRun)
+        assert torch.equal(te_run.active_L_BT, local_run.active_L_BT)
+        for field in ("exit_ce_BT", "ce_L_BT", "ahead_L_BT", "logit_LTB"):
+            torch.testing.assert_close(getattr(te_run, field), getattr(local_run, field), rtol=0, atol=1e-6)
+        return
+    assert isinstance(te_run, tuple) and isinstance(local_run, tuple)
+    (te_losses, te_logits), (local_losses, local_logits) = te_run, local_run
     torch.testing.assert_close(te_logits, local_logits, rtol=0, atol=1e-6)
     for ell in local_losses:
         torch.testing.assert_close(te_losses[ell], local_losses[ell], rtol=0, atol=1e-6)

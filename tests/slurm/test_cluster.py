@@ -250,16 +250,17 @@ def test_two_node_job_runs_on_distinct_hosts_and_finishes(jobs: dict[str, Job]) 
 def test_status_reports_job_restarts_and_last_step(jobs: dict[str, Job], capsys: pytest.CaptureFixture[str]) -> None:
     job_id, run_dir = jobs["preempted"]
     wait_job_end(job_id, run_dir, timeout=END_TIMEOUT_S)
-    RunFiles(run_dir).mlflow_run_id.write_text("0123abcd\n")
+    run_id = "0123abcd" * 4  # an MLflow run id: 32 hex digits (status refuses anything else)
+    RunFiles(run_dir).mlflow_run_id.write_text(run_id + "\n")
     assert cli.main(["status", str(run_dir), "--json"]) == 0
     st = json.loads(capsys.readouterr().out)
     assert st["job_id"] == job_id and st["finished"] is True
     assert st["last_step"] == STEPS // SAVE_EVERY * SAVE_EVERY
     assert st["job"]["state"] == "COMPLETED" and st["job"]["restarts"] == 1
-    assert st["mlflow_run_id"] == "0123abcd"
+    assert st["mlflow_run_id"] == run_id
     assert cli.main(["status", str(run_dir)]) == 0
     out = capsys.readouterr().out
-    assert "COMPLETED" in out and "0123abcd" in out
+    assert "COMPLETED" in out and run_id in out
 
 
 def test_cancel_stops_the_job_for_good(jobs: dict[str, Job], capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,7 +4,8 @@ One 2-process launch per layout (tests/dist/overlap_grads.py): 3 optimizer steps
 with ℓ and exits changing between micro-batches, replicas and steps (the last micro-batch's ℓ included;
 pass 3 unused for a whole step), at ``train.recompute`` none and pass (with route replay), small buckets so that each
 process group has several and their issue order matters. Losses and final parameters must equal the
-after-backward reduction bitwise — at EP = 2 with the distributed optimizer off also the gradient
+after-backward reduction bitwise (DP = 4: from step 2 within fp32 reduction order) — at EP = 2
+with the distributed optimizer off also the gradient
 norms and every reduced gradient of every step, and once more with it on (reduce-scatter) — and
 every bucket must have started before ``finish_grad_sync`` (the reduction did overlap). At EP = 2
 megatron's own ``overlap_grad_reduce`` runs the same steps and stops at its first-step hook-count
@@ -22,11 +23,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _compare(out, layout: str, rank: int, recompute: str, grads: bool, suffix: str = "",
-             params: bool = True) -> None:
+             params: bool = True, loss_rtol: float = 0.0) -> None:
     off = torch.load(out / f"{layout}_{recompute}-after_backward{suffix}_rank{rank}.pt", weights_only=True)
     on = torch.load(out / f"{layout}_{recompute}-overlap{suffix}_rank{rank}.pt", weights_only=True)
     assert off["error"] is None and on["error"] is None, on["error"] or off["error"]
-    assert len(on["loss"]) == 3 and on["loss"] == off["loss"]
+    assert len(on["loss"]) == 3 and on["loss"][0] == off["loss"][0]  # same parameters: the same forward, bitwise
+    torch.testing.assert_close(torch.tensor(on["loss"][1:], dtype=torch.float64),
+                               torch.tensor(off["loss"][1:], dtype=torch.float64), rtol=loss_rtol, atol=0)
     # the distributed optimizer's norm sums per-shard fp32 squares, and its shards follow the buckets
     # (megatron's single bucket without overlap): equal up to fp32 summation order, as is all it logs
     torch.testing.assert_close(on["grad_norm"], off["grad_norm"], rtol=0 if grads else 1e-6, atol=0)
@@ -58,14 +61,17 @@ def test_overlapped_reduction_equals_the_reduction_after_backward_at_dp4_with_th
     """The GPU presets' default (issue 31 item 1): DP 4, reduce-scatter into optimizer shards."""
     torchrun(REPO / "tests" / "dist" / "overlap_grads.py", "dp4", str(tmp_path), nproc=4, timeout=500,
              env={"PYTHONPATH": str(REPO)})
-    # Not bitwise in the parameters: gloo's reduce-scatter adds 4 ranks' fp32 gradients in an order set by an
+    # Not bitwise after the first step: gloo's reduce-scatter adds 4 ranks' fp32 gradients in an order set by an
     # element's position in the bucket, and the two paths bucket differently (megatron's single bucket vs
     # small ones), so reduced gradients differ in the last bits (at 2 ranks a + b = b + a: bitwise, above).
-    # Adam's normalised update magnifies those bits for small gradients (measured: up to 1.5e-6 after 3
-    # steps at lr 1e-2), with no bound that follows from the arithmetic: the parameters are not compared
-    # here; the losses of all 3 steps are, bitwise, and every bucket must have started during backward.
+    # Adam's normalised update magnifies those bits for small gradients (measured: up to 1.5e-6 in the
+    # parameters after 3 steps at lr 1e-2; the losses of steps 2-3 by 1e-8 relative on one CI machine, 0 on
+    # another), with no bound that follows from the arithmetic: the parameters are not compared. The first
+    # loss is bitwise (same parameters); steps 2-3 within 1e-6 relative: 100x the measured last-bit spread,
+    # while a bucket reduced twice or left out changes its gradients by O(1) and so a step at lr 1e-2 by far
+    # more. Every bucket must have started during backward.
     for rank in range(4):
-        _compare(tmp_path, "dp4", rank, "none", grads=False, params=False)
+        _compare(tmp_path, "dp4", rank, "none", grads=False, params=False, loss_rtol=1e-6)
 
 
 @pytest.mark.long  # DP=1 here: the bucket schedule, not a reduction's arithmetic (EP=2 above is in CI)

@@ -298,6 +298,44 @@ def _val_cap(prep: PrepareConfig, sample_tokens: int) -> int | None:
     return max(sample_tokens, math.ceil(prep.max_tokens * share))
 
 
+class LineProgress:
+    """Progress for a log or CI (stderr not a terminal): one line per tenth of the work or per
+    ``interval_s``, whichever comes first, never a carriage return (tqdm's bar glues into one line there)."""
+
+    def __init__(self, total: int | None, desc: str, *, interval_s: float = 30.0, file: Any = None) -> None:
+        self.total, self.desc, self.interval_s = total, desc, interval_s
+        self.file = file if file is not None else sys.stderr
+        self.n = self._shown = 0
+        self._start = self._last = time.perf_counter()
+
+    def update(self, n: int) -> None:
+        self.n += n
+        now = time.perf_counter()
+        if (self.total and self.n - self._shown >= self.total / 10) or now - self._last >= self.interval_s:
+            self._say(now)
+
+    def _say(self, now: float) -> None:
+        rate = self.n / max(now - self._start, 1e-9)
+        of = f"/{self.total:,} tokens ({100 * self.n / self.total:.0f}%)" if self.total else " tokens"
+        print(f"{self.desc}: {self.n:,}{of}, {rate:,.0f} tok/s", file=self.file, flush=True)
+        self._shown, self._last = self.n, now
+
+    def __enter__(self) -> LineProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None and self.n != self._shown:
+            self._say(time.perf_counter())
+
+
+def _progress(total: int | None, desc: str, enabled: bool) -> Any:
+    """tqdm's bar on a terminal, :class:`LineProgress` elsewhere, nothing when disabled (``--quiet``)."""
+    if enabled and not sys.stderr.isatty():
+        return LineProgress(total, desc)
+    return tqdm(total=total, unit="tok", unit_scale=True, desc=desc, disable=not enabled, file=sys.stderr,
+                smoothing=0.1)
+
+
 def prepare_data(cfg: DataConfig, *, progress: bool = True, say: Callable[[str], None] = lambda _: None) -> Manifest:
     """Build the shards and manifest described by ``cfg.prepare``; returns the (new or existing) manifest.
     ``say`` receives one line on why nothing was done or why the shards are rebuilt."""
@@ -328,20 +366,13 @@ def prepare_data(cfg: DataConfig, *, progress: bool = True, say: Callable[[str],
     counts: dict[str, int] = {}
     docs = _split_documents(iter_documents(prep, counts), prep.val_fraction, packers)
     start = time.perf_counter()
-    bar = tqdm(
-        total=prep.max_tokens,
-        unit="tok",
-        unit_scale=True,
-        desc=f"prepare {out.name}",
-        disable=not progress,
-        file=sys.stderr,
-        smoothing=0.1,
-    )
+    bar = _progress(prep.max_tokens, f"prepare {out.name}", progress)
     with bar:
         for which, tokens in _tokenised(cfg, tok, docs):
             if not packers[which].full:
                 packers[which].add(tokens)
-                bar.update(len(tokens) if which == 0 else 0)
+                kept = len(tokens) if prep.max_tokens is None else min(len(tokens), max(0, prep.max_tokens - bar.n))
+                bar.update(kept if which == 0 else 0)  # training tokens kept (the cap cuts the last document)
             if all(p.full for p in packers):
                 break
     splits = {name: p.finish() for name, p in zip(SPLITS, packers)}

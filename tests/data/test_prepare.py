@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import pytest
 
 from elastic_pretrain.data.config import DataConfig
 from elastic_pretrain.data.manifest import read_manifest, sha256_file
-from elastic_pretrain.data.prepare import is_val, prepare_data
+from elastic_pretrain.data.prepare import LineProgress, is_val, prepare_data
 from elastic_pretrain.data.shards import SplitReader
 from elastic_pretrain.data.sources import list_files
 from elastic_pretrain.data.tokenizer import ByteTokenizer
@@ -96,3 +97,22 @@ def test_stdlib_source_lists_python_sources_deterministically() -> None:
     assert len(names) > 500 and all(n.endswith(".py") for n in names)
     assert not any("site-packages" in n for n in names) and "os.py" in names
     assert names == [n for _, n in list_files(PrepareConfig(source="stdlib", output="unused"))]
+
+
+def test_progress_without_a_terminal_is_one_line_per_tenth(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """In a log or CI (stderr not a terminal) each progress report is its own line, no carriage return:
+    one per tenth of the tokens (or per interval), the last one at the end."""
+    out = io.StringIO()
+    with LineProgress(1000, "prepare x", interval_s=1e9, file=out) as bar:
+        for _ in range(25):
+            bar.update(40)
+    lines = out.getvalue().splitlines()
+    shown = [int(line.split()[2].split("/")[0].replace(",", "")) for line in lines]
+    assert shown == [*range(120, 1000, 120), 1000], lines  # each >= 100 tokens after the last; the end
+    assert lines[-1].startswith("prepare x: 1,000/1,000 tokens (100%)") and "\r" not in out.getvalue()
+    corpus = write_corpus(tmp_path / "c", n_files=30)
+    prepare_data(recipe(tmp_path / "ds", [str(corpus)], prepare={"max_tokens": 340}), progress=True)
+    err = capsys.readouterr().err  # pytest's capture is not a terminal: the line form
+    assert "\r" not in err and "prepare ds: 340/340 tokens (100%)" in err, err
+    prepare_data(recipe(tmp_path / "quiet", [str(corpus)], prepare={"max_tokens": 340}), progress=False)
+    assert "prepare quiet" not in capsys.readouterr().err

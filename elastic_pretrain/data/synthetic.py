@@ -5,20 +5,24 @@ on 0.3 M parameters and a byte corpus it does not (docs/results/README.md). Loop
 single-pass ones on tasks that need *iterated* computation even at tiny scale, so this source writes text
 in which the number of sequential steps a token needs is known per token::
 
-    d=4,q=7,k=d,z=q,x=k,m=x;?z7?m4?q7?x4?k4?d4
+    a7,ba,c3,dc,ed,fb;?f7?e3?d3?c3?b7?a7
 
-A line assigns a digit to the first variable of each of ``chains`` chains and then each next variable of a
-chain to the one before it, the chains interleaved; after ``;`` every variable is queried once as
-``?<name><value>``. The value of a variable at depth k (``d`` 1, ``k`` 2, ``x`` 3, ``m`` 4) is k lookups
-away: a model resolves at most one hop per attention layer, so a one-pass model can answer shallow queries
-and only a deeper one the rest. The queries come deepest-first within each chain, so no query can read its
-answer off an earlier answer (an ancestor is never queried before its descendants); the *difficulty* of an
-answer token is its hop count (1..``max_depth``), every other token's is 0.
+A line assigns a digit to the first variable of each of ``chains`` chains (``a7``: a = 7) and then each next
+variable of a chain to the one before it (``ba``: b = a), the chains interleaved; after ``;`` every variable
+is queried once as ``?<name><value>``. The value of a variable at depth k (``a`` 1, ``b`` 2, ``f`` 3) is k
+lookups away: a model resolves about one lookup per attention layer, so a one-pass model can answer shallow
+queries and only a deeper one the rest. No query is asked before the queries of its descendants, so no
+answer can be read off an earlier one; the *difficulty* of an answer token is its number of lookups
+(1..``max_depth``), every other token's is 0.
 
 A document is exactly ``seq_len`` bytes (whole lines, then ``.`` padding): with its EOS it fills one
 packed row, so no row starts inside a line whose definitions it cannot see. The tables are small (a
 handful of one-letter names, ten digits) because a probe showed that a tiny model does not learn large
-lookup tables within the CPU budget (../shared/notes/depth-pays-probe.md).
+lookup tables within the CPU budget (../shared/notes/depth-pays-probe.md). With ``names: alphabetical``
+(a, b, c, ... asked in reverse) every token but the chains' shape and the answers is predictable, so the
+answers carry most of the loss; the tiny model of ``jobs/experiments/depth-premise/`` then leaves the
+plateau of copying from context after ~600 steps (with random names and ``b=a`` it had not at 600:
+docs/results/depth-premise.md).
 
 The difficulty is not carried from the generator: :func:`difficulty` recomputes it from the text alone
 (a reference solver), so anyone can check the labels of a prepared dataset; the tests check it against
@@ -60,7 +64,7 @@ class SyntheticConfig:
     max_variables: int = field(8, doc="most variables in a line")
     max_depth: int = field(6, doc="longest chain: the hardest answer needs this many hops")
     names: Literal["random", "alphabetical"] = field(
-        "random",
+        "alphabetical",
         doc="random: each line draws its variable names, and asks them in a random order (each chain deepest "
         "first); alphabetical: a, b, c, ... in definition order, asked in reverse (only the chains and the answers "
         "are left to predict)",

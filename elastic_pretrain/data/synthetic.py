@@ -21,8 +21,8 @@ handful of one-letter names, ten digits) because a probe showed that a tiny mode
 lookup tables within the CPU budget (../shared/notes/depth-pays-probe.md). With ``names: alphabetical``
 (a, b, c, ... asked in reverse) every token but the chains' shape and the answers is predictable, so the
 answers carry most of the loss; the tiny model of ``jobs/experiments/depth-premise/`` then leaves the
-plateau of copying from context after ~600 steps (with random names and ``b=a`` it had not at 600:
-docs/results/depth-premise.md).
+plateau of copying from context after 500 to over 1,000 steps, by seed (with random names and ``b=a`` it
+had barely begun to at 500 steps; docs/experiments.md).
 
 The difficulty is not carried from the generator: :func:`difficulty` recomputes it from the text alone
 (a reference solver), so anyone can check the labels of a prepared dataset; the tests check it against

@@ -28,9 +28,10 @@ from elastic_pretrain.errors import UserError
 SEQ = 64
 
 
-def recipe(out: Path, **synthetic: Any) -> DataConfig:
+def recipe(out: Path, format: str = "mds", **synthetic: Any) -> DataConfig:
     """A small synthetic recipe: seq_len 64, 8-row shards (several difficulty files per split)."""
     return build(DataConfig, {
+        "format": format,
         "seq_len": SEQ,
         "streams": [{"path": str(out)}],
         "validation": {"path": str(out), "split": "val"},
@@ -130,6 +131,20 @@ def test_difficulty_round_trips_through_prepare_data_shards_and_the_loader(prepa
     said: list[str] = []
     prepare_data(prepared, progress=False, say=said.append)
     assert said == [f"{out}: up to date with the recipe (generated from prepare.seed)"]
+
+
+def test_webdataset_shards_carry_the_same_difficulty(prepared: DataConfig, tmp_path: Path) -> None:
+    from elastic_pretrain.data.difficulty import load_difficulty
+    from elastic_pretrain.data.loader import load_validation
+    from elastic_pretrain.data.prepare import prepare_data
+
+    wds = recipe(tmp_path / "wds", format="wds")
+    prepare_data(wds, progress=False)
+    n = 10
+    for got, want in ((load_validation(wds, num_sequences=n), load_validation(prepared, num_sequences=n)),
+                      (load_difficulty(wds, num_sequences=n), load_difficulty(prepared, num_sequences=n))):  # fmt: skip
+        assert got is not None and want is not None
+        assert got.equal(want)
 
 
 def _copy(cfg: DataConfig, to: Path) -> DataConfig:

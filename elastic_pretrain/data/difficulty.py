@@ -24,6 +24,7 @@ from elastic_pretrain.data.manifest import ShardInfo, SplitInfo, check_compatibl
 from elastic_pretrain.data.shards import StreamFiles
 from elastic_pretrain.data.tokenizer import load_tokenizer
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import atomic_file, ensure_dir
 
 PATTERN = "difficulty.%05d.npy"
 DTYPE = np.dtype(np.uint8)
@@ -52,8 +53,9 @@ class DifficultySink:
 
     def _save(self, block: np.ndarray) -> None:
         path = self.directory / (PATTERN % len(self._shards))
-        self.directory.mkdir(parents=True, exist_ok=True)  # the token sink made it (MDS: on its first shard)
-        with open(path, "xb") as f:  # O_EXCL: a name planted in the fresh split directory is not written through
+        root = self.directory.parent  # the dataset's output folder; the token sink made the split's (MDS: lazily)
+        ensure_dir(self.directory, root=root)
+        with atomic_file(path, root=root) as f:  # a planted name is replaced, never written through
             np.save(f, np.ascontiguousarray(block), allow_pickle=False)
         self._shards.append(ShardInfo(name=path.name, samples=len(block), bytes=path.stat().st_size,
                                       sha256=sha256_file(path)))  # fmt: skip

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Literal
 
 from elastic_pretrain.config import ConfigError, field
+from elastic_pretrain.data.synthetic import SyntheticConfig
 
 TokenizerKind = Literal["byte", "hf", "tiktoken"]
 ShardFormat = Literal["mds", "wds"]
@@ -110,8 +111,13 @@ class StreamConfig:
 class PrepareConfig:
     """How ``prepare-data`` builds shards: inputs -> tokens -> packed sequences -> shards + manifest."""
 
-    source: Literal["stdlib", "files"] = field(
-        "stdlib", doc="stdlib: the running CPython's standard-library .py sources; files: the paths in inputs"
+    source: Literal["stdlib", "files", "synthetic"] = field(
+        "stdlib",
+        doc="stdlib: the running CPython's standard-library .py sources; files: the paths in inputs; synthetic: "
+        "text generated from prepare.seed with a per-token difficulty beside the tokens (prepare.synthetic)",
+    )
+    synthetic: SyntheticConfig | None = field(
+        None, doc="source synthetic: the generator and its settings (data/synthetic.py; docs/data.md)"
     )
     inputs: list[str] = field(
         factory=list,
@@ -136,7 +142,10 @@ class PrepareConfig:
     samples_per_shard: int = field(4096, doc="sequences per shard file")
     max_tokens: int | None = field(None, doc="stop after this many training tokens (None: the whole corpus)")
     num_workers: int = field(0, doc="tokenizer processes (0: one per CPU core, at most 8)")
-    seed: int = field(0, doc="seed of the document order before packing (spreads sources across shards)")
+    seed: int = field(
+        0, doc="seed of the document order before packing (spreads sources across shards); source synthetic: "
+        "the seed the documents are generated from"
+    )
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.val_fraction < 1.0:
@@ -151,6 +160,12 @@ class PrepareConfig:
             raise ConfigError("prepare.inputs: source 'files' needs at least one file, directory or glob")
         if not self.output:
             raise ConfigError("prepare.output: give the directory to write shards into, e.g. cache/my-corpus")
+        if (self.source == "synthetic") != (self.synthetic is not None):
+            raise ConfigError(
+                "prepare.synthetic: set it exactly when prepare.source is synthetic (e.g. synthetic: {task: chains})"
+            )
+        if self.source == "synthetic" and self.max_tokens is None:
+            raise ConfigError("prepare.max_tokens: a synthetic source never ends; give the training tokens, e.g. 4e6")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -191,3 +206,7 @@ class DataConfig:
         val = self.validation
         if val is not None and any(s.path == val.path and s.split == val.split for s in self.streams):
             raise ConfigError("validation.split: 'train' is also trained on; set validation.split: val")
+        if self.prepare is not None and self.prepare.source == "synthetic" and self.tokenizer.kind != "byte":
+            raise ConfigError(
+                "tokenizer.kind: a synthetic source labels each byte with its difficulty; use tokenizer.kind: byte"
+            )

@@ -61,6 +61,8 @@ class SplitInfo:
     shards: list[ShardInfo]
     # sha256 of the split's MDS index.json (None for wds, and in manifests written before it was hashed)
     index_sha256: str | None = None
+    # per-token difficulty files beside the shards, row for row (a synthetic source; data/difficulty.py)
+    difficulty: list[ShardInfo] | None = None
 
     def shard_offsets(self) -> list[int]:
         """Global index of the first sample of each shard, plus the total at the end."""
@@ -88,10 +90,14 @@ class Manifest:
 
     @classmethod
     def from_json(cls, obj: dict[str, Any]) -> Manifest:
+        def shards(infos: list[dict[str, Any]]) -> list[ShardInfo]:
+            return [ShardInfo(**sh) for sh in infos]
+
         splits = {
-            name: SplitInfo(**{**s, "shards": [ShardInfo(**sh) for sh in s["shards"]]})
+            name: SplitInfo(**{**s, "shards": shards(s["shards"]),
+                               "difficulty": None if s.get("difficulty") is None else shards(s["difficulty"])})
             for name, s in obj["splits"].items()
-        }
+        }  # fmt: skip
         manifest = cls(**{**obj, "splits": splits})
         manifest.check_shape()
         return manifest
@@ -113,18 +119,20 @@ class Manifest:
                 raise TypeError(f"{key} is {type(getattr(self, key)).__name__}, not a mapping")
         row = (self.seq_len + 1) * np.dtype(self.dtype).itemsize
         for split, info in self.splits.items():
-            names = [split] + [s.name for s in info.shards]
+            files = info.shards + (info.difficulty or [])  # difficulty files: one uint8 label per token
+            names = [split] + [s.name for s in files]
             bad = next((n for n in names if not is_data_name(n)), None)
             if bad is not None:
                 raise TypeError(f"{bad!r} is not a plain file name (letters, digits, '_', '-', inner '.')")
             if info.index_sha256 is not None and not _is_sha256(info.index_sha256):
                 raise TypeError(f"splits.{split}.index_sha256 is not a sha256 hex digest")
-            for s in info.shards:
+            sized = [(s, row) for s in info.shards] + [(s, self.seq_len + 1) for s in info.difficulty or []]
+            for s, width in sized:
                 if not (_is_count(s.samples) and _is_count(s.bytes) and _is_sha256(s.sha256)):
                     raise TypeError(f"shard {s.name}: samples/bytes/sha256 are not counts and a hex digest")
-                if s.samples * row > s.bytes:
+                if s.samples * width > s.bytes:
                     raise TypeError(
-                        f"shard {s.name} claims {s.samples} rows of {row} bytes in {s.bytes} bytes, "
+                        f"shard {s.name} claims {s.samples} rows of {width} bytes in {s.bytes} bytes, "
                         "more than it can hold"
                     )
 

@@ -29,9 +29,11 @@ from tqdm import tqdm
 
 from elastic_pretrain.config import to_dict
 from elastic_pretrain.data.config import DataConfig, PrepareConfig, TokenizerConfig, local_path
+from elastic_pretrain.data.difficulty import DifficultySink
 from elastic_pretrain.data.manifest import MANIFEST, Manifest, SplitInfo, read_manifest, verify_shard, write_manifest
 from elastic_pretrain.data.shards import add_index_hashes, make_sink
 from elastic_pretrain.data.sources import Document, iter_documents, list_files
+from elastic_pretrain.data.synthetic import token_difficulty
 from elastic_pretrain.data.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer, token_dtype
 from elastic_pretrain.errors import UserError
 
@@ -51,6 +53,8 @@ def recipe_of(cfg: DataConfig, tokenizer: Tokenizer) -> dict[str, Any]:
     """What decides the shard contents; a manifest with a different recipe is not reused."""
     assert cfg.prepare is not None
     prep = {k: v for k, v in to_dict(cfg.prepare).items() if k not in ("num_workers", "output")}
+    if prep.get("synthetic") is None:  # absent from the recipes of manifests written before it existed
+        prep.pop("synthetic", None)
     if cfg.prepare.source == "stdlib":
         prep["python"] = sys.version.split()[0]
     return {"format": cfg.format, "seq_len": cfg.seq_len, "tokenizer": tokenizer.fingerprint, "prepare": prep}
@@ -215,7 +219,7 @@ def _existing(out: Path, recipe: dict[str, Any], verify: str, inputs: dict[str, 
         say(f"{out}: inputs changed since the shards were built ({change}): rebuilding")
         return None
     for split, info in manifest.splits.items():
-        for shard in info.shards:
+        for shard in info.shards + (info.difficulty or []):
             problem = verify_shard(out / split / shard.name, shard, verify)
             if problem:
                 say(f"{out}: shard {split}/{shard.name} {problem}: rebuilding the shards")
@@ -226,6 +230,8 @@ def _existing(out: Path, recipe: dict[str, Any], verify: str, inputs: dict[str, 
     seen = manifest.stats.get("inputs")
     if seen and inputs:
         say(f"{out}: up to date ({seen['files']:,} input files unchanged)")
+    elif recipe["prepare"].get("source") == "synthetic":
+        say(f"{out}: up to date with the recipe (generated from prepare.seed)")
     elif inputs:  # built before the inputs were recorded: added files cannot be seen
         say(f"{out}: up to date with the recipe (its input files were not recorded; delete {out} to rebuild)")
     else:
@@ -234,7 +240,7 @@ def _existing(out: Path, recipe: dict[str, Any], verify: str, inputs: dict[str, 
 
 
 # The files prepare-data writes into a split directory: MDS shards and index, WebDataset shards.
-_OWN_FILE = re.compile(r"shard\.\d{5,}\.mds|shard-\d{6,}\.tar|index\.json")
+_OWN_FILE = re.compile(r"shard\.\d{5,}\.mds|shard-\d{6,}\.tar|index\.json|difficulty\.\d{5,}\.npy")
 
 
 def remove_leftovers(out: Path) -> None:
@@ -268,7 +274,9 @@ def _plain(path: Path) -> bool:
 
 def input_fingerprint(prep: PrepareConfig) -> dict[str, Any] | None:
     """Count, bytes and a digest of the input files' names and sizes (None: the inputs cannot be listed,
-    e.g. deleted after preparing; the shards are then taken as they are)."""
+    e.g. deleted after preparing; the shards are then taken as they are; or generated, source synthetic)."""
+    if prep.source == "synthetic":
+        return None
     try:
         files = sorted(list_files(prep), key=lambda f: f[1])
     except UserError:
@@ -363,19 +371,25 @@ def prepare_data(cfg: DataConfig, *, progress: bool = True, say: Callable[[str],
         )
         for s in SPLITS
     ]
+    labels = _difficulty_packers(cfg, out, packers) if prep.source == "synthetic" else None
+    assign = prep.synthetic.assign if prep.synthetic else ""
     counts: dict[str, int] = {}
-    docs = _split_documents(iter_documents(prep, counts), prep.val_fraction, packers)
+    docs = _split_documents(iter_documents(prep, counts, seq_len=cfg.seq_len), prep.val_fraction, packers)
     start = time.perf_counter()
     bar = _progress(prep.max_tokens, f"prepare {out.name}", progress)
     with bar:
         for which, tokens in _tokenised(cfg, tok, docs):
             if not packers[which].full:
                 packers[which].add(tokens)
+                if labels is not None:  # packed exactly as the tokens: row i labels token row i
+                    labels[which].add(token_difficulty(tokens, tok.eos_id, assign))
                 kept = len(tokens) if prep.max_tokens is None else min(len(tokens), max(0, prep.max_tokens - bar.n))
                 bar.update(kept if which == 0 else 0)  # training tokens kept (the cap cuts the last document)
             if all(p.full for p in packers):
                 break
     splits = {name: p.finish() for name, p in zip(SPLITS, packers)}
+    for name, label_packer in zip(SPLITS, labels or []):
+        splits[name].difficulty = label_packer.finish().shards
     if splits["train"].sequences == 0:
         raise UserError(
             f"prepare: the inputs hold fewer than seq_len+1={sample_tokens} tokens; add text or lower seq_len"
@@ -406,6 +420,16 @@ def prepare_data(cfg: DataConfig, *, progress: bool = True, say: Callable[[str],
     )
     write_manifest(manifest, out)
     return manifest
+
+
+def _difficulty_packers(cfg: DataConfig, out: Path, packers: list[_Packer]) -> list[_Packer]:
+    """Packers of the per-token difficulty beside ``packers`` (same rows, same caps; data/difficulty.py)."""
+    assert cfg.prepare is not None
+    n = cfg.seq_len + 1
+    return [
+        _Packer(DifficultySink(out / s, sample_tokens=n, samples_per_shard=cfg.prepare.samples_per_shard), n, p.cap)
+        for s, p in zip(SPLITS, packers)
+    ]
 
 
 def _split_documents(docs: Iterable[Document], fraction: float, packers: list[_Packer]) -> Iterator[tuple[int, str]]:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from elastic_pretrain.data import synthetic
 from elastic_pretrain.data.config import PrepareConfig, local_path
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.jsonsafe import loads as json_loads
@@ -204,8 +205,13 @@ def _batch_texts(values: Any) -> Iterator[Any]:
         yield values[i].as_py()
 
 
-def iter_documents(cfg: PrepareConfig, counts: dict[str, int]) -> Iterator[Document]:
-    """All documents of the configured source; undecodable text files are counted in ``counts``."""
+def iter_documents(cfg: PrepareConfig, counts: dict[str, int], *, seq_len: int = 0) -> Iterator[Document]:
+    """All documents of the configured source; undecodable text files are counted in ``counts``. A synthetic
+    source generates documents of ``seq_len`` characters forever (data/synthetic.py)."""
+    if cfg.source == "synthetic":
+        assert cfg.synthetic is not None  # PrepareConfig checks it
+        yield from synthetic.documents(cfg.synthetic, seed=cfg.seed, chars=seq_len)
+        return
     for path, name in list_files(cfg):
         kind = _kind(path, cfg)
         if kind == "jsonl":

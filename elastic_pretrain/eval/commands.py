@@ -22,10 +22,12 @@ from elastic_pretrain.rundir import CheckpointFiles, RunFiles
 
 def _eval(args: argparse.Namespace) -> int:
     from elastic_pretrain.checkpoint.tensors import load_model
+    from elastic_pretrain.data.difficulty import load_difficulty
     from elastic_pretrain.data.loader import load_validation
     from elastic_pretrain.data.recipes import check_eval_recipe, load_recipe, matching_recipe
     from elastic_pretrain.eval.adaptive import DEFAULT_THRESHOLDS, adaptive_sweep
     from elastic_pretrain.eval.curves import compare
+    from elastic_pretrain.eval.difficulty import by_difficulty
     from elastic_pretrain.eval.loss import quality_curve
     from elastic_pretrain.eval.report import comparison_table, markdown_table
     from elastic_pretrain.model.inference import KV_POLICIES, teacher_forced_loss
@@ -60,6 +62,10 @@ def _eval(args: argparse.Namespace) -> int:
         curve = quality_curve(model, tokens, name=f"{job.name} (exit after core layer k)" if layer else job.name,
                               batch_size=args.batch_size, exit_axis=job.schedule.exit_axis)
         lines = [markdown_table(curve), sample_line(tokens.shape, flag=args.sequences is not None)]
+        labels = load_difficulty(data, num_sequences=tokens.shape[0])  # a corpus that labels each token's steps
+        by_level = by_difficulty(model, tokens, labels, batch_size=args.batch_size) if labels is not None else None
+        if by_level is not None:
+            lines += [by_level.markdown("loss"), by_level.markdown("accuracy")]
         if args.kv_gap:
             lines.append(f"| KV cache at ℓ={model.cfg.max_loops} | KV bytes/token | teacher-forced loss |")
             lines.append("|---|---|---|")
@@ -77,7 +83,8 @@ def _eval(args: argparse.Namespace) -> int:
         print(report + f"\nwritten: {', '.join(str(w) for w in written)}")
         if tracking is not None:
             adaptive = [sweep.curves()[0]] if sweep is not None else []
-            track_eval(job, ckpt, curve, adaptive, written, uri=args.uri)
+            extra = by_level.metrics() if by_level is not None else {}
+            track_eval(job, ckpt, curve, adaptive, written, uri=args.uri, extra=extra)
     finally:
         teardown()
     return 0
@@ -157,12 +164,13 @@ def eval_tracking(job: Any, ckpt: Path, *, uri: str | None) -> Any:
 
 
 def track_eval(
-    job: Any, ckpt: Path, curve: Any, adaptive: list[Any], files: list[Path], *, uri: str | None = None
+    job: Any, ckpt: Path, curve: Any, adaptive: list[Any], files: list[Path], *, uri: str | None = None,
+    extra: dict[str, float] | None = None,
 ) -> str | None:
     """Log an evaluation to MLflow: a run named ``<job> eval step_<N>`` nested under the training run
     (``mlflow.parentRunId``), with the loss and perplexity per ℓ, the AUC (and the adaptive curve's points)
-    at step N, and the report files as artifacts. Returns the run id (None when tracking is off); never
-    fails the evaluation.
+    at step N, ``extra`` metrics (per difficulty, on a corpus that labels it), and the report files as
+    artifacts. Returns the run id (None when tracking is off); never fails the evaluation.
 
     The store is ``uri`` (``--uri``), else ``$MLFLOW_TRACKING_URI``, else the local store of the
     checkpoint's run directory; never the ``tracking.uri`` saved in the checkpoint: a checkpoint from
@@ -174,14 +182,14 @@ def track_eval(
         return None
     run_dir = run_dir_of(ckpt)
     if run_dir is not None:
-        return _track_eval(job, ckpt, cfg, run_dir, curve, adaptive, files)
+        return _track_eval(job, ckpt, cfg, run_dir, curve, adaptive, files, extra=extra)
     with tempfile.TemporaryDirectory(prefix="elastic-pretrain-eval-") as tmp:  # the tracker's staging files only
-        return _track_eval(job, ckpt, cfg, Path(tmp), curve, adaptive, files, in_run=False)
+        return _track_eval(job, ckpt, cfg, Path(tmp), curve, adaptive, files, in_run=False, extra=extra)
 
 
 def _track_eval(
     job: Any, ckpt: Path, cfg: Any, run_dir: Path, curve: Any, adaptive: list[Any], files: list[Path], *,
-    in_run: bool = True,
+    in_run: bool = True, extra: dict[str, float] | None = None,
 ) -> str | None:  # fmt: skip
     import math
 
@@ -217,6 +225,7 @@ def _track_eval(
         metrics[f"eval/ppl_loops_{int(p.loops)}"] = math.exp(min(p.loss, 50))
     for c in adaptive:
         metrics["eval/adaptive_auc"] = c.auc
+    metrics.update(extra or {})
     tracker.log_metrics(metrics, step=step)
     for f in files:
         if f.is_file():

@@ -78,10 +78,17 @@ def _rerender(args: argparse.Namespace, names: list[str], out: Path) -> int:
     changes = [*(["--quick"] if args.quick else []), *(["--seeds"] if args.seeds else []), *args.overrides]
     if changes or args.runs:
         raise UserError(f"{flag} re-decides stored numbers and trains nothing: drop {(changes or ['--runs'])[0]}")
+    done = 0
     for name in names:
         path = Path(args.from_json) if args.from_json else out / f"{name}.json"
+        if len(names) > 1 and not path.exists():  # `all`: an experiment never run has nothing to re-decide
+            print(f"{name}: no stored report {path} (run `elastic-pretrain experiment {name}` first): skipped")
+            continue
         command = shlex.join(["elastic-pretrain", "experiment", name, "--from-json", str(path)])
         rerender(EXPERIMENTS[name], path, command=command)
+        done += 1
+    if not done:
+        raise UserError(f"--rerender: no stored report in {out} (run the experiments first, or name --out)")
     return 0
 
 

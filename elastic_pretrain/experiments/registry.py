@@ -18,6 +18,7 @@ import importlib
 from elastic_pretrain.experiments.runner import Experiment
 
 ANALYSES = (  # modules of elastic_pretrain.experiments.analyses, in the order `--list` and `all` use
+    "depth_premise",
     "exit_schedules",
     "late_switch",
     "flattening",

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from elastic_pretrain.data.config import DataConfig
 from elastic_pretrain.experiments.measure import max_flops, parameters, training_compute
 from elastic_pretrain.experiments.present import claim_table, noise_table
 from elastic_pretrain.experiments.runner import (
@@ -183,10 +184,27 @@ def _how(o: Outcome, png: str) -> list[str]:
         f"- **Seeds** {', '.join(map(str, o.seeds))} for every arm (initialisation, data order, depth draws): the "
         "arms of one seed are paired.",
         f"- Reproduce with the command above from the repository root (after `elastic-pretrain prepare-data "
-        f"stdlib-code`). It trains every job of `jobs/experiments/{e.name}/` once per seed, one after the other, "
+        f"{_recipe(o.runs[0].job.data)}`). It trains every job of `jobs/experiments/{e.name}/` once per seed, "
+        "one after the other, "
         f"{_processes(o.runs)} (a finished run whose config is unchanged is reused, also from another experiment), "
         f"evaluates the final checkpoints and rewrites this page, `{png}` and `{e.name}.json` (all numbers).",
     ]
+
+
+def _recipe(data: DataConfig) -> str:
+    """The data recipe a job trains on, by the name of the directory its shards are prepared into."""
+    return Path(data.prepare.output).name if data.prepare else Path(data.streams[0].path).name
+
+
+def _corpus(data: DataConfig) -> str:
+    """The training corpus in words, e.g. ``byte-level CPython standard library (`data: stdlib-code`)``."""
+    prep = data.prepare
+    if prep is not None and prep.synthetic is not None:
+        return (f"synthetic {prep.synthetic.task} text generated from seed {prep.seed}, byte-level, a difficulty per "
+                f"token (`data: {_recipe(data)}`, docs/data.md)")  # fmt: skip
+    if prep is not None and prep.source == "stdlib":
+        return f"byte-level CPython standard library (`data: {_recipe(data)}`)"
+    return f"`data: {_recipe(data)}`"
 
 
 def _layouts(runs: list[Run]) -> str:
@@ -225,8 +243,8 @@ def _setup(ctx: Context, o: Outcome) -> list[str]:
         "## Setup",
         "",
         f"- **Training tokens** {', '.join(f'{t:,}' for t in tokens)} per run ({runs[0].steps} steps x "
-        f"{first.train.global_batch_size} sequences x {first.data.seq_len} tokens), byte-level CPython standard "
-        f"library (`data: stdlib-code`), {_layouts(runs)}.",
+        f"{first.train.global_batch_size} sequences x {first.data.seq_len} tokens), {_corpus(first.data)}, "
+        f"{_layouts(runs)}.",
         "- **Held-out tokens**: "
         + (
             o.findings[o.seeds[0]].held_out

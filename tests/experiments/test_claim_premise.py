@@ -99,6 +99,7 @@ GATED = {
     "flattening": 0,
     "route-replay": 0,
     "seed-noise": 0,
+    "depth-premise": 0,  # its rows are the premise itself (kind "premise"), on the depth-pays corpus
 }
 
 

@@ -149,3 +149,17 @@ def test_rerender_rewrites_every_stored_report_from_its_own_numbers(tmp_path: Pa
             "## How this report was made"
         )[1].split("## Seed noise")[0]
         assert before.split("## Setup", 1)[1] == after.split("## Setup", 1)[1]
+
+
+def test_rerender_all_skips_an_experiment_never_run_and_refuses_an_empty_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from elastic_pretrain.cli import main
+
+    shutil.copytree(REPO / "docs/results", tmp_path / "results")
+    (tmp_path / "results" / "kv-cache.json").unlink()
+    assert main(["experiment", "all", "--rerender", "--out", str(tmp_path / "results")]) == 0
+    assert f"kv-cache: no stored report {tmp_path / 'results' / 'kv-cache.json'}" in capsys.readouterr().out
+    (tmp_path / "empty").mkdir()
+    assert main(["experiment", "all", "--rerender", "--out", str(tmp_path / "empty")]) == 2
+    assert "--rerender: no stored report in" in capsys.readouterr().err

@@ -1,0 +1,238 @@
+"""A synthetic corpus where depth pays: chained variable assignments, generated from a seed (issue 32).
+
+Every paper this project reproduces presupposes that extra depth (loops, layers, exits) lowers the loss;
+on 0.3 M parameters and a byte corpus it does not (docs/results/README.md). Looped transformers beat
+single-pass ones on tasks that need *iterated* computation even at tiny scale, so this source writes text
+in which the number of sequential steps a token needs is known per token::
+
+    a7,ba,c3,dc,ed,fb;?f7?e3?d3?c3?b7?a7
+
+A line assigns a digit to the first variable of each of ``chains`` chains (``a7``: a = 7) and then each next
+variable of a chain to the one before it (``ba``: b = a), the chains interleaved; after ``;`` every variable
+is queried once as ``?<name><value>``. The value of a variable at depth k (``a`` 1, ``b`` 2, ``f`` 3) is k
+lookups away: a model resolves about one lookup per attention layer, so a one-pass model can answer shallow
+queries and only a deeper one the rest. No query is asked before the queries of its descendants, so no
+answer can be read off an earlier one; the *difficulty* of an answer token is its number of lookups
+(1..``max_depth``), every other token's is 0.
+
+A document is exactly ``seq_len`` bytes (whole lines, then ``.`` padding): with its EOS it fills one
+packed row, so no row starts inside a line whose definitions it cannot see. The tables are small (a
+handful of one-letter names, ten digits) because a probe showed that a tiny model does not learn large
+lookup tables within the CPU budget (../shared/notes/depth-pays-probe.md). With ``names: alphabetical``
+(a, b, c, ... asked in reverse) every token but the chains' shape and the answers is predictable, so the
+answers carry most of the loss; the tiny model of ``jobs/experiments/depth-premise/`` then leaves the
+plateau of copying from context after 500 to over 1,000 steps, by seed (with random names and ``b=a`` it
+had barely begun to at 500 steps; docs/experiments.md).
+
+The difficulty is not carried from the generator: :func:`difficulty` recomputes it from the text alone
+(a reference solver), so anyone can check the labels of a prepared dataset; the tests check it against
+the generator's own depths.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import string
+from collections.abc import Iterator
+from typing import Literal
+
+import numpy as np
+
+from elastic_pretrain.config import ConfigError, field
+from elastic_pretrain.errors import UserError
+
+NAMES = string.ascii_lowercase  # one-letter variable names
+VALUES = string.digits
+PAD = "."
+ORDINARY = 0  # difficulty of a token that is not an answer
+MAX_DIFFICULTY = 255  # stored as uint8
+
+
+@dataclasses.dataclass(kw_only=True)
+class SyntheticConfig:
+    """``prepare.source: synthetic``: chained variable assignments whose answers need 1..max_depth hops."""
+
+    task: Literal["chains"] = field("chains", doc="the generator: chains = k-hop chained variable assignment")
+    chains: int = field(
+        2, doc="chains per line, each rooted at its own digit: a model that cannot follow them is left guessing"
+    )
+    min_variables: int = field(
+        4, doc="fewest variables in a line (all chains together); the last line of a document may have fewer, "
+        "down to one per chain, to fill it"
+    )
+    max_variables: int = field(8, doc="most variables in a line")
+    max_depth: int = field(6, doc="longest chain: the hardest answer needs this many hops")
+    names: Literal["random", "alphabetical"] = field(
+        "alphabetical",
+        doc="random: each line draws its variable names, and asks them in a random order (each chain deepest "
+        "first); alphabetical: a, b, c, ... in definition order, asked in reverse (only the chains and the answers "
+        "are left to predict)",
+    )
+    assign: str = field(
+        "", doc="the text between a variable and its source in a definition: '' writes b=a as 'ba' (the shape "
+        "an induction head copies), '=' as 'b=a'"
+    )
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.chains <= len(VALUES):
+            raise ConfigError(f"prepare.synthetic.chains: {self.chains} must be in 1..{len(VALUES)}, e.g. 2")
+        if not self.chains <= self.min_variables <= self.max_variables <= len(NAMES):
+            raise ConfigError(
+                f"prepare.synthetic: need chains <= min_variables <= max_variables <= {len(NAMES)} "
+                f"(got {self.chains}, {self.min_variables}, {self.max_variables}); e.g. 4 and 8"
+            )
+        if not 1 <= self.max_depth < MAX_DIFFICULTY or self.max_depth * self.chains < self.min_variables:
+            raise ConfigError(
+                f"prepare.synthetic.max_depth: {self.max_depth} must be in 1..{MAX_DIFFICULTY - 1} and leave room "
+                f"for min_variables ({self.min_variables}) in {self.chains} chain(s)"
+            )
+        if any(c in NAMES + VALUES + ",;?\n" + PAD for c in self.assign) or not self.assign.isascii():
+            raise ConfigError(
+                f"prepare.synthetic.assign: {self.assign!r} must be ASCII without letters, digits or ,;?. ('' or '=')"
+            )
+
+    def line_chars(self, variables: int) -> int:
+        """Characters of a line with ``variables`` variables, its newline included: ``x=y,`` per assignment
+        (the last without the comma, then ``;``) and ``?xv`` per query."""
+        return (3 + len(self.assign)) * variables + 3 * variables + 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Line:
+    """One generated line and, per variable, its value and depth (the generator's own account)."""
+
+    text: str
+    value: dict[str, str]
+    depth: dict[str, int]
+
+
+def _chain_lengths(rng: random.Random, cfg: SyntheticConfig, variables: int) -> list[int]:
+    """Split ``variables`` into ``cfg.chains`` chains of 1..max_depth each, uniformly over the splits."""
+    while True:
+        cuts = sorted(rng.sample(range(1, variables), cfg.chains - 1))
+        lengths = [b - a for a, b in zip([0, *cuts], [*cuts, variables])]
+        if max(lengths) <= cfg.max_depth:
+            return lengths
+
+
+def make_line(rng: random.Random, cfg: SyntheticConfig, variables: int) -> Line:
+    """A line of ``variables`` variables in ``cfg.chains`` chains (see the module docstring)."""
+    lengths = _chain_lengths(rng, cfg, variables)
+    order = [c for c, n in enumerate(lengths) for _ in range(n)]  # the chain of each definition, interleaved
+    rng.shuffle(order)
+    names = list(NAMES[:variables]) if cfg.names == "alphabetical" else rng.sample(NAMES, variables)
+    roots = rng.sample(VALUES, cfg.chains)  # distinct: a chain's value says which chain it is
+    chains: list[list[str]] = [[] for _ in lengths]
+    defs = []
+    for name, c in zip(names, order):  # a name is defined before it is used
+        defs.append(f"{name}{cfg.assign}{chains[c][-1] if chains[c] else roots[c]}")
+        chains[c].append(name)
+    value = {v: roots[c] for c, chain in enumerate(chains) for v in chain}
+    depth = {v: i + 1 for chain in chains for i, v in enumerate(chain)}
+    # queries: no ancestor is answered before a descendant (its answer would shorten the descendant's chase)
+    if cfg.names == "alphabetical":
+        asked = names[::-1]  # reverse definition order
+    else:  # interleaved at random, each chain deepest first
+        rng.shuffle(order)
+        left = list(lengths)
+        asked = []
+        for c in order:
+            left[c] -= 1
+            asked.append(chains[c][left[c]])
+    queries = "".join(f"?{v}{value[v]}" for v in asked)
+    return Line(text=",".join(defs) + ";" + queries + "\n", value=value, depth=depth)
+
+
+def make_document(rng: random.Random, cfg: SyntheticConfig, chars: int) -> tuple[str, list[Line]]:
+    """Whole lines filling ``chars`` characters, the rest ``.`` padding; a line's size is drawn from
+    min..max_variables, the last one shrunk to what still fits (down to one variable per chain)."""
+    lines: list[Line] = []
+    used = 0
+    while True:
+        room = [n for n in range(cfg.chains, cfg.max_variables + 1) if used + cfg.line_chars(n) <= chars]
+        if not room:
+            break
+        n = rng.randint(cfg.min_variables, cfg.max_variables)
+        line = make_line(rng, cfg, n if n in room else room[-1])
+        lines.append(line)
+        used += len(line.text)
+    return "".join(line.text for line in lines) + PAD * (chars - used), lines
+
+
+def documents(cfg: SyntheticConfig, *, seed: int, chars: int) -> Iterator[tuple[str, str]]:
+    """``(name, text)`` forever: document i is a pure function of ``(seed, i)`` and ``cfg``."""
+    if chars < cfg.line_chars(cfg.min_variables):
+        raise ConfigError(
+            f"seq_len {chars}: a synthetic document holds whole lines of {cfg.line_chars(cfg.min_variables)} or more "
+            "characters; raise seq_len or lower prepare.synthetic.min_variables"
+        )
+    i = 0
+    while True:
+        yield f"{cfg.task}-{i}", make_document(random.Random(f"{seed}/{i}"), cfg, chars)[0]
+        i += 1
+
+
+# ------------------------------------------------------------------------------------ reference solver
+def solve_line(line: str, assign: str = "") -> list[tuple[int, int]]:
+    """(offset of the answer character in ``line``, hops) for every query of one line, from the text alone.
+
+    The hops of a query are the lookups from its variable to the first value already in view: a digit (a
+    chain's root), or an earlier query's answer (one more lookup, to that query). Raises
+    ValueError when the line is not of the task's form or an answer is wrong."""
+    defs_text, sep, queries = line.partition(";")
+    if not sep:
+        raise ValueError("no ';' between assignments and queries")
+    rhs: dict[str, str] = {}
+    for item in defs_text.split(","):
+        name, middle, right = item[:1], item[1:-1], item[-1:]
+        if not (middle == assign and len(item) == 2 + len(assign) and name in NAMES and name not in rhs):
+            raise ValueError(f"assignment {item!r} is not x{assign}y with one-letter names, each defined once")
+        if right not in VALUES and right not in rhs:
+            raise ValueError(f"{item!r} uses {right!r} before it is defined")
+        rhs[name] = right
+    if len(queries) % 3:
+        raise ValueError("queries are not ?xv triples")
+    answered: set[str] = set()
+    out = []
+    for q in range(0, len(queries), 3):
+        mark, name, given = queries[q], queries[q + 1], queries[q + 2]
+        if mark != "?" or name not in rhs:
+            raise ValueError(f"query {queries[q : q + 3]!r} is not ?<defined name><value>")
+        hops, at = 1, rhs[name]
+        while at not in VALUES and at not in answered:
+            hops, at = hops + 1, rhs[at]
+        if at not in VALUES:  # one more lookup: the earlier query's answer
+            hops += 1
+            while at not in VALUES:
+                at = rhs[at]
+        if given != at:
+            raise ValueError(f"query ?{name} answers {given!r}, the assignments give {at!r}")
+        answered.add(name)
+        out.append((len(defs_text) + 1 + q + 2, hops))
+    return out
+
+
+def difficulty(text: str, assign: str = "") -> np.ndarray:
+    """Per character of a synthetic document: the hops its answer needs (1..), 0 for every other character
+    (uint8). Padding (``.``) after the last line is ordinary text."""
+    out = np.zeros(len(text), dtype=np.uint8)
+    start = 0
+    body = text.rstrip(PAD)
+    for line in body.splitlines(keepends=True):
+        try:
+            for offset, hops in solve_line(line.rstrip("\n"), assign):
+                out[start + offset] = min(hops, MAX_DIFFICULTY)
+        except ValueError as err:
+            raise UserError(f"synthetic document: line {line.strip()!r} is not a chains line ({err})") from None
+        start += len(line)
+    return out
+
+
+def token_difficulty(tokens: np.ndarray, eos_id: int, assign: str = "") -> np.ndarray:
+    """:func:`difficulty` of a byte-tokenised document (its ids, then EOS, which is ordinary)."""
+    if len(tokens) == 0 or int(tokens[-1]) != eos_id or int(tokens[:-1].max(initial=0)) > 255:
+        raise UserError("synthetic document: not byte tokens followed by EOS; set tokenizer.kind: byte")
+    out = np.zeros(len(tokens), dtype=np.uint8)
+    out[:-1] = difficulty(tokens[:-1].astype(np.uint8).tobytes().decode("ascii"), assign)
+    return out

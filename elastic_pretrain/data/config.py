@@ -195,6 +195,11 @@ class DataConfig:
         "manifest: sha256 of the bytes, or only the file size (faster)",
     )
     wds_window: int = field(4, doc="wds only: shards shuffled together (memory: this many decoded shards)")
+    prefetch: int = field(
+        1,
+        doc="training steps of batches read ahead in a background thread (pinned with CUDA) while the step "
+        "runs; 0 reads on the training thread. Resume is unchanged: checkpoints hold the consumed position",
+    )
 
     def __post_init__(self) -> None:
         if self.seq_len < 1:
@@ -203,6 +208,8 @@ class DataConfig:
             raise ConfigError("streams: empty; list at least one, e.g. streams: [{path: cache/stdlib-code}]")
         if self.wds_window < 1:
             raise ConfigError("wds_window: must be >= 1, e.g. 4")
+        if self.prefetch < 0:
+            raise ConfigError(f"prefetch: {self.prefetch} must be >= 0 (0: no read-ahead), e.g. 1")
         val = self.validation
         if val is not None and any(s.path == val.path and s.split == val.split for s in self.streams):
             raise ConfigError("validation.split: 'train' is also trained on; set validation.split: val")

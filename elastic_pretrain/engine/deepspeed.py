@@ -287,7 +287,8 @@ class DeepSpeedTensors:
 def build_session(job: JobConfig, mesh: Mesh) -> Any:
     """The :class:`~elastic_pretrain.train.session.Session` of ``engine: deepspeed`` (same fields, a DeepSpeed
     engine as ``model``, :class:`DeepSpeedStep` as ``step``, :class:`DeepSpeedTensors` as ``tensors()``)."""
-    from elastic_pretrain.data.loader import TokenBatches, load_validation
+    from elastic_pretrain.data.loader import load_validation
+    from elastic_pretrain.data.prefetch import prefetched
     from elastic_pretrain.data.tokenizer import load_tokenizer
     from elastic_pretrain.parallel.megatron import build_model
     from elastic_pretrain.train.schedule import ScheduleController
@@ -304,8 +305,8 @@ def build_session(job: JobConfig, mesh: Mesh) -> Any:
                                                    config=config)
     scheduler = lr_scheduler(job, optimizer)
     n_micro = job.train.micro_batches(mesh.dp_size)
-    batches = TokenBatches(job.data, micro_batch_size=job.train.micro_batch_size, num_micro_batches=n_micro,
-                           dp_rank=mesh.dp_rank, dp_size=mesh.dp_size, seed=job.train.seed)
+    batches = prefetched(job.data, micro_batch_size=job.train.micro_batch_size, num_micro_batches=n_micro,
+                         dp_rank=mesh.dp_rank, dp_size=mesh.dp_size, seed=job.train.seed)
     val_all = load_validation(job.data, num_sequences=job.train.eval_sequences)
     rows = (val_all.shape[0] // mesh.dp_size) * mesh.dp_size
     val_tokens = val_all[:rows][mesh.dp_rank :: mesh.dp_size].contiguous()

@@ -13,7 +13,8 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from elastic_pretrain.checkpoint.manager import Stateful
 from elastic_pretrain.checkpoint.tensors import ModelTensors
-from elastic_pretrain.data.loader import TokenBatches, load_validation
+from elastic_pretrain.data.loader import load_validation
+from elastic_pretrain.data.prefetch import PrefetchedBatches, prefetched
 from elastic_pretrain.data.tokenizer import load_tokenizer
 from elastic_pretrain.job import JobConfig
 from elastic_pretrain.jsonsafe import StateError, choice, count, mapping, number
@@ -36,7 +37,7 @@ class Session:
     model: DistributedDataParallel
     optimizer: Any
     scheduler: OptimizerParamScheduler
-    batches: TokenBatches
+    batches: PrefetchedBatches  # data.prefetch steps read ahead; its state is what was consumed
     val_tokens: torch.Tensor
     controller: ScheduleController
     step: TrainStep
@@ -246,8 +247,8 @@ def build_session(job: JobConfig, mesh: Mesh) -> Session:
         check_micro_batches(n_micro, job.parallel.pipeline)
         pipeline = Pipeline(model, net, job.parallel.pipeline)
         pipeline.config.grad_scale_func = net.config.grad_scale_func
-    batches = TokenBatches(job.data, micro_batch_size=job.train.micro_batch_size, num_micro_batches=n_micro,
-                           dp_rank=mesh.dp_rank, dp_size=mesh.dp_size, seed=job.train.seed)
+    batches = prefetched(job.data, micro_batch_size=job.train.micro_batch_size, num_micro_batches=n_micro,
+                         dp_rank=mesh.dp_rank, dp_size=mesh.dp_size, seed=job.train.seed)
     val_all = load_validation(job.data, num_sequences=job.train.eval_sequences)
     rows = (val_all.shape[0] // mesh.dp_size) * mesh.dp_size  # equal share per replica (EP all-to-alls pair up)
     if pipeline is not None:  # the pipeline's activations have one shape: whole micro-batches only

@@ -6,6 +6,7 @@ Logging, evaluation and the run summary are callbacks that never touch the numer
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -150,9 +151,10 @@ class Trainer:
         """This replica's micro-batches of the next step with their depth plans (advances the data)."""
         s, step = self.s, self.state.step
         if s.controller.balanced:  # compute-balanced mixed depth: a share of the global batch's slots
-            dealt = s.controller.balanced_plans(step=step, micro_batches=s.batches.num_micro_batches,
-                                                replica=self.mesh.replica, replicas=self.mesh.dp_size, layout=layout)
-            tokens = s.batches.next_step_slots([slot for slot, _ in dealt])
+            deal = functools.partial(s.controller.balanced_plans, micro_batches=s.batches.num_micro_batches,
+                                     replica=self.mesh.replica, replicas=self.mesh.dp_size, layout=layout)
+            dealt = deal(step=step)  # and the next step's slots, read ahead while this one runs (data/prefetch.py)
+            tokens = s.batches.next_step_slots([slot for slot, _ in dealt], ahead=[x for x, _ in deal(step=step + 1)])
             return [MicroBatch(t, p) for t, (_, p) in zip(tokens, dealt)]
         tokens = s.batches.next_step()
         plans = s.controller.step_plans(step=step, micro_batches=len(tokens), replica=self.mesh.replica, layout=layout)
@@ -556,6 +558,7 @@ def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
         ]
         val = Trainer(job, mesh, session, callbacks, ckpt, stop, state, faults).fit()
         ckpt.close()
+        session.batches.close()  # the read-ahead thread (an error leaves it to the daemon flag and the GC)
         if val is not None and mesh.is_logging_rank:
             write_atomic(files.finished, json.dumps({"step": state.step, "tokens": state.tokens}) + "\n", root=run_dir)
         done = True

@@ -1,10 +1,10 @@
 """``engine: deepspeed``: the same looped model, wrapped by ``deepspeed.initialize`` (ZeRO stage 1/2/3).
 
 The model is megatron-core modules built by ``parallel/megatron.py`` on a TP = PP = EP = 1 mesh (every rank a
-data-parallel replica); DeepSpeed owns the optimizer (torch AdamW), gradient reduction, clipping and ZeRO
-partitioning; the LR schedule is the job's, through megatron-core's ``OptimizerParamScheduler`` (the same
-LR as ``engine: megatron`` at every step). The trainer, samplers, controller, data, evaluation, tracking
-and checkpoint bookkeeping are the project's own (docs/engines.md).
+data-parallel replica); DeepSpeed owns the optimizer (torch AdamW; its FusedAdam on CUDA), gradient reduction,
+clipping and ZeRO partitioning; the LR schedule is the job's, through megatron-core's
+``OptimizerParamScheduler`` (the same LR as ``engine: megatron`` at every step). The trainer, samplers,
+controller, data, evaluation, tracking and checkpoint bookkeeping are the project's own (docs/engines.md).
 
 Mixed depth. Ranks draw their own loop count per micro-batch, so the autograd graphs differ: passes
 beyond a rank's ℓ never run there, and their attention parameters get no gradient. ZeRO-2 reduces
@@ -297,7 +297,8 @@ def build_session(job: JobConfig, mesh: Mesh) -> Any:
     tokenizer = load_tokenizer(job.data.tokenizer)
     job.check_vocab(tokenizer.vocab_size)
     net = build_model(job.model, job.parallel, recompute=job.train.recompute)
-    config = ds_config(job, mesh.dp_size, n_params=sum(p.numel() for p in net.parameters()))
+    config = ds_config(job, mesh.dp_size, n_params=sum(p.numel() for p in net.parameters()),
+                       device_type=mesh.device.type)
     if mesh.is_logging_rank:
         write_atomic(job.run_path / CONFIG_FILE, json.dumps(config, indent=1) + "\n", root=job.run_path)
     os.environ.setdefault("LOCAL_RANK", "0")  # torchrun sets it; DeepSpeed asserts it even for one process

@@ -237,6 +237,22 @@ class DeepSpeedStep:
         return replay
 
 
+def keep_own_group_settings(optimizer: Any) -> None:
+    """Give the param groups DeepSpeed's load brought back the settings this engine's Adam reads and they lack.
+
+    DeepSpeed's own load replaces the optimizer's param groups with the saved ones, so a checkpoint written by
+    the other Adam (torch's AdamW on CPU or with an offloaded optimizer, DeepSpeed's FusedAdam on CUDA:
+    engine/config.py ``ds_config``; ``convert-checkpoint`` writes torch's) lacks the keys of this one: FusedAdam's
+    step reads ``group["bias_correction"]`` and raised KeyError. Each missing key gets this optimizer's default,
+    as torch's Adam does for its own keys (``Adam.__setstate__``); the job's lr, betas, eps and decay are
+    present either way. Adam's step is per parameter in both (torch: a tensor, FusedAdam: an int it also
+    accepts as a tensor), so it carries over."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps the torch optimizer DeepSpeed built
+    for group in inner.param_groups:
+        for key, value in inner.defaults.items():
+            group.setdefault(key, value)
+
+
 class DeepSpeedTensors:
     """Model + optimizer state through DeepSpeed's own save/load into ``step_<N>/model_optim/`` (the
     Checkpointer keeps the commit marker, ``latest``, retention and trainer state). Loading never unpickles
@@ -264,6 +280,7 @@ class DeepSpeedTensors:
         saved_stage = int(state.get("config", {}).get("deepspeed", {}).get("zero_stage", self.stage))
         if (saved_dp, saved_stage) == (self.engine.dp_world_size, self.stage):
             load_checkpoint_safely(self.engine, path)
+            keep_own_group_settings(self.engine.optimizer)
             return
         now = self.engine.dp_world_size
         if self.engine.zero_nvme_offload_optimizer():

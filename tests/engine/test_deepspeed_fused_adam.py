@@ -58,6 +58,17 @@ class StandInFusedAdam(torch.optim.Optimizer):
                 p.sub_(group["lr"] * update)
 
 
+class _Wrapped(torch.nn.Module):
+    """The net under ``module``, as ``LoopedForDeepSpeed`` holds it (what engine/full_state.py installs into)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+
 def _engine(device_type: str, stage: int, seed: int) -> Any:
     """A small model under ``deepspeed.initialize`` with the optimizer block ``ds_config`` writes for the job."""
     import os
@@ -77,7 +88,7 @@ def _engine(device_type: str, stage: int, seed: int) -> Any:
               # gloo has no side streams: overlap is the CUDA config's only other difference (test_engine_config)
               "zero_optimization": {**generated["zero_optimization"], "overlap_comm": False}}
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model = _Wrapped(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
@@ -121,3 +132,25 @@ def test_a_checkpoint_of_one_adam_resumes_under_the_other(mesh1, monkeypatch, tm
     if resumed_on == "cuda":
         steps = {int(s["step"]) for s in resumed.optimizer.optimizer.state.values()}
         assert steps == {5}, steps
+
+
+def test_a_reshard_installs_the_step_where_fused_adam_keeps_it(mesh1, monkeypatch, tmp_path: Path) -> None:
+    """ZeRO-2 under torch's AdamW resumed at ZeRO-3 under FusedAdam: the state is read whole and installed
+    (engine/full_state.py ``install_deepspeed``); the update continues from Adam's step 3."""
+    import deepspeed.ops.adam
+
+    from elastic_pretrain.engine.deepspeed import DeepSpeedTensors
+
+    monkeypatch.setattr(deepspeed.ops.adam, "FusedAdam", StandInFusedAdam)
+    first = _engine("cpu", 2, seed=0)
+    _train(first, range(3))
+    path = tmp_path / "step_3" / "model_optim"
+    DeepSpeedTensors(first).save(path, strategy=None, use_async=False)
+    resumed, same = _engine("cuda", 3, seed=1), _engine("cpu", 2, seed=1)
+    DeepSpeedTensors(resumed).load(path, state={"config": {"deepspeed": {"zero_stage": 2}}})
+    DeepSpeedTensors(same).load(path, state={})
+    for engine in (resumed, same):
+        _train(engine, range(3, 5))
+    for got, want in zip(_params(resumed), _params(same)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert {int(s["step"]) for s in resumed.optimizer.optimizer.state.values()} == {5}

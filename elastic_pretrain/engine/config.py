@@ -98,11 +98,18 @@ def can_mix(job: Any) -> bool:
     return s.switch_at < 1.0 and s.sampler not in ("fixed", "fixed_exits")
 
 
-def ds_config(job: Any, dp_size: int, n_params: int | None = None) -> dict[str, Any]:
-    """The DeepSpeed config of ``job`` on ``dp_size`` ranks (JSON-ready; written to the run directory); buckets
-    no larger than ``n_params`` elements.
+def ds_config(job: Any, dp_size: int, n_params: int | None = None, *, device_type: str = "cpu") -> dict[str, Any]:
+    """The DeepSpeed config of ``job`` on ``dp_size`` ranks whose model lives on ``device_type`` (JSON-ready;
+    written to the run directory); buckets no larger than ``n_params`` elements.
 
-    Optimizer: DeepSpeed builds ``torch.optim.AdamW`` (``torch_adam``: no compiled op, as megatron-core's
+    On CUDA (issue 31 item 5; docs/engines.md, "What is generated"): ``overlap_comm`` (ZeRO-2/3 reduce, and
+    ZeRO-3 gather, on DeepSpeed's side streams during backward) and, with the optimizer on the device, DeepSpeed's
+    ``FusedAdam`` (``torch_adam: False`` and no offload: ``engine.get_optimizer_configuration`` of DeepSpeed
+    0.19.8 then builds ``deepspeed.ops.adam.FusedAdam``, one multi-tensor kernel per dtype and param group).
+    On CPU, and for an offloaded optimizer, as before: no side streams on gloo, and DeepSpeed's CPU Adam would
+    need a compiled op.
+
+    Optimizer otherwise: DeepSpeed builds ``torch.optim.AdamW`` (``torch_adam``: no compiled op, as megatron-core's
     fallback on a machine without Apex/TE) with the job's betas, eps and weight decay; the parameter groups
     (no decay on biases and 1-D parameters) are passed in, as megatron-core forms them. LR schedule: the
     job's (``train.lr/min_lr/warmup_steps/decay``) through megatron-core's ``OptimizerParamScheduler``,
@@ -111,10 +118,14 @@ def ds_config(job: Any, dp_size: int, n_params: int | None = None) -> dict[str, 
     t, d = job.train, job.deepspeed
     micro = t.micro_batches(dp_size)
     bucket = min(d.reduce_bucket_size, n_params) if n_params else d.reduce_bucket_size
+    cuda = device_type == "cuda"
+    fused_adam = cuda and d.offload_optimizer == "none"  # an offloaded optimizer steps on the host
     zero: dict[str, Any] = {
         "stage": d.zero_stage,
         "contiguous_gradients": True,
-        "overlap_comm": False,  # CPU/gloo has no side streams; on GPU the order guarantee matters more (docs)
+        # the ordered backward fixes which buckets form and in what order; overlap only moves their reduction
+        # onto a side stream (CPU/gloo has none: off there)
+        "overlap_comm": cuda,
         "reduce_scatter": True,
         "reduce_bucket_size": bucket,
         "allgather_bucket_size": bucket,
@@ -135,7 +146,7 @@ def ds_config(job: Any, dp_size: int, n_params: int | None = None) -> dict[str, 
         "optimizer": {
             "type": "AdamW",
             "params": {"lr": t.lr, "betas": [t.adam_beta1, t.adam_beta2], "eps": 1e-8,
-                       "weight_decay": t.weight_decay, "torch_adam": True, "adam_w_mode": True},
+                       "weight_decay": t.weight_decay, "torch_adam": not fused_adam, "adam_w_mode": True},
         },
         "zero_force_ds_cpu_optimizer": False,  # offload with torch's AdamW (DeepSpeedCPUAdam needs a compiled op)
         "zero_allow_untested_optimizer": True,

@@ -1,10 +1,10 @@
 """``engine: deepspeed``: the same looped model, wrapped by ``deepspeed.initialize`` (ZeRO stage 1/2/3).
 
 The model is megatron-core modules built by ``parallel/megatron.py`` on a TP = PP = EP = 1 mesh (every rank a
-data-parallel replica); DeepSpeed owns the optimizer (torch AdamW), gradient reduction, clipping and ZeRO
-partitioning; the LR schedule is the job's, through megatron-core's ``OptimizerParamScheduler`` (the same
-LR as ``engine: megatron`` at every step). The trainer, samplers, controller, data, evaluation, tracking
-and checkpoint bookkeeping are the project's own (docs/engines.md).
+data-parallel replica); DeepSpeed owns the optimizer (torch AdamW; its FusedAdam on CUDA), gradient reduction,
+clipping and ZeRO partitioning; the LR schedule is the job's, through megatron-core's
+``OptimizerParamScheduler`` (the same LR as ``engine: megatron`` at every step). The trainer, samplers,
+controller, data, evaluation, tracking and checkpoint bookkeeping are the project's own (docs/engines.md).
 
 Mixed depth. Ranks draw their own loop count per micro-batch, so the autograd graphs differ: passes
 beyond a rank's ℓ never run there, and their attention parameters get no gradient. ZeRO-2 reduces
@@ -237,6 +237,22 @@ class DeepSpeedStep:
         return replay
 
 
+def keep_own_group_settings(optimizer: Any) -> None:
+    """Give the param groups DeepSpeed's load brought back the settings this engine's Adam reads and they lack.
+
+    DeepSpeed's own load replaces the optimizer's param groups with the saved ones, so a checkpoint written by
+    the other Adam (torch's AdamW on CPU or with an offloaded optimizer, DeepSpeed's FusedAdam on CUDA:
+    engine/config.py ``ds_config``; ``convert-checkpoint`` writes torch's) lacks the keys of this one: FusedAdam's
+    step reads ``group["bias_correction"]`` and raised KeyError. Each missing key gets this optimizer's default,
+    as torch's Adam does for its own keys (``Adam.__setstate__``); the job's lr, betas, eps and decay are
+    present either way. Adam's step is per parameter in both (torch: a tensor, FusedAdam: an int it also
+    accepts as a tensor), so it carries over."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps the torch optimizer DeepSpeed built
+    for group in inner.param_groups:
+        for key, value in inner.defaults.items():
+            group.setdefault(key, value)
+
+
 class DeepSpeedTensors:
     """Model + optimizer state through DeepSpeed's own save/load into ``step_<N>/model_optim/`` (the
     Checkpointer keeps the commit marker, ``latest``, retention and trainer state). Loading never unpickles
@@ -264,6 +280,7 @@ class DeepSpeedTensors:
         saved_stage = int(state.get("config", {}).get("deepspeed", {}).get("zero_stage", self.stage))
         if (saved_dp, saved_stage) == (self.engine.dp_world_size, self.stage):
             load_checkpoint_safely(self.engine, path)
+            keep_own_group_settings(self.engine.optimizer)
             return
         now = self.engine.dp_world_size
         if self.engine.zero_nvme_offload_optimizer():
@@ -297,7 +314,8 @@ def build_session(job: JobConfig, mesh: Mesh) -> Any:
     tokenizer = load_tokenizer(job.data.tokenizer)
     job.check_vocab(tokenizer.vocab_size)
     net = build_model(job.model, job.parallel, recompute=job.train.recompute)
-    config = ds_config(job, mesh.dp_size, n_params=sum(p.numel() for p in net.parameters()))
+    config = ds_config(job, mesh.dp_size, n_params=sum(p.numel() for p in net.parameters()),
+                       device_type=mesh.device.type)
     if mesh.is_logging_rank:
         write_atomic(job.run_path / CONFIG_FILE, json.dumps(config, indent=1) + "\n", root=job.run_path)
     os.environ.setdefault("LOCAL_RANK", "0")  # torchrun sets it; DeepSpeed asserts it even for one process

@@ -33,6 +33,7 @@ from elastic_pretrain.tracking import names
 from elastic_pretrain.train.faults import guarded_step
 from elastic_pretrain.train.mfu import DepthCounts, ghost_time_share
 from elastic_pretrain.train.schedule import DepthPlan
+from elastic_pretrain.train.step_timing import StepSpan, open_span
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,7 @@ class StepResult:
     aux: dict[str, float]
     routing: dict[tuple[int, int], dict[str, float]] = dataclasses.field(default_factory=dict)
     depth: DepthCounts | None = None  # passes, exits, ghost passes per micro-batch over all replicas (MFU)
+    span: StepSpan | None = None  # CUDA: the step's event pair, read by the straggler report (train/step_timing.py)
 
 
 def _loss_func(plan: DepthPlan, losses_BT: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -216,7 +218,7 @@ def measured_step(net: Any, step: Callable[[list[MicroBatch]], StepResult], micr
     """One optimizer step through ``step`` (either engine's numerics) with what every engine reports
     around it: micro-batches on the device, the routing probe, depth counts, depth efficiency and balance,
     and the estimated time idled in ghost passes (docs/elastic-depth.md, "Depth efficiency")."""
-    t0 = time.perf_counter()
+    t0, span = time.perf_counter(), open_span()
     # the data loader's batches are host tensors: pinned, copied without blocking (parallel/device.py)
     micro_batches = [dataclasses.replace(mb, tokens_BT1=to_device(mb.tokens_BT1)) for mb in micro_batches]
     if probe_routing:
@@ -230,6 +232,9 @@ def measured_step(net: Any, step: Callable[[list[MicroBatch]], StepResult], micr
     share = ghost_time_share(net.cfg, result.depth, seq_len=seq_len)
     result.aux.update({names.DEPTH_EFFICIENCY: result.depth.efficiency, names.DEPTH_BALANCE: result.depth.balance,
                        names.GHOST_TIME_S: share * (time.perf_counter() - t0)})
+    if span is not None:
+        span.close()
+    result.span = span
     return result
 
 

@@ -3,14 +3,13 @@ wait are gathered; the slowest rank, its ratio to the median and its host are pr
 
 A slow rank does not show in wall-clock step time (collectives make every rank wait for it); it
 shows in *busy* time. On CPU that is the training thread's CPU time (gloo waits block without
-spinning); on GPU it is the host thread's CPU time too, which catches slow data/host work but not a
-slow GPU kernel (docs/faults.md).
+spinning); on GPU it is the step's time on the device's stream, from CUDA events read once per report
+(train/step_timing.py; docs/faults.md).
 """
 
 from __future__ import annotations
 
 import socket
-import time
 from collections.abc import Callable
 from statistics import median
 from typing import Any
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from elastic_pretrain.parallel.device import device
+from elastic_pretrain.train.step_timing import BusyClock
 
 DATA_WAIT_KEY = "time/data_wait_s"  # StepResult.aux entry the Trainer fills
 
@@ -33,7 +33,9 @@ class StragglerReport:
         is_logging_rank: bool,
         log_metrics: Callable[[dict[str, float], int], None] = lambda m, s: None,
         set_tags: Callable[[dict[str, str]], None] = lambda t: None,
+        clock: BusyClock | None = None,
     ) -> None:
+        self.clock = clock or BusyClock(device())  # CUDA events on GPU, thread CPU time on CPU
         self.interval, self.rank, self.enabled = interval, rank, is_logging_rank
         self.log_metrics, self.set_tags = log_metrics, set_tags
         self.hosts = [socket.gethostname()]
@@ -44,7 +46,8 @@ class StragglerReport:
         self.last: dict[str, Any] = {}
 
     def _reset(self) -> None:
-        self.steps, self.wall_s, self.data_s, self.cpu0 = 0, 0.0, 0.0, time.thread_time()
+        self.steps, self.wall_s, self.data_s = 0, 0.0, 0.0
+        self.clock.reset()
 
     def on_step(self, state: Any, result: Any, step_s: float) -> None:
         if not self.interval:
@@ -52,9 +55,10 @@ class StragglerReport:
         self.steps += 1
         self.wall_s += step_s
         self.data_s += float(result.aux.get(DATA_WAIT_KEY, 0.0))
+        self.clock.add(getattr(result, "span", None))
         if state.step % self.interval:
             return
-        busy_s = (time.thread_time() - self.cpu0) / self.steps
+        busy_s = self.clock.busy_s() / self.steps
         times = [busy_s, self.data_s / self.steps, self.wall_s / self.steps]
         mine = torch.tensor(times, dtype=torch.float64, device=device())  # NCCL gathers device tensors only
         rows = [mine]

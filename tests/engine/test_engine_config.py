@@ -131,3 +131,45 @@ def test_deepspeed_on_cpu_starts_its_backend_without_building_the_shm_op(monkeyp
     monkeypatch.setattr(builder, "load", lambda *a, **k: pytest.fail("DeepSpeed would build its shm op"))
     assert deepspeed.ops.__compatible_ops__[SHM_COMM_OP] is False
     assert ds_comm.build_shm_op() is None
+
+
+def _deepspeed_choice(cfg: dict) -> tuple[bool, type]:
+    """(``overlap_comm``, the optimizer class) DeepSpeed itself derives from ``cfg``: its own config parser and
+    ``DeepSpeedEngine.get_optimizer_configuration`` (no engine, no device, no kernel built: the class only)."""
+    import types
+
+    from elastic_pretrain.engine.weights import import_deepspeed
+
+    import_deepspeed()
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    parsed = DeepSpeedConfig(cfg)
+    engine = types.SimpleNamespace(_config=parsed)
+    engine.zero_use_cpu_optimizer = lambda: DeepSpeedEngine.zero_use_cpu_optimizer(engine)  # type: ignore[attr-defined]
+    cls, _ = DeepSpeedEngine.get_optimizer_configuration(engine, dict(parsed.optimizer_params), True)  # type: ignore[arg-type]
+    return bool(parsed.zero_config.overlap_comm), cls
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_on_cuda_deepspeed_overlaps_communication_and_builds_its_fused_adam(stage: int) -> None:
+    """Issue 31 item 5: the config for a CUDA device turns on ``overlap_comm`` and leaves ``torch_adam`` off, so
+    DeepSpeed builds ``deepspeed.ops.adam.FusedAdam``; the CPU config is the one before (gloo: no side streams,
+    torch's AdamW); an offloaded optimizer keeps torch's AdamW on the host (CPU Adam is a compiled op)."""
+    pytest.importorskip("deepspeed")
+    import torch
+    from deepspeed.ops.adam import FusedAdam
+
+    job = load_job(JOB, ["parallel=single", "engine=deepspeed", f"deepspeed.zero_stage={stage}"])
+    cuda, cpu = ds_config(job, dp_size=1, device_type="cuda"), ds_config(job, dp_size=1)
+    assert cuda["zero_optimization"]["overlap_comm"] is True and cuda["optimizer"]["params"]["torch_adam"] is False
+    assert _deepspeed_choice(cuda) == (True, FusedAdam)
+    assert cpu["zero_optimization"]["overlap_comm"] is False and cpu["optimizer"]["params"]["torch_adam"] is True
+    assert _deepspeed_choice(cpu) == (False, torch.optim.AdamW)
+    assert ds_config(job, dp_size=1, device_type="cpu") == cpu  # the default is the CPU config
+    # the two differ in exactly these two keys
+    cuda["zero_optimization"]["overlap_comm"], cuda["optimizer"]["params"]["torch_adam"] = False, True
+    assert cuda == cpu
+    offload = load_job(JOB, ["parallel=single", "engine=deepspeed", f"deepspeed.zero_stage={stage}",
+                             "deepspeed.offload_optimizer=cpu"])
+    assert _deepspeed_choice(ds_config(offload, dp_size=1, device_type="cuda")) == (True, torch.optim.AdamW)

@@ -147,6 +147,28 @@ def test_flattening_compares_against_the_looped_baseline() -> None:
         assert m.core_layers_built * m.max_loops == 8
     measures = [c.measure for c in EXPERIMENTS["flattening"].claims]
     assert sum("minus flatten1-tied" in s for s in measures) == 2
+    assert sum("minus flatten1-untied" in s for s in measures) == 2
+
+
+def test_the_untied_flattening_series_holds_total_parameters_equal(mesh1: object) -> None:
+    """flatten1-untied (issue 32 item 3): 8 attention blocks at every f, so the untied series 1 → 2 → 4 differs
+    only by the pre-MLP norm of each layer (4, 2, 1 layers); the reading's series start there, not at the tied
+    baseline (which stays the f = 1 point of a job set that lacks flatten1-untied)."""
+    from elastic_pretrain.experiments.analyses.flattening import _series
+    from elastic_pretrain.parallel.megatron import build_model
+    from elastic_pretrain.parallel.mesh import ParallelConfig
+
+    counts, width = {}, 0
+    for f in (1, 2, 4):
+        cfg = load_job(REPO / f"jobs/experiments/flattening/flatten{f}-untied.yaml").model
+        assert cfg.attention == "untied" and cfg.flatten == f
+        counts[f], width = sum(p.numel() for p in build_model(cfg, ParallelConfig()).parameters()), cfg.hidden_size
+    assert {f: n - counts[4] for f, n in counts.items()} == {1: 3 * width, 2: width, 4: 0}  # a norm per extra layer
+    numbers = {f"flatten{f}-{a}": {"flatten": f, "attention": a} for f in (1, 2, 4) for a in ("tied", "untied")}
+    assert _series(numbers, "untied") == ["flatten1-untied", "flatten2-untied", "flatten4-untied"]
+    assert _series(numbers, "tied") == ["flatten1-tied", "flatten2-tied", "flatten4-tied"]
+    del numbers["flatten1-untied"]
+    assert _series(numbers, "untied") == ["flatten1-tied", "flatten2-untied", "flatten4-untied"]
 
 
 def test_late_switch_claims_compute_share_retained_and_added_compute() -> None:

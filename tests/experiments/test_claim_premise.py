@@ -95,7 +95,7 @@ GATED = {
     "samplers-ep2": 4,
     "exit-schedules": 3,  # the areas and the holes; "matching at full capacity" needs no holes
     "kv-cache": 5,  # the size of the cost (one per arm) and the trained mode's shrinkage (a gap to shrink)
-    "late-switch": 6,  # the shares retained and the five-loop comparisons (loops must pay)
+    "late-switch": 10,  # the shares retained and the five-loop comparisons (loops must pay), tied and untied
     "flattening": 0,
     "route-replay": 0,
     "seed-noise": 0,
@@ -118,8 +118,10 @@ def test_every_claim_that_presupposes_depth_pays_is_gated() -> None:
     assert tlm == {"sparse-exits: ln(highest perplexity at an exit it never supervises / perplexity at full depth) "
                    "minus ln 5"}  # fmt: skip
     shares = [c for c in late_switch.EXPERIMENT.claims if "retained" in c.measure]
-    assert len(shares) == 3 and all(c.premise is late_switch.LOOPS_HELP for c in shares)
-    assert late_switch.LOOPS_HELP in late_switch.EXPERIMENT.claims
+    untied = [c for c in shares if not c.measure.startswith("tied-")]
+    assert len(untied) == 3 and all(c.premise is late_switch.LOOPS_HELP for c in untied)
+    assert [c.premise for c in shares if c not in untied] == [late_switch.LOOPS_HELP_TIED]  # ELR as published
+    assert {late_switch.LOOPS_HELP, late_switch.LOOPS_HELP_TIED} <= set(late_switch.EXPERIMENT.claims)
 
 
 def test_labels_of_the_registered_claims() -> None:

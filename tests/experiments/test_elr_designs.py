@@ -7,6 +7,7 @@ metrics."""
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -58,7 +59,8 @@ def _plans(path: Path) -> list[int]:
 
 def test_late_switch_arms_are_elrs_design() -> None:
     arms = {p.stem for p in LS.glob("*.yaml")}
-    assert arms == {"baseline", "mixed-scratch"} | {
+    tied = {"tied-baseline", "tied-mixed-scratch", "tied-switch-0.75", "tied-switch-0.75-noheads"}
+    assert arms == {"baseline", "mixed-scratch"} | tied | {
         f"switch-{f}{h}" for f in ("0.25", "0.50", "0.75") for h in ("", "-noheads")
     }
     base = _plans(LS / "baseline.yaml")
@@ -75,6 +77,55 @@ def test_late_switch_arms_are_elrs_design() -> None:
     # matched at ℓ = 1: the baseline is the same model (its one core pass), the same tokens and seed
     baseline, switch = load_job(LS / "baseline.yaml"), load_job(LS / "switch-0.75-noheads.yaml")
     assert {k.split(".")[0] for k in job_diff([baseline, switch])} == {"schedule"}
+
+
+def test_tied_late_switch_arms_are_elr_as_published() -> None:
+    """ELR's loops are weight-tied (issue 32 item 3): each tied-* arm is its untied arm with one attention for
+    every pass, and the tied switch's one-loop phase is tied-baseline's first steps (same job but the schedule)."""
+    for stem in ("baseline", "mixed-scratch", "switch-0.75", "switch-0.75-noheads"):
+        tied, untied = load_job(LS / f"tied-{stem}.yaml"), load_job(LS / f"{stem}.yaml")
+        assert job_diff([tied, untied]) == ["model.attention"], stem
+        assert (tied.model.attention, untied.model.attention) == ("tied", "untied")
+        assert _plans(LS / f"tied-{stem}.yaml") == _plans(LS / f"{stem}.yaml")  # the same depth draws
+    base, switch = load_job(LS / "tied-baseline.yaml"), load_job(LS / "tied-switch-0.75-noheads.yaml")
+    assert {k.split(".")[0] for k in job_diff([base, switch])} == {"schedule"}
+
+
+def test_late_switch_claims_read_each_attention_against_its_own_references() -> None:
+    from elastic_pretrain.experiments.analyses import late_switch as ls
+    from elastic_pretrain.experiments.stats import evaluate
+
+    def arms(prefix: str, scratch: float, switch: float) -> dict[str, dict[str, float]]:
+        return {
+            f"{prefix}baseline": {"loss@1": 2.0, "loss@max": 2.0, "compute": 1.0},
+            f"{prefix}mixed-scratch": {"loss@1": 2.01, "loss@max": scratch, "compute": 1.8},
+            f"{prefix}switch-0.75": {"loss@1": 2.0, "loss@max": switch, "compute": 1.2},
+            f"{prefix}switch-0.75-noheads": {"loss@1": 2.0, "loss@max": switch + 0.01, "compute": 1.2},
+        }
+
+    m = {**arms("", 1.9, 1.95), **arms("tied-", 1.8, 1.83)}
+    assert ls.share_retained("tied-switch-0.75-noheads")(m) == pytest.approx(0.16 / 0.2)  # tied refs, not untied
+    assert ls.share_retained("switch-0.75-noheads")(m) == pytest.approx(0.04 / 0.1)
+    claims = ls.EXPERIMENT.claims
+    published = [c for c in claims if "as published" in c.source]
+    extension = [c for c in claims if "Foil×ELR extension" in c.source]
+    assert len(published) + len(extension) == len(claims) and len(published) == 7
+    for c in published:  # every arm a published claim names is tied
+        untied_named = re.sub(r"tied-[\w.-]+", "", c.measure)
+        assert "tied-" in c.measure and not any(a in untied_named for a in m), c.measure
+    assert not any("tied-" in c.measure for c in extension)
+    # the tied quality claims are gated on the tied loops paying, not on the untied ones
+    gated = [c for c in published if c.premise is not None]
+    assert len(gated) == 4 and all(c.premise is ls.LOOPS_HELP_TIED for c in gated)
+    by_seed = {s: {a: {k: v + s / 1000 for k, v in x.items()} for a, x in m.items()} for s in range(3)}
+    assert evaluate(ls.LOOPS_HELP_TIED, by_seed).verdict == "yes"
+    # stored numbers of a run without the tied arms: "not measured" (or gated by that premise), nothing raises
+    untied_only = {s: {a: x for a, x in ms.items() if not a.startswith("tied-")} for s, ms in by_seed.items()}
+    for c in published:
+        result = evaluate(c, untied_only)
+        assert result.interval is None and "not measured: no 'tied-" in result.reason + (
+            result.premise.reason if result.premise else ""
+        ), c.measure
 
 
 def test_kv_cache_late_switch_is_the_late_switch_run() -> None:
@@ -96,6 +147,28 @@ def test_flattening_compares_against_the_looped_baseline() -> None:
         assert m.core_layers_built * m.max_loops == 8
     measures = [c.measure for c in EXPERIMENTS["flattening"].claims]
     assert sum("minus flatten1-tied" in s for s in measures) == 2
+    assert sum("minus flatten1-untied" in s for s in measures) == 2
+
+
+def test_the_untied_flattening_series_holds_total_parameters_equal(mesh1: object) -> None:
+    """flatten1-untied (issue 32 item 3): 8 attention blocks at every f, so the untied series 1 → 2 → 4 differs
+    only by the pre-MLP norm of each layer (4, 2, 1 layers); the reading's series start there, not at the tied
+    baseline (which stays the f = 1 point of a job set that lacks flatten1-untied)."""
+    from elastic_pretrain.experiments.analyses.flattening import _series
+    from elastic_pretrain.parallel.megatron import build_model
+    from elastic_pretrain.parallel.mesh import ParallelConfig
+
+    counts, width = {}, 0
+    for f in (1, 2, 4):
+        cfg = load_job(REPO / f"jobs/experiments/flattening/flatten{f}-untied.yaml").model
+        assert cfg.attention == "untied" and cfg.flatten == f
+        counts[f], width = sum(p.numel() for p in build_model(cfg, ParallelConfig()).parameters()), cfg.hidden_size
+    assert {f: n - counts[4] for f, n in counts.items()} == {1: 3 * width, 2: width, 4: 0}  # a norm per extra layer
+    numbers = {f"flatten{f}-{a}": {"flatten": f, "attention": a} for f in (1, 2, 4) for a in ("tied", "untied")}
+    assert _series(numbers, "untied") == ["flatten1-untied", "flatten2-untied", "flatten4-untied"]
+    assert _series(numbers, "tied") == ["flatten1-tied", "flatten2-tied", "flatten4-tied"]
+    del numbers["flatten1-untied"]
+    assert _series(numbers, "untied") == ["flatten1-tied", "flatten2-untied", "flatten4-untied"]
 
 
 def test_late_switch_claims_compute_share_retained_and_added_compute() -> None:

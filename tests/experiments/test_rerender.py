@@ -163,3 +163,20 @@ def test_rerender_all_skips_an_experiment_never_run_and_refuses_an_empty_folder(
     (tmp_path / "empty").mkdir()
     assert main(["experiment", "all", "--rerender", "--out", str(tmp_path / "empty")]) == 2
     assert "--rerender: no stored report in" in capsys.readouterr().err
+
+
+def test_rerender_of_reports_stored_before_new_arms_reads_them_not_measured(tmp_path: Path) -> None:
+    """late-switch's tied-* arms and flattening's flatten1-untied (issue 32 item 3) are not in the stored numbers:
+    their claims read "not measured" (or premise absent, the premise not measured); the other rows are decided."""
+    from elastic_pretrain.experiments.registry import EXPERIMENTS
+
+    for name, arm in (("late-switch", "tied-"), ("flattening", "flatten1-untied")):
+        for ext in ("json", "md"):
+            shutil.copy(REPO / "docs/results" / f"{name}.{ext}", tmp_path / f"{name}.{ext}")
+        rerender(EXPERIMENTS[name], tmp_path / f"{name}.json", command="x")
+        rows = json.loads((tmp_path / f"{name}.json").read_text())["claims"]
+        new = [r for r in rows if arm in r["measure"]]
+        assert new and all(r["interval"] is None and not r["values"] for r in new), name
+        assert all(f"not measured: no '{arm}" in r["reason"] for r in new), name
+        assert any(r["values"] for r in rows if r not in new), name  # the arms that ran are still decided
+        assert "not measured: no" in (tmp_path / f"{name}.md").read_text()

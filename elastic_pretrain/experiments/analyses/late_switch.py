@@ -10,21 +10,32 @@ exactly one core pass's. Its compute per token is one loop's, which is what ELR'
 this run's first steps (same initialisation, tokens, ℓ = 1), so a paired difference isolates the mixed phase.
 The heads draw from a forked RNG (model/looped.py), so arms with heads start from the same values for every
 other parameter: with vs without heads is paired too.
+
+Two attentions, two readings (issue 32 item 3). ELR's loops are weight-tied — its looped model is "compared with
+non-recurrent baselines matched in parameters", and one checkpoint trades "inference compute for accuracy by
+changing the loop count" (seeds/003; the summary does not name the attention, but a matched parameter count leaves
+no room for per-loop weights) — so the ``tied-*`` arms (``model.attention: tied``: one attention run by every
+pass) are ELR as published, with their own baseline ``tied-baseline`` (the tied model draws fewer attention blocks,
+so its other initial values differ from ``baseline``'s). The untied arms add Foil's "Each pass gets its own
+attention parameters while the experts and routers stay shared" (seeds/000), so with a one-loop fixed phase three
+of four attention blocks are untrained until the switch: their claims are the Foil×ELR extension, labelled so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
 from elastic_pretrain.eval.curves import CurvePoint
 from elastic_pretrain.experiments.measure import losses, parameters, run_flops, training_compute
 from elastic_pretrain.experiments.present import QualityCurve, plot_curves, ranked, table
-from elastic_pretrain.experiments.runner import Context, Experiment, Findings
+from elastic_pretrain.experiments.runner import Context, Experiment, Findings, Run
 from elastic_pretrain.experiments.stats import Claim, Metrics, paired
 
 ELR = "seeds/003 (ELR)"
 BASE, SCRATCH = "baseline", "mixed-scratch"
+TIED = "tied-"  # prefix of the arms with model.attention: tied (ELR as published), each paired with its tied-* refs
 SWITCHES = ("0.25", "0.50", "0.75")
 RETAINED = {"0.25": 0.97, "0.50": 0.90, "0.75": 0.84}  # ELR: share of the five-loop improvement kept
 ONE_LOOP_BAND = 0.01  # nats: "matches" at ℓ = 1 (ELR's 0.5B: 1.6774 vs 1.6852, 0.008 apart)
@@ -32,12 +43,20 @@ SHARE_BAND = 0.10  # ±10 percentage points around ELR's retained share
 ADDED_BAND = 0.05  # ±5 points around ELR's added-compute ratio 20% / 79%
 
 
+def references(arm: str) -> tuple[str, str]:
+    """The (baseline, mixed-scratch) an arm is measured against: the tied ones for a ``tied-*`` arm."""
+    prefix = TIED if arm.startswith(TIED) else ""
+    return prefix + BASE, prefix + SCRATCH
+
+
 def share_retained(arm: str) -> Callable[[Metrics], float]:
-    """(baseline@1 − arm@L_max) / (baseline@1 − mixed-scratch@L_max): the share of the L_max improvement kept."""
+    """(baseline@1 − arm@L_max) / (baseline@1 − mixed-scratch@L_max): the share of the L_max improvement kept
+    (the arm's own references: :func:`references`)."""
+    base, scratch = references(arm)
 
     def value(m: Metrics) -> float:
-        gain = m[BASE]["loss@1"] - m[SCRATCH]["loss@max"]
-        return (m[BASE]["loss@1"] - m[arm]["loss@max"]) / gain if gain else math.nan
+        gain = m[base]["loss@1"] - m[scratch]["loss@max"]
+        return (m[base]["loss@1"] - m[arm]["loss@max"]) / gain if gain else math.nan
 
     return value
 
@@ -52,43 +71,48 @@ def added_compute_ratio(m: Metrics) -> float:
     return (m["switch-0.75"]["compute"] - 1.0) / added if added else math.nan
 
 
+def _row(ctx: Context, r: Run, metrics: Metrics, compute: tuple[float, float]) -> tuple[str, ...]:
+    """One arm's row of the table, against its own references (:func:`references`)."""
+    m, (base, scratch) = metrics[r.name], references(r.name)
+    is_base = r.name == base
+    share = math.nan if is_base or scratch not in metrics else share_retained(r.name)(metrics)
+    no_gain = scratch in metrics and metrics[base]["loss@1"] <= metrics[scratch]["loss@max"]  # no share to keep
+    return (
+        r.name,
+        r.job.model.attention,
+        "–" if is_base else f"{r.job.schedule.switch_at:g}",
+        "on" if r.job.model.loop_conditioning else "off",
+        f"{m['loss@1']:.4f}",
+        f"{m['loss@1'] - metrics[base]['loss@1']:+.4f}",
+        "–" if is_base else f"{m['loss@max']:.4f}",
+        "–" if math.isnan(share) else "– (no gain)" if no_gain else f"{share:.0%}",
+        f"{compute[0]:.2f}",
+        f"{compute[1]:.3e}",
+        f"{m['compute']:.2f}x",
+        f"{parameters(ctx, r):,}",
+    )
+
+
 def analyse(ctx: Context) -> Findings:
     base = ctx.run(BASE)
-    looped = [r for r in ctx.runs if r.name != BASE]
+    bases = {BASE, TIED + BASE}  # trained at ℓ = 1 only: evaluated there
+    looped = [r for r in ctx.runs if r.name not in bases]
     top = base.job.model.max_loops
     fmax = run_flops(base, top)
-    loss = {r.name: losses(ctx, r, [1] if r.name == BASE else None) for r in ctx.runs}
+    loss = {r.name: losses(ctx, r, [1] if r.name in bases else None) for r in ctx.runs}
     compute = {r.name: training_compute(r) for r in ctx.runs}  # (mean passes, training FLOPs)
     base_flops = compute[BASE][1]
     metrics: Metrics = {
         r.name: {
             "loss@1": loss[r.name][1],
-            "loss@max": loss[r.name][1 if r.name == BASE else r.job.model.max_loops],
+            "loss@max": loss[r.name][1 if r.name in bases else r.job.model.max_loops],
             "compute": compute[r.name][1] / base_flops,
         }
         for r in ctx.runs
     }
-    rows = []
-    for r in ctx.runs:
-        s = r.job.schedule
-        m = metrics[r.name]
-        share = share_retained(r.name)(metrics) if r.name != BASE else math.nan
-        no_gain = metrics[BASE]["loss@1"] <= metrics[SCRATCH]["loss@max"]  # loops did not help: no share to keep
-        rows.append((
-            r.name,
-            "–" if r.name == BASE else f"{s.switch_at:g}",
-            "on" if r.job.model.loop_conditioning else "off",
-            f"{m['loss@1']:.4f}",
-            f"{m['loss@1'] - metrics[BASE]['loss@1']:+.4f}",
-            "–" if r.name == BASE else f"{m['loss@max']:.4f}",
-            "–" if math.isnan(share) else "– (no gain)" if no_gain else f"{share:.0%}",
-            f"{compute[r.name][0]:.2f}",
-            f"{compute[r.name][1]:.3e}",
-            f"{m['compute']:.2f}x",
-            f"{parameters(ctx, r):,}",
-        ))
-    header = ("job", "switch at", "heads", "loss ℓ=1", "ℓ=1 minus baseline", f"loss ℓ={top}",
-              "L_max improvement retained", "mean passes", "training FLOPs", "vs baseline", "parameters")
+    rows = [_row(ctx, r, metrics, compute[r.name]) for r in ctx.runs]
+    header = ("job", "attention", "switch at", "heads", "loss ℓ=1", "ℓ=1 minus its baseline", f"loss ℓ={top}",
+              "L_max improvement retained", "mean passes", "training FLOPs", "vs baseline", "parameters")  # fmt: skip
     curves = [
         QualityCurve(
             name=r.name,
@@ -124,6 +148,13 @@ def analyse(ctx: Context) -> Findings:
             "model; here passes 1..3 have their own (flattened) attention, which the baseline never runs. The "
             "`-noheads` arms' one-loop phase is this run's first steps (same initialisation, tokens and ℓ); arms with "
             "heads share the tokens, ℓ and every other parameter's initial value (the heads draw from a forked RNG).",
+            "Attention: the `tied-*` arms (`model.attention: tied`, one attention run by every pass) are ELR as "
+            "published, whose loops are weight-tied; each is measured against `tied-baseline` and "
+            "`tied-mixed-scratch` (the tied model draws fewer attention blocks, so its other initial values differ "
+            "from the untied arms'). The untied arms give each pass its own attention (Foil, seeds/000: \"Each pass "
+            "gets its own attention parameters while the experts and routers stay shared\"), so the one-loop phase "
+            "leaves passes 1..3's attention untrained until the switch copies pass 0's into them: their claims are "
+            "the Foil×ELR extension, not ELR's recipe, and say so in their source.",
             "L_max improvement retained = (baseline at ℓ = 1 − arm at ℓ = L_max) / (baseline at ℓ = 1 − "
             "mixed-scratch at ℓ = L_max). ELR's 97/90/84% are for switches without conditioning (with it, the 75% "
             "switch beats mixed-scratch), so those claims read the `-noheads` arms; mixed-scratch has the heads.",
@@ -132,44 +163,106 @@ def analyse(ctx: Context) -> Findings:
         ],
     )
 
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """Which arms a block of claims reads and how its source names them (module docstring)."""
 
-def _one_loop(arm: str) -> Claim:
+    prefix: str  # of the arms' job names: "tied-" (ELR as published) or "" (the Foil×ELR extension)
+    source: str
+
+    def arm(self, name: str) -> str:
+        return self.prefix + name
+
+
+PUBLISHED = Reading(TIED, f"{ELR} as published: weight-tied loops, the tied-* arms (model.attention: tied)")
+EXTENSION = Reading(
+    "", f"{ELR} on Foil's untied per-pass attention (seeds/000): the Foil×ELR extension, not ELR's recipe"
+)
+
+
+def _one_loop(r: Reading, arm: str) -> Claim:
+    arm, base = r.arm(arm), r.arm(BASE)
     return Claim(
         paper='No one-loop tax: "a single checkpoint now matches a non-recurrent baseline trained on the same '
         'data at one loop"',
-        source=ELR,
+        source=r.source,
         magnitude=f"one-loop loss 1.6774 vs baseline 1.6852 (0.5B); counted as matching within ±{ONE_LOOP_BAND} nat",
-        measure=f"{arm} minus baseline at ℓ = 1 (nats)",
-        value=paired(arm, BASE, "loss@1"),
+        measure=f"{arm} minus {base} at ℓ = 1 (nats)",
+        value=paired(arm, base, "loss@1"),
         expect="equal",
         margin=ONE_LOOP_BAND,
     )
 
 
-LOOPS_HELP = Claim(
-    paper='Loops pay at full depth: "four loops adding 7.25 and 4.75 points"; the premise of every "share of '
-    'the five-loop improvement over the baseline" and of the five-loop comparisons below',
-    source=ELR,
-    magnitude="0.5B: five-loop loss 1.6273 (mixed depth from scratch) vs baseline 1.6852 (−0.058 nat)",
-    measure="mixed-scratch at ℓ = L_max minus baseline at ℓ = 1 (nats)",
-    value=lambda m: m[SCRATCH]["loss@max"] - m[BASE]["loss@1"],
-    expect="negative",
-)
+def _loops_help(r: Reading) -> Claim:
+    scratch, base = r.arm(SCRATCH), r.arm(BASE)
+    return Claim(
+        paper='Loops pay at full depth: "four loops adding 7.25 and 4.75 points"; the premise of every "share of '
+        'the five-loop improvement over the baseline" and of the five-loop comparisons below',
+        source=r.source,
+        magnitude="0.5B: five-loop loss 1.6273 (mixed depth from scratch) vs baseline 1.6852 (−0.058 nat)",
+        measure=f"{scratch} at ℓ = L_max minus {base} at ℓ = 1 (nats)",
+        value=lambda m: m[scratch]["loss@max"] - m[base]["loss@1"],
+        expect="negative",
+    )
 
 
-def _retained(frac: str) -> Claim:
-    arm = f"switch-{frac}-noheads"
+LOOPS_HELP = _loops_help(EXTENSION)  # the premise of the untied arms' quality claims
+LOOPS_HELP_TIED = _loops_help(PUBLISHED)  # and of the tied arms': each attention's loops must pay on their own
+
+
+def _retained(r: Reading, frac: str, premise: Claim) -> Claim:
+    arm = r.arm(f"switch-{frac}-noheads")
     return Claim(
         paper=f'"switching after 25%, 50%, and 75% of tokens retained 97%, 90%, and 84% of the five-loop '
         f'improvement over the baseline" (here: {float(frac):.0%})',
-        source=ELR,
+        source=r.source,
         magnitude=f"{RETAINED[frac]:.0%} retained; counted as matching within ±{SHARE_BAND:.0%}",
-        measure=f"{arm}: share of mixed-scratch's ℓ = L_max improvement over the baseline retained, minus "
+        measure=f"{arm}: share of {r.arm(SCRATCH)}'s ℓ = L_max improvement over {r.arm(BASE)} retained, minus "
         f"{RETAINED[frac]:.2f}",
         value=minus(share_retained(arm), RETAINED[frac]),
         expect="equal",
         margin=SHARE_BAND,
-        premise=LOOPS_HELP,  # a share of an improvement the looped model does not make is meaningless
+        premise=premise,  # a share of an improvement the looped model does not make is meaningless
+    )
+
+
+def _five_loop(r: Reading, premise: Claim) -> tuple[Claim, ...]:
+    """The 75% switch at L_max against mixed-scratch, with and without heads, and the heads' share."""
+    heads, noheads, scratch = r.arm("switch-0.75"), r.arm("switch-0.75-noheads"), r.arm(SCRATCH)
+    beats = (
+        '"conditioning heads initialized to zero at the switch make that late schedule beat mixed-depth training '
+        'from scratch"'
+    )
+    return (
+        Claim(
+            paper='"at the 75% switch the five-loop loss rose by 0.009" (without conditioning, vs mixed depth '
+            "from scratch)",
+            source=r.source,
+            magnitude="+0.009 nat at five loops",
+            measure=f"{noheads} minus {scratch} at ℓ = L_max (nats)",
+            value=paired(noheads, scratch, "loss@max"),
+            expect="positive",
+            premise=premise,  # a five-loop quality the late switch costs presupposes loops that add quality
+        ),
+        Claim(
+            paper=beats,
+            source=r.source,
+            magnitude="five-loop loss 1.6147 vs 1.6273 (−0.0126 nat)",
+            measure=f"{heads} minus {scratch} at ℓ = L_max (nats)",
+            value=paired(heads, scratch, "loss@max"),
+            expect="negative",
+            premise=premise,  # where loops add nothing, more one-loop steps win at every ℓ for that reason alone
+        ),
+        Claim(
+            paper=beats + " (the heads' share: with vs without them at the 75% switch)",
+            source=r.source,
+            magnitude="1.6147 with vs ≈1.6363 without (1.6273 + 0.009): ≈ −0.022 nat, implied",
+            measure=f"{heads} minus {noheads} at ℓ = L_max (nats)",
+            value=paired(heads, noheads, "loss@max"),
+            expect="negative",
+            premise=premise,  # heads that condition on the loop count help only where the loop count matters
+        ),
     )
 
 
@@ -178,49 +271,27 @@ EXPERIMENT = Experiment(
     title="Late switch from one loop vs mixed depth from scratch vs the non-recurrent baseline (ELR)",
     question="ELR's design: a non-recurrent baseline matched at ℓ = 1 (the model's one core pass, same tokens), "
     "mixed depth from scratch, and switches from one loop to mixed depth at 25/50/75% of the tokens with and "
-    "without zero-init loop-count conditioning heads. The one-loop gap to the baseline, the share of the "
+    "without zero-init loop-count conditioning heads. ELR as published ties its loops' weights: the `tied-*` arms "
+    "(tied attention; the 75% switch with and without heads, their own baseline and mixed-scratch); the untied "
+    "arms (Foil's per-pass attention) are the Foil×ELR extension. The one-loop gap to the baseline, the share of the "
     "L_max improvement retained, and training compute relative to the baseline. How to read the numbers "
     "(hand-written, kept across reruns): [late-switch-notes.md](late-switch-notes.md).",
     analyse=analyse,
     claims=(
-        *(_one_loop(a) for a in (SCRATCH, "switch-0.25", "switch-0.50", "switch-0.75")),
+        # ELR as published (tied attention)
+        *(_one_loop(PUBLISHED, a) for a in (SCRATCH, "switch-0.75")),
+        LOOPS_HELP_TIED,
+        _retained(PUBLISHED, "0.75", LOOPS_HELP_TIED),
+        *_five_loop(PUBLISHED, LOOPS_HELP_TIED),
+        # the Foil×ELR extension (untied per-pass attention)
+        *(_one_loop(EXTENSION, a) for a in (SCRATCH, "switch-0.25", "switch-0.50", "switch-0.75")),
         LOOPS_HELP,
-        *(_retained(f) for f in SWITCHES),
-        Claim(
-            paper='"at the 75% switch the five-loop loss rose by 0.009" (without conditioning, vs mixed depth '
-            "from scratch)",
-            source=ELR,
-            magnitude="+0.009 nat at five loops",
-            measure="switch-0.75-noheads minus mixed-scratch at ℓ = L_max (nats)",
-            value=paired("switch-0.75-noheads", SCRATCH, "loss@max"),
-            expect="positive",
-            premise=LOOPS_HELP,  # a five-loop quality the late switch costs presupposes loops that add quality
-        ),
-        Claim(
-            paper='"conditioning heads initialized to zero at the switch make that late schedule beat mixed-depth '
-            'training from scratch"',
-            source=ELR,
-            magnitude="five-loop loss 1.6147 vs 1.6273 (−0.0126 nat)",
-            measure="switch-0.75 minus mixed-scratch at ℓ = L_max (nats)",
-            value=paired("switch-0.75", SCRATCH, "loss@max"),
-            expect="negative",
-            # where loops add nothing, more one-loop steps win at every ℓ for that reason alone
-            premise=LOOPS_HELP,
-        ),
-        Claim(
-            paper='"conditioning heads initialized to zero at the switch make that late schedule beat mixed-depth '
-            'training from scratch" (the heads\' share: with vs without them at the 75% switch)',
-            source=ELR,
-            magnitude="1.6147 with vs ≈1.6363 without (1.6273 + 0.009): ≈ −0.022 nat, implied",
-            measure="switch-0.75 minus switch-0.75-noheads at ℓ = L_max (nats)",
-            value=paired("switch-0.75", "switch-0.75-noheads", "loss@max"),
-            expect="negative",
-            premise=LOOPS_HELP,  # heads that condition on the loop count help only where the loop count matters
-        ),
+        *(_retained(EXTENSION, f, LOOPS_HELP) for f in SWITCHES),
+        *_five_loop(EXTENSION, LOOPS_HELP),
         Claim(
             paper='"Mixed-depth training from scratch costs an estimated 1.62 times the baseline\'s training '
             'compute, while switching only in the final quarter costs about 1.16 times"',
-            source=ELR,
+            source=EXTENSION.source,
             magnitude="1.16x vs 1.62x the baseline (−0.46)",
             measure="switch-0.75 minus mixed-scratch training FLOPs, each relative to the baseline's (replayed "
             "from the schedule: an identity of the recipe)",
@@ -230,7 +301,7 @@ EXPERIMENT = Experiment(
         ),
         Claim(
             paper='"the 75% switch lowers the estimated added training compute from about 79% to about 20%"',
-            source=ELR,
+            source=EXTENSION.source,
             magnitude=f"20% / 79% = 0.25 of the added compute; counted as matching within ±{ADDED_BAND}",
             measure="switch-0.75's added training compute over the baseline as a share of mixed-scratch's, minus 0.25 "
             "(replayed from the schedule: an identity of the recipe)",

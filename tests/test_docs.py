@@ -41,6 +41,7 @@ ALLOWED: dict[str, str] = {
     "docs/tracking.md: slurm.nodelist": "an MLflow tag name (tracking/tracker.py), not a config key",
     "docs/data.md: ../x": "a hostile manifest shard name quoted as an example (refused), not a link",
     "docs/export.md: model.safetensors": "a file of an export folder (docs/export.md), not a config key",
+    "docs/export.md: model.generate": "transformers' generate method of the loaded model, not a config key",
     "docs/security.md: model.safetensors": "a file of an export folder (docs/export.md), not a config key",
     "docs/gpu.md: bench/.wheels/": "made by bench/gpu_deps.sh download (git-ignored), not shipped",
 }

@@ -287,6 +287,16 @@ def shape_changes(saved: dict[str, Any], job: JobConfig) -> list[str]:
     return [f"model.{k}: {old.get(k)!r} -> {now.get(k)!r}" for k in SHAPE_KEYS if old.get(k) != now.get(k)]
 
 
+def shape_refusal(ckpt: Path, saved: dict[str, Any], job: JobConfig) -> str | None:
+    """The one-line refusal to resume ``job`` from ``ckpt`` (its saved config ``saved``) when the model's shape or
+    its decider changed, naming what did and how to start a new run instead; None when nothing did."""
+    changes = shape_changes(saved, job) + decider_changes(saved, job)
+    if not changes:
+        return None
+    return (f"cannot resume from {ckpt}: the model shape changed ({'; '.join(changes)}); restore those values, "
+            "or start a new run: another name (name=NEW) or --run-dir runs/NEW")
+
+
 def decider_changes(saved: dict[str, Any], job: JobConfig) -> list[str]:
     """The iteration decider (a decider job's submodule) appeared, vanished or changed width."""
     old, now = saved.get("decider"), to_dict(job).get("decider")

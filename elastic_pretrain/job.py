@@ -322,6 +322,17 @@ def dump_job(job: JobConfig) -> str:
     return yaml.safe_dump(public_dict(job), sort_keys=False)
 
 
+def snapshot_job(job: JobConfig) -> str:
+    """The resolved job as a job file that loads back to the same job (``submit`` writes it into the run, so a
+    requeue trains what was submitted, not the YAML or presets as edited since). Secrets included (the job
+    needs them): write it privately. A decider job's ``schedule`` is left out: loading derives it again from
+    ``decider.init_from``, which is pinned to the committed step it resolved to."""
+    data = to_dict(job)
+    if job.decider is not None:
+        del data["schedule"]
+    return yaml.safe_dump(data, sort_keys=False)
+
+
 def write_resolved(job: JobConfig, run_dir: Path) -> Path:
     out = RunFiles(run_dir).config
     write_private(out, dump_job(job), root=run_dir)  # creates run_dir

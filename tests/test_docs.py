@@ -47,7 +47,7 @@ ALLOWED: dict[str, str] = {
 }
 # paths inside a run directory that share a name with a repository folder -> why
 RUN_DIR_FILES = {
-    "slurm/train.log": "<run_dir>/slurm/train.log (rundir.py RunFiles)",
+    "slurm/job.yaml": "<run_dir>/slurm/job.yaml, the job as submitted (rundir.py RunFiles)",
     "slurm/job_id": "<run_dir>/slurm/job_id (rundir.py RunFiles)",
     "slurm/CANCELLED": "<run_dir>/slurm/CANCELLED (rundir.py RunFiles)",
     "slurm/train.sbatch": "<run_dir>/slurm/train.sbatch, the rendered script (the template is slurm/train.sbatch)",

@@ -287,6 +287,16 @@ def shape_changes(saved: dict[str, Any], job: JobConfig) -> list[str]:
     return [f"model.{k}: {old.get(k)!r} -> {now.get(k)!r}" for k in SHAPE_KEYS if old.get(k) != now.get(k)]
 
 
+def shape_refusal(ckpt: Path, saved: dict[str, Any], job: JobConfig) -> str | None:
+    """The one-line refusal to resume ``job`` from ``ckpt`` (its saved config ``saved``) when the model's shape or
+    its decider changed, naming what did and how to start a new run instead; None when nothing did."""
+    changes = shape_changes(saved, job) + decider_changes(saved, job)
+    if not changes:
+        return None
+    return (f"cannot resume from {ckpt}: the model shape changed ({'; '.join(changes)}); restore those values, "
+            "or start a new run: another name (name=NEW) or --run-dir runs/NEW")
+
+
 def decider_changes(saved: dict[str, Any], job: JobConfig) -> list[str]:
     """The iteration decider (a decider job's submodule) appeared, vanished or changed width."""
     old, now = saved.get("decider"), to_dict(job).get("decider")
@@ -310,6 +320,17 @@ def public_dict(job: JobConfig) -> dict[str, Any]:
 def dump_job(job: JobConfig) -> str:
     """The resolved job as YAML, secrets redacted (see :func:`public_dict`)."""
     return yaml.safe_dump(public_dict(job), sort_keys=False)
+
+
+def snapshot_job(job: JobConfig) -> str:
+    """The resolved job as a job file that loads back to the same job (``submit`` writes it into the run, so a
+    requeue trains what was submitted, not the YAML or presets as edited since). Secrets included (the job
+    needs them): write it privately. A decider job's ``schedule`` is left out: loading derives it again from
+    ``decider.init_from``, which is pinned to the committed step it resolved to."""
+    data = to_dict(job)
+    if job.decider is not None:
+        del data["schedule"]
+    return yaml.safe_dump(data, sort_keys=False)
 
 
 def write_resolved(job: JobConfig, run_dir: Path) -> Path:

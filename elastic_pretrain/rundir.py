@@ -29,7 +29,8 @@ This module is at the bottom of the package: it imports nothing from it (tests/t
         index.json            the committed checkpoints (``elastic-pretrain checkpoints --json``), at the end
     slurm/                    written by ``elastic-pretrain submit`` / ``cancel`` and the batch script
         train.sbatch          the rendered script that was submitted
-        train.log             stdout+stderr of every (re)start of the job, appended
+        job.yaml              the resolved job as submitted (presets, overrides): what every (re)start trains
+        train-<id>.log        stdout+stderr of Slurm job <id>, every (re)start appended (a requeue keeps the id)
         job_id                the Slurm job id of the latest submission
         CANCELLED             marker: ``cancel`` was run, the batch script must not requeue
 
@@ -178,8 +179,12 @@ class RunFiles:
         return self.slurm_dir / "train.sbatch"
 
     @property
-    def log(self) -> Path:
-        return self.slurm_dir / "train.log"
+    def job_snapshot(self) -> Path:
+        return self.slurm_dir / "job.yaml"
+
+    def job_log(self, job_id: str) -> Path:
+        """The log of Slurm job ``job_id`` (``--output`` ``train-%j.log``)."""
+        return self.slurm_dir / f"train-{job_id}.log"
 
     @property
     def job_id(self) -> Path:

@@ -41,12 +41,13 @@ ALLOWED: dict[str, str] = {
     "docs/tracking.md: slurm.nodelist": "an MLflow tag name (tracking/tracker.py), not a config key",
     "docs/data.md: ../x": "a hostile manifest shard name quoted as an example (refused), not a link",
     "docs/export.md: model.safetensors": "a file of an export folder (docs/export.md), not a config key",
+    "docs/export.md: model.generate": "transformers' generate method of the loaded model, not a config key",
     "docs/security.md: model.safetensors": "a file of an export folder (docs/export.md), not a config key",
     "docs/gpu.md: bench/.wheels/": "made by bench/gpu_deps.sh download (git-ignored), not shipped",
 }
 # paths inside a run directory that share a name with a repository folder -> why
 RUN_DIR_FILES = {
-    "slurm/train.log": "<run_dir>/slurm/train.log (rundir.py RunFiles)",
+    "slurm/job.yaml": "<run_dir>/slurm/job.yaml, the job as submitted (rundir.py RunFiles)",
     "slurm/job_id": "<run_dir>/slurm/job_id (rundir.py RunFiles)",
     "slurm/CANCELLED": "<run_dir>/slurm/CANCELLED (rundir.py RunFiles)",
     "slurm/train.sbatch": "<run_dir>/slurm/train.sbatch, the rendered script (the template is slurm/train.sbatch)",

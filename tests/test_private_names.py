@@ -35,7 +35,7 @@ NOT_A_LIBRARY: dict[str, str] = {
     "_special_tokens": "tiktoken Encoding's",
     "_mergeable_ranks": "tiktoken Encoding's",
     "_pat_str": "tiktoken Encoding's",
-    "_elastic_pretrain_standin": "our marker on a stood-in module (export/compat.py)",
+    "_elastic_pretrain_standin": "our marker on a stood-in module (data/streaming_compat.py)",
     "_name_or_path": "transformers PretrainedConfig's (export/folder.py)",
 }
 

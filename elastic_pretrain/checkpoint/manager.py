@@ -28,13 +28,14 @@ from elastic_pretrain.checkpoint.store import (
     fault_point,
     rank_records,
     read_trainer_state,
+    resume_source,
 )
 from elastic_pretrain.checkpoint.tensors import ModelTensors, load_tensors, save_tensors
 from elastic_pretrain.checkpoint.writer import WriterQueue
 from elastic_pretrain.config import flatten
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import write_atomic
-from elastic_pretrain.job import JobConfig, decider_changes, public_dict, shape_changes
+from elastic_pretrain.job import JobConfig, public_dict, shape_refusal
 from elastic_pretrain.jsonsafe import StateError
 from elastic_pretrain.parallel.mesh import Mesh, describe
 from elastic_pretrain.rundir import CheckpointFiles, RunFiles
@@ -79,24 +80,6 @@ def start_write_results_queue() -> None:
         filesystem_async._results_queue = _results_manager.Queue()
 
 
-def resume_source(job: JobConfig, store: CheckpointStore) -> Path | None:
-    """The checkpoint a run continues from, or None for a fresh start (reads the file system only).
-
-    The newest *committed* ``step_<N>`` wins, not ``latest``: a crash between the rename and the
-    ``latest`` update leaves a complete newer checkpoint that ``latest`` does not name yet."""
-    cfg = job.checkpoint
-    if cfg.resume_from:
-        return Path(cfg.resume_from)
-    newest = store.newest()
-    if cfg.resume == "never":
-        if newest is not None:
-            raise UserError(
-                f"checkpoint.resume=never but {newest.path} exists: use a new run directory, or resume=auto"
-            )
-        return None
-    return newest.path if newest else None
-
-
 def verify_everywhere(ckpt: Path, timeout_minutes: float = 30.0) -> None:
     """Verify ``ckpt`` (size + CRC32 of every file), each rank its share; every rank raises the first
     error. Collective (checkpoint/parallel_io.py)."""
@@ -117,12 +100,9 @@ def check_resumable(ckpt: Path, job: JobConfig) -> dict[str, Any]:
             f"cannot resume from {ckpt}: it was written by engine={saved_engine}, this job runs engine={job.engine}: "
             f"set engine={saved_engine}, or convert it: elastic-pretrain convert-checkpoint {ckpt} --out <run dir>"
         )
-    changes = shape_changes(meta.get("config", {}), job) + decider_changes(meta.get("config", {}), job)
-    if changes:
-        raise UserError(
-            f"cannot resume from {ckpt}: the model shape changed ({'; '.join(changes)}); "
-            "restore those values or start a new run directory"
-        )
+    refusal = shape_refusal(ckpt, meta.get("config", {}), job)
+    if refusal:
+        raise UserError(refusal)
     return meta
 
 

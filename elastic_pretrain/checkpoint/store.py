@@ -31,7 +31,7 @@ import os
 import signal
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import ensure_dir, read_bounded, remove_tree, write_atomic
@@ -49,6 +49,9 @@ from elastic_pretrain.rundir import (
 )
 from elastic_pretrain.rundir import STEP_DIR as _STEP_DIR
 from elastic_pretrain.rundir import TRAINER_FILE as TRAINER_FILE  # the names of a checkpoint's files: rundir.py
+
+if TYPE_CHECKING:
+    from elastic_pretrain.job import JobConfig
 
 log = logging.getLogger(__name__)
 
@@ -276,6 +279,24 @@ class CheckpointStore:
         os.replace(path, trash)  # a step_<N> that is a link: the link is renamed, then unlinked
         with contextlib.suppress(OSError):
             remove_tree(trash)
+
+
+def resume_source(job: JobConfig, store: CheckpointStore) -> Path | None:
+    """The checkpoint a run continues from, or None for a fresh start (reads the file system only).
+
+    The newest *committed* ``step_<N>`` wins, not ``latest``: a crash between the rename and the
+    ``latest`` update leaves a complete newer checkpoint that ``latest`` does not name yet."""
+    cfg = job.checkpoint
+    if cfg.resume_from:
+        return Path(cfg.resume_from)
+    newest = store.newest()
+    if cfg.resume == "never":
+        if newest is not None:
+            raise UserError(
+                f"checkpoint.resume=never but {newest.path} exists: use a new run directory, or resume=auto"
+            )
+        return None
+    return newest.path if newest else None
 
 
 def resolve_checkpoint(path: Path) -> Path:

@@ -3,10 +3,13 @@
 ``streaming/__init__.py`` eagerly imports ``streaming.vision``, which needs
 ``torchvision.datasets.VisionDataset`` and ``torchvision.transforms.functional.to_tensor``. The only
 torchvision pip can install beside ``torch==2.13.0+cpu`` is a CUDA build whose import fails
-(``operator torchvision::nms does not exist``), and installing it would drag in a CUDA torch.
+(``operator torchvision::nms does not exist``), so the CPU venv has none (``scripts/setup.sh``).
 We never use the vision datasets, so before importing ``streaming`` we register a minimal module
 providing just those two names — only when a real torchvision is not importable. Everything else of
 streaming (MDS writer/reader, StreamingDataset, remote download + local cache) is the real library.
+transformers does not take the stand-in for a torchvision: it asks for the installed distribution's
+version (``importlib.metadata``), which a module in ``sys.modules`` does not have
+(tests/export/test_hf_model.py: ``test_loads_beside_the_streaming_standin``).
 
 The package ``__init__``s of ``streaming`` and ``streaming.base`` also import transformers (and with it
 scikit-learn, pandas, accelerate): ~6 s of CPU in every process that reads a shard, i.e. in every

@@ -46,7 +46,7 @@ from elastic_pretrain.files import write_atomic
 from elastic_pretrain.job import JobConfig
 from elastic_pretrain.parallel.mesh import Mesh
 from elastic_pretrain.train.schedule import ExpertLayout
-from elastic_pretrain.train.session import Session
+from elastic_pretrain.train.session import Session, wsd_decay_steps
 from elastic_pretrain.train.step import (
     MicroBatch,
     StepResult,
@@ -83,7 +83,7 @@ def lr_scheduler(job: JobConfig, optimizer: Any) -> Any:
         optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.warmup_steps,
         lr_decay_steps=t.steps, lr_decay_style=t.decay, start_wd=t.weight_decay, end_wd=t.weight_decay,
         wd_incr_steps=t.steps, wd_incr_style="constant",
-        wsd_decay_steps=max(1, t.steps // 5) if t.decay == "WSD" else None,
+        wsd_decay_steps=wsd_decay_steps(t.steps) if t.decay == "WSD" else None,
         lr_wsd_decay_style="linear" if t.decay == "WSD" else None,
     )  # fmt: skip
 

@@ -19,6 +19,8 @@ from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import ensure_dir, write_atomic
 from elastic_pretrain.rundir import CheckpointFiles, RunFiles
 
+DEFAULT_NEW_TOKENS = 128  # generate --max-new-tokens unset (within the model's context)
+
 
 def _eval(args: argparse.Namespace) -> int:
     from elastic_pretrain.checkpoint.tensors import load_model
@@ -281,11 +283,14 @@ def _generate(args: argparse.Namespace) -> int:
         tok = load_tokenizer(job.data.tokenizer)
         stop = pick_decider(model, ckpt, args.decider).stopper(args.threshold) if loops == "auto" else None
         prompt = tok.encode(args.prompt) or [tok.eos_id]
-        _check_context(len(prompt), args.max_new_tokens, job.data.seq_len)
+        # unset: 128 tokens, or what the context leaves after the prompt (a 128-token model with the default
+        # prompt could otherwise never run with the default: README, issue 33)
+        new_tokens = args.max_new_tokens or max(1, min(DEFAULT_NEW_TOKENS, job.data.seq_len - len(prompt)))
+        _check_context(len(prompt), new_tokens, job.data.seq_len)
         how = "per-token adaptive depth (the iteration decider)" if loops == "auto" else f"{loops} passes per token"
         print(f"[depth: {how}; L_max = {model.cfg.max_loops}; pass --loops N or auto to choose]", file=sys.stderr)
         out = generate(
-            model, prompt, loops=loops, max_new_tokens=args.max_new_tokens, kv_cache=args.kv_cache,  # type: ignore[arg-type]
+            model, prompt, loops=loops, max_new_tokens=new_tokens, kv_cache=args.kv_cache,  # type: ignore[arg-type]
             temperature=args.temperature, stop=stop, eos_id=tok.eos_id,
             generator=torch.Generator().manual_seed(args.seed),
         )  # fmt: skip
@@ -310,7 +315,7 @@ def _check_sampling(args: argparse.Namespace) -> None:
     """Sampling flags the decoder would otherwise take silently (issue 33)."""
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise UserError(f"--temperature {args.temperature}: must be a finite number >= 0 (0 = greedy)")
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UserError(f"--max-new-tokens {args.max_new_tokens}: must be >= 1")
 
 
@@ -381,7 +386,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--decider", help="--loops auto: a decider file (save_decider) instead of the checkpoint's")
     g.add_argument("--threshold", type=float, default=None, help="decider threshold (default: its config)")
     g.add_argument("--kv-cache", choices=["last-loop", "per-loop"], default="last-loop")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=int, default=None, metavar="N",
+                   help=f"tokens to generate (default: {DEFAULT_NEW_TOKENS}, or what the model's context leaves after "
+                   "the prompt)")  # fmt: skip
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(handler=_generate)

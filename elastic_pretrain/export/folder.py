@@ -195,12 +195,9 @@ def load_model(export_dir: Path | str) -> Any:
     import torch
     from safetensors.torch import load_file
 
-    from elastic_pretrain.export.compat import hide_broken_torchvision
-
     export_dir = Path(export_dir)
     check_code(export_dir)
     cfg = read_config(export_dir)
-    hide_broken_torchvision()
     from elastic_pretrain.export.hf.configuration_elastic import ElasticLoopedConfig
     from elastic_pretrain.export.hf.modeling_elastic import ElasticLoopedForCausalLM
 
@@ -217,10 +214,6 @@ def load_tokenizer(export_dir: Path | str, eos_id: int | None, vocab_size: int) 
     """The export's tokenizer from ``tokenizer.json``'s text (the class and files export writes), its EOS the
     config's; every id it can produce must be an embedding row."""
     from tokenizers import Tokenizer
-
-    from elastic_pretrain.export.compat import hide_broken_torchvision
-
-    hide_broken_torchvision()
     from transformers import PreTrainedTokenizerFast
 
     path = Path(export_dir) / TOKENIZER

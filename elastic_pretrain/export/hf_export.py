@@ -6,8 +6,8 @@ every layout exports the same files. Written into OUT:
 
 - ``model.safetensors``: the model tensors under the project's own parameter names (``model.<name>``;
   ``lm_head.weight`` for the output layer), the vocabulary padding for TP removed;
-- ``config.json`` (+ ``generation_config.json``): the built shape, router settings, conditioning and
-  decider, with ``auto_map`` pointing at the two copied files below;
+- ``config.json``: the built shape, router settings, conditioning and decider, with ``auto_map`` pointing
+  at the two copied files below; ``generation_config.json``: EOS and padding id, greedy by default;
 - ``configuration_elastic.py``, ``modeling_elastic.py``: the standalone model (torch + transformers);
 - the tokenizer (``export/tokenizer.py``);
 - ``elastic_pretrain.json``: where it came from (checkpoint, step, job) and the job's model config.
@@ -121,6 +121,15 @@ def hf_config(net: Any, decider: Any, *, eos_id: int | None) -> Any:
     return config
 
 
+def generation_config(config: Any) -> Any:
+    """``generation_config.json``: what ``generate`` reads by default — the EOS that ends a sequence and pads a
+    batch (config.json's), greedy decoding. transformers writes it only from a model's ``save_pretrained``;
+    the export never builds the transformers model, so it is written from the config."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, do_sample=False)
+
+
 def write_export(
     net: Any, tokenizer: Any, out: Path, *, decider: Any = None, provenance: dict[str, Any] | None = None
 ) -> Path:
@@ -137,6 +146,7 @@ def write_export(
     config = hf_config(net, decider, eos_id=eos_id)
     save_file(tensors, str(out / WEIGHTS), metadata={"format": "pt"})
     config.save_pretrained(out)
+    generation_config(config).save_pretrained(out)
     for name in MODEL_FILES:
         copy_file(HF_DIR / name, out / name, root=out, follow=True)  # the installed package's own files
     meta = {

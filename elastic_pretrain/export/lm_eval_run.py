@@ -80,14 +80,12 @@ def run_lm_eval(
     include_path: list[str] | None = None,
     num_fewshot: int | None = None,
 ) -> LmEvalResult:
-    from elastic_pretrain.export.compat import hide_broken_torchvision
     from elastic_pretrain.export.folder import check_code, load_model, load_tokenizer, read_config, read_provenance
     from elastic_pretrain.model.flops import flops_per_token
 
     check_code(export_dir)  # an altered or malformed folder is refused before anything is loaded
     hf = read_config(export_dir)
     read_provenance(export_dir)
-    hide_broken_torchvision()
     try:
         import lm_eval
         from lm_eval.models.huggingface import HFLM

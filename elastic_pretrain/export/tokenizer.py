@@ -52,9 +52,6 @@ def byte_tokenizer() -> Any:
 
 def export_tokenizer(cfg: Any, out: Path) -> int:
     """Write the tokenizer of a ``TokenizerConfig`` into ``out``; returns its EOS id."""
-    from elastic_pretrain.export.compat import hide_broken_torchvision
-
-    hide_broken_torchvision()
     from transformers import PreTrainedTokenizerFast
 
     from elastic_pretrain.data.config import local_path

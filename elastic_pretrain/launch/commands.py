@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from elastic_pretrain.errors import UserError
 from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.launch.environment import job_environment
+from elastic_pretrain.launch.preflight import Preflight, preflight
 from elastic_pretrain.launch.render import LaunchSpec, render
 from elastic_pretrain.launch.slurm import cancel, query_job, read_job_id, run_status, submit
 from elastic_pretrain.rundir import RunFiles
@@ -66,10 +68,11 @@ class SubmitPlan:
     config: SlurmConfig
     spec: LaunchSpec
     summary: tuple[str, ...] = ()  # layout and memory at the allocation's world size
+    checks: Preflight = dataclasses.field(default_factory=lambda: Preflight((), ()))  # launch/preflight.py
 
 
 def plan_submit(args: argparse.Namespace) -> SubmitPlan:
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job import load_job, snapshot_job
 
     job_path: Path = args.job.expanduser().absolute()
     # Validate the whole job here: a config error must not first surface on the compute nodes.
@@ -79,13 +82,12 @@ def plan_submit(args: argparse.Namespace) -> SubmitPlan:
     if flags:
         cfg = dataclasses.replace(cfg, **flags)  # re-validates
     summary = check_allocation(job, cfg)
-    name = job.name
     run_dir = args.run_dir or job.run_path
     run_dir = run_dir.expanduser().absolute()
-    trainer = trainer_command(job_path, list(args.overrides), run_dir)
     env = job_environment(job.parallel, gpus=cfg.gpus_per_node > 0)
-    spec = LaunchSpec(job_name=name, run_dir=run_dir, workdir=Path.cwd(), trainer=trainer, env=env)
-    return SubmitPlan(cfg, spec, tuple(summary))
+    spec = LaunchSpec(job_name=job.name, run_dir=run_dir, workdir=Path.cwd(), trainer=trainer_command(run_dir),
+                      env=env, job_snapshot=snapshot_job(job), train_steps=job.train.steps)  # fmt: skip
+    return SubmitPlan(cfg, spec, tuple(summary), preflight(job, cfg, run_dir))
 
 
 def check_allocation(job: Any, cfg: SlurmConfig) -> list[str]:
@@ -106,27 +108,40 @@ def check_allocation(job: Any, cfg: SlurmConfig) -> list[str]:
     return [f"layout: {layout.describe()}", memory]
 
 
-def trainer_command(job_path: Path, overrides: list[str], run_dir: Path) -> list[str]:
-    """What torchrun starts on every node: ``elastic-pretrain train`` for this job and run dir."""
-    return ["-m", "elastic_pretrain.cli", "train", str(job_path), *overrides, "--run-dir", str(run_dir)]
+def trainer_command(run_dir: Path) -> list[str]:
+    """What torchrun starts on every node: ``elastic-pretrain train`` of the job as submitted (the snapshot in
+    the run directory, overrides applied) into this run dir."""
+    return ["-m", "elastic_pretrain.cli", "train", str(RunFiles(run_dir).job_snapshot), "--run-dir", str(run_dir)]
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
     plan = plan_submit(args)
+    checks = plan.checks
     if args.dry_run:
         sys.stdout.write(render(plan.config, plan.spec))
-        for line in plan.summary:
+        for line in (*plan.summary, *checks.notes):
             print(f"# {line}", file=sys.stderr)
-        print(
-            f"# dry run: nothing written or submitted (would go to {RunFiles(plan.spec.run_dir).script})",
-            file=sys.stderr,
-        )
+        for line in checks.refusals:
+            print(f"# refused: {line}", file=sys.stderr)
+        files = RunFiles(plan.spec.run_dir)
+        if checks.refusals:
+            print(f"# dry run: the real submit would refuse this job ({len(checks.refusals)} refusal(s) above); "
+                  "nothing written or submitted", file=sys.stderr)  # fmt: skip
+            return 2
+        print(f"# dry run: nothing written or submitted (would write {files.script} and {files.job_snapshot})",
+              file=sys.stderr)  # fmt: skip
         return 0
+    if checks.refusals:
+        more = len(checks.refusals) - 1
+        raise UserError(checks.refusals[0] + (f" (and {more} more: submit --dry-run lists them)" if more else ""))
     job_id = submit(plan.config, plan.spec)
     files = RunFiles(plan.spec.run_dir)
     run_dir = shlex.quote(str(files.run_dir))
     print(f"submitted job {job_id}: {plan.config.nodes} node(s), run dir {files.run_dir}")
-    print(f"  log:    {files.log}")
+    print(f"  job:    {files.job_snapshot} (what every restart trains)")
+    print(f"  log:    {files.job_log(job_id)}")
+    for line in checks.notes:  # after the submit: an error stays the only line
+        print(f"  note:   {line}")
     print(f"  status: elastic-pretrain status {run_dir}")
     print(f"  cancel: elastic-pretrain cancel {run_dir}")
     return 0

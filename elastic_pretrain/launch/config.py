@@ -114,7 +114,16 @@ class SlurmConfig:
     )
     env: dict[str, str] = field(factory=dict, doc="Environment variables exported in the job (e.g. NCCL_DEBUG: INFO).")
     python: str | None = field(
-        None, doc="Python interpreter on the compute nodes; default: the one running `submit` (shared filesystem)."
+        None,
+        doc="Python interpreter on the compute nodes; default: the one running `submit` (shared filesystem). A GPU "
+        "job needs one with CUDA torch: submit refuses a CPU-only default. `python` after a slurm.setup line that "
+        "activates an environment.",
+    )
+    setup: list[str] = field(
+        factory=list,
+        doc="Site shell lines the batch script runs before any node starts, one command per item (module load "
+        "cuda/12.4, source /shared/venv/bin/activate); srun passes the environment they set on to every node. A "
+        "failing line ends the job (exit 1) with its text in the log.",
     )
     template: str | None = field(
         None, doc="sbatch template to render instead of slurm/train.sbatch (same @@PLACEHOLDERS@@)."
@@ -172,6 +181,12 @@ class SlurmConfig:
                 raise ConfigError(f"slurm.{name}: {value!r} is not a Slurm {name} name (letters, digits, _ . , + -)")
         for arg in self.sbatch_args:
             _check_sbatch_arg(arg)
+        for line in self.setup:
+            if not isinstance(line, str) or not line.strip() or any(c in line for c in "\n\r\0"):
+                raise ConfigError(
+                    f"slurm.setup: {line!r} is not one shell command: give one line per item, e.g. "
+                    "[module load cuda/12.4, source /shared/venv/bin/activate]"
+                )
         self._check_container()
         for key, value in self.env.items():
             if not _ENV_KEY_RE.match(key):

@@ -53,6 +53,9 @@ class LaunchSpec:
     trainer: list[str]  # torchrun's training script + its arguments, e.g. ["-m", "elastic_pretrain.cli", "train", ...]
     # variables derived from the job (launch/environment.py: CUDA_DEVICE_MAX_CONNECTIONS); slurm.env wins
     env: dict[str, str] = dataclasses.field(default_factory=dict)
+    # the resolved job (job.snapshot_job), written to <run_dir>/slurm/job.yaml at submit: what the trainer reads
+    job_snapshot: str | None = None
+    train_steps: int | None = None  # the job's train.steps: a finished run is submitted again only to train further
 
 
 def sbatch_escape(value: str) -> str:
@@ -69,6 +72,16 @@ def output_pattern(path: Path) -> str:
     (a path containing a backslash disables patterns altogether, so it is then left alone)."""
     text = str(path)
     return text if "\\" in text else text.replace("%", "%%")
+
+
+def log_output(files: RunFiles) -> str:
+    """``--output``: one log per Slurm job id (``train-%j.log``; a requeued job keeps its id and appends)."""
+    if "\\" in str(files.slurm_dir):
+        raise ConfigError(
+            f"the run directory {str(files.run_dir)!r} contains a backslash, which turns off sbatch's --output "
+            "patterns (the job's log is named by its id, %j): choose another --run-dir"
+        )
+    return output_pattern(files.slurm_dir) + "/" + files.job_log("%j").name
 
 
 def fill(template: str, values: dict[str, Value]) -> str:
@@ -135,7 +148,7 @@ def template_values(cfg: SlurmConfig, spec: LaunchSpec) -> dict[str, Value]:
         "ACCOUNT": cfg.account,
         "SIGNAL": cfg.signal,
         "SIGNAL_LEAD_S": cfg.signal_lead_s,
-        "LOG": output_pattern(files.log),
+        "LOG": log_output(files),
         "SBATCH_ARGS": list(cfg.sbatch_args) or None,
         "RUN_DIR": str(spec.run_dir),
         "WORKDIR": str(spec.workdir),
@@ -144,6 +157,7 @@ def template_values(cfg: SlurmConfig, spec: LaunchSpec) -> dict[str, Value]:
         "RETRIES": cfg.retries,
         "ON_FAILURE": cfg.on_failure,
         "TRAINER": list(spec.trainer),
+        "SETUP": list(cfg.setup),
         "ENV_EXPORTS": exports,
         "ERRORS_ENV": ERRORS_ENV,  # where the node launcher and its ranks leave user errors (launch/local.py)
         **node_launch_values(cfg, spec),
@@ -185,10 +199,11 @@ def render(cfg: SlurmConfig, spec: LaunchSpec) -> str:
             "slurm/train.sbatch, or run from a checkout of the repository"
         ) from None
     values = template_values(cfg, spec)
-    for name in ("SRUN_EXTRA", "TORCHRUN_EXTRA"):  # an older site template would drop them silently
+    for name in ("SRUN_EXTRA", "TORCHRUN_EXTRA", "SETUP"):  # an older site template would drop them silently
         if values[name] and f"{{{{{name}}}}}" not in template:
+            what = "slurm.setup lines" if name == "SETUP" else "GPU/container/NUMA settings"
             raise ConfigError(
-                f"sbatch template {path} does not use {{{{{name}}}}}, so the job's GPU/container/NUMA settings "
-                "would be ignored: add it as slurm/train.sbatch does"
+                f"sbatch template {path} does not use {{{{{name}}}}}, so the job's {what} would be ignored: add it "
+                "as slurm/train.sbatch does"
             )
     return fill(template, values)

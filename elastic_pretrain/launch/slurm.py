@@ -15,7 +15,7 @@ from elastic_pretrain.checkpoint.latest import latest_problem
 from elastic_pretrain.checkpoint.store import CheckpointStore
 from elastic_pretrain.config import clip
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.files import ensure_dir, read_text_or_none, write_atomic
+from elastic_pretrain.files import ensure_dir, read_bounded, read_text_or_none, write_atomic
 from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.launch.layout import last_committed_step
 from elastic_pretrain.launch.render import LaunchSpec, render
@@ -101,21 +101,37 @@ def explain_sbatch_error(stderr: str) -> str:
 
 
 def submit(cfg: SlurmConfig, spec: LaunchSpec) -> str:
-    """Render the script into ``<run_dir>/slurm/``, submit it, record and return the job id."""
+    """Render the script into ``<run_dir>/slurm/``, snapshot the job there, submit, record and return the job id."""
     files = RunFiles(spec.run_dir)
-    check_can_submit(files)
+    check_can_submit(files, spec.train_steps)
     script = render(cfg, spec)
     ensure_dir(files.slurm_dir, root=files.run_dir)  # a planted slurm -> elsewhere is refused, not followed
     write_private(files.script, script, root=files.run_dir)  # it holds slurm.env values and the overrides: owner-only
+    if spec.job_snapshot is not None:  # what every (re)start trains; secrets included
+        write_private(files.job_snapshot, spec.job_snapshot, root=files.run_dir)
     files.cancelled.unlink(missing_ok=True)
+    # training further (check_can_submit let a finished run through): the batch script must not take an old
+    # FINISHED for this job's, should the job end before the trainer's start removes it
+    finished = _read_marker(files.finished)
+    files.finished.unlink(missing_ok=True)
     proc = run_slurm(["sbatch", "--parsable", str(files.script)], cwd=spec.workdir)
     if proc.returncode != 0:
+        if finished is not None:  # nothing was submitted: the run is as finished as before
+            write_atomic(files.finished, finished, root=files.run_dir)
         raise UserError(explain_sbatch_error(proc.stderr or proc.stdout))
     job_id = proc.stdout.strip().split(";")[0]
     if not job_id.isdigit():
         raise UserError(f"sbatch printed {proc.stdout.strip()!r} instead of a job id: check its output above")
     write_atomic(files.job_id, job_id + "\n", root=files.run_dir)
     return job_id
+
+
+def _read_marker(path: Path) -> bytes | None:
+    """A marker file's bytes (a link, FIFO or oversized file there: one line), None if there is none."""
+    try:
+        return read_bounded(path, "marker")
+    except FileNotFoundError:
+        return None
 
 
 def read_job_id(files: RunFiles) -> str | None:
@@ -131,25 +147,39 @@ def read_job_id(files: RunFiles) -> str | None:
     return job_id
 
 
-def check_can_submit(files: RunFiles) -> None:
-    """Refuse to start a second job on a run directory that is finished or already has a live job."""
-    if files.finished.exists():
-        raise UserError(
-            f"{files.run_dir} has finished training ({files.finished} exists): pick another --run-dir, "
-            "or delete that file to train it further"
-        )
+def check_can_submit(files: RunFiles, steps: int | None = None) -> None:
+    """Refuse to start a second job on a run directory that is finished (unless ``steps``, the job's
+    train.steps, trains it further) or already has a live job."""
+    refusal = finished_refusal(files, steps) or live_job_refusal(files)
+    if refusal:
+        raise UserError(refusal)
+
+
+def finished_refusal(files: RunFiles, steps: int | None) -> str | None:
+    """A finished run directory takes a job only to train further: ``steps`` above its last committed step."""
+    if not files.finished.exists():
+        return None
+    done = last_committed_step(files)
+    if steps is not None and done is not None and steps > done:
+        return None
+    at = f" at step {done}" if done is not None else ""
+    further = f"raise train.steps above {done}" if done is not None else "delete that file"
+    return (f"{files.run_dir} has finished training{at} ({files.finished} exists): to train it further {further} "
+            "(docs/run-directory.md); for a new run pick another --run-dir")
+
+
+def live_job_refusal(files: RunFiles) -> str | None:
     job_id = read_job_id(files)
     if job_id is None:
-        return
+        return None
     try:
         state = query_job(job_id)
     except UserError:
-        return  # no Slurm to ask: sbatch will report that itself
+        return None  # no Slurm to ask: sbatch will report that itself
     if state is not None and state.live:
-        raise UserError(
-            f"{files.run_dir} already has job {job_id} ({state.state}): wait for it, or stop it with "
-            f"`elastic-pretrain cancel {files.run_dir}`"
-        )
+        return (f"{files.run_dir} already has job {job_id} ({state.state}): wait for it, or stop it with "
+                f"`elastic-pretrain cancel {files.run_dir}`")
+    return None
 
 
 def query_job(job_id: str) -> JobState | None:
@@ -213,7 +243,7 @@ def run_status(run_dir: Path) -> RunStatus:
         latest_problem=latest_problem(CheckpointStore(files.checkpoints)),
         finished=files.finished.exists(),
         mlflow_run_id=read_run_id(files.mlflow_run_id),  # a link, FIFO or junk there: one line
-        log=str(files.log),
+        log=str(files.job_log(job_id) if job_id else files.job_log("<id>")),
     )
 
 

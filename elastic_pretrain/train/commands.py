@@ -98,15 +98,30 @@ def _train(args: argparse.Namespace) -> int:
 
         check_layout(job, args.nproc_per_node)  # once, here, not once per rank after torch imports
         _prepare_run_dir(job.run_path)
+        if _finished(job):
+            return 0
         return _launch(args, [*args.overrides, *(f"{flag}={path}" for flag, path in path_flags(args).items())],
                        job.run_path)
     if "RANK" not in os.environ:  # one process, no launcher: say how to start the ranks the job needs
         _check_one_process(job)
         _prepare_run_dir(job.run_path)
+        if _finished(job):
+            return 0
     from elastic_pretrain.train.trainer import train
 
     train(job)
     return 0
+
+
+def _finished(job: Any) -> bool:
+    """The run is finished at ``train.steps``: say so in one line (what to do instead) and start no rank. A
+    checkpoint past ``train.steps`` or a changed model shape is refused here too (``train/resume.py``)."""
+    from elastic_pretrain.train.resume import check_before_launch
+
+    message = check_before_launch(job)
+    if message:
+        print(message, flush=True)
+    return message is not None
 
 
 def _prepare_run_dir(run_dir: Path) -> None:

@@ -397,19 +397,28 @@ class ScheduleController:
 
     # --- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"phase": self.phase, "switch_step": self.switch_step, "seed": self.seed}
+        return {"phase": self.phase, "switch_step": self.switch_step, "seed": self.seed,
+                "total_tokens": self.total_tokens}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.phase, self.switch_step, self.seed = self.check_state(state)
+        """The checkpoint's phase, and its ``total_tokens``: the switch point (``switch_at`` of them) belongs to
+        the run's schedule, fixed by the ``train.steps`` it started with, like megatron's LR horizon. A larger
+        ``train.steps`` on resume adds steps at the schedule's end instead of moving the switch (issue 33).
+        A checkpoint written before the count was saved keeps this job's."""
+        self.phase, self.switch_step, self.seed, total_tokens = self.check_state(state)
+        if total_tokens is not None:
+            self.total_tokens = total_tokens
 
     @staticmethod
-    def check_state(state: Any) -> tuple[Literal["fixed", "mixed"], int | None, int]:
-        """(phase, switch step, seed) of a saved state, each in range, else :class:`StateError` (trainer.json
-        comes from whoever shared the checkpoint: docs/security.md)."""
+    def check_state(state: Any) -> tuple[Literal["fixed", "mixed"], int | None, int, int | None]:
+        """(phase, switch step, seed, total tokens or None when not saved) of a saved state, each in range, else
+        :class:`StateError` (trainer.json comes from whoever shared the checkpoint: docs/security.md)."""
         state = mapping(state, "controller")
         phase: Literal["fixed", "mixed"] = choice(state, "phase", "controller", ("fixed", "mixed"))
         # fixed: the switch has not happened yet
         switch = choice(state, "switch_step", "controller", (None,)) if phase == "fixed" else count(
             state, "switch_step", "controller")
         seed = count(state, "seed", "controller", high=INT_LIMIT)  # numpy's SeedSequence: non-negative
-        return phase, switch, seed
+        # the run's token horizon (the switch point's base); absent in checkpoints written before issue 33
+        total = count(state, "total_tokens", "controller", low=1) if "total_tokens" in state else None
+        return phase, switch, seed, total

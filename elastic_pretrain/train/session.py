@@ -124,7 +124,9 @@ class SchedulerState:
     """megatron's LR / weight-decay schedule as a checkpoint holds it. megatron takes the checkpoint's values
     over the job's (``use_checkpoint_opt_param_scheduler``) and checks none of them: an unknown style, a
     string step count or a step of 10**30 fail at the first step, or never (a NaN LR), so they are checked
-    here first."""
+    here first. megatron keeps the checkpoint's horizon (``lr_decay_steps``, warmup); WSD's decay window
+    follows that horizon here too. A run's schedule is fixed by the ``train.steps`` it started with (issue 33:
+    docs/run-directory.md, "Training further")."""
 
     scheduler: OptimizerParamScheduler
 
@@ -136,6 +138,9 @@ class SchedulerState:
         if state["lr_decay_style"] == "WSD" and self.scheduler.wsd_decay_steps is None:
             raise StateError("scheduler.lr_decay_style is 'WSD', which this job does not configure (train.decay=WSD)")
         self.scheduler.load_state_dict(state)
+        if self.scheduler.lr_decay_style == "WSD":
+            self.scheduler.wsd_decay_steps = wsd_decay_steps(self.scheduler.lr_decay_steps)
+            self.scheduler.step(increment=0)  # the resumed step's learning rate under that window
 
     @staticmethod
     def check_state(state: Any) -> None:
@@ -151,6 +156,24 @@ class SchedulerState:
                 number(state, key, "scheduler")
             count(state, "wd_incr_steps", "scheduler")
             choice(state, "wd_incr_style", "scheduler", _WD_STYLES)
+
+
+def wsd_decay_steps(steps: int) -> int:
+    """WSD's final decay: the last fifth of the schedule."""
+    return max(1, steps // 5)
+
+
+def schedule_end_note(scheduler: OptimizerParamScheduler, controller: ScheduleController, *, step: int,
+                      steps: int) -> str | None:
+    """One line when ``train.steps`` reaches past the run's schedule (a finished run trained further): the
+    steps beyond its horizon run at the schedule's final learning rate, in its final depth phase."""
+    horizon = int(scheduler.lr_decay_steps)
+    if steps <= horizon:
+        return None
+    final = scheduler.max_lr if scheduler.lr_decay_style == "constant" else scheduler.min_lr
+    return (f"train.steps={steps} goes past this run's {horizon}-step schedule: steps {max(horizon, step) + 1}.."
+            f"{steps} train at its end (learning rate {final:.2e}, {controller.phase} depth); a new schedule "
+            "needs a new run (docs/run-directory.md)")
 
 
 def copy_to_main_params(optimizer: Any, params: list[torch.nn.Parameter]) -> None:
@@ -190,7 +213,7 @@ def build_optimizer(job: JobConfig, model: DistributedDataParallel) -> tuple[Any
         optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.warmup_steps,
         lr_decay_steps=t.steps, lr_decay_style=t.decay, start_wd=t.weight_decay, end_wd=t.weight_decay,
         wd_incr_steps=t.steps, wd_incr_style="constant",
-        wsd_decay_steps=max(1, t.steps // 5) if t.decay == "WSD" else None,
+        wsd_decay_steps=wsd_decay_steps(t.steps) if t.decay == "WSD" else None,
         lr_wsd_decay_style="linear" if t.decay == "WSD" else None,
     )
     return optimizer, scheduler

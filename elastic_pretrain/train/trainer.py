@@ -37,8 +37,9 @@ from elastic_pretrain.train.decider import load_base
 from elastic_pretrain.train.faults import FaultMonitor
 from elastic_pretrain.train.mfu import baseline_flops_per_token, device_peak, step_flops, utilisation
 from elastic_pretrain.train.profiling import ProfileWindow
+from elastic_pretrain.train.resume import check_steps_left
 from elastic_pretrain.train.schedule import ExpertLayout, ScheduleController
-from elastic_pretrain.train.session import SchedulerState, Session
+from elastic_pretrain.train.session import SchedulerState, Session, schedule_end_note
 from elastic_pretrain.train.step import MicroBatch, StepResult
 from elastic_pretrain.train.stragglers import DATA_WAIT_KEY, StragglerReport
 from elastic_pretrain.train.watchdog import HangWatchdog
@@ -528,6 +529,7 @@ def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
             check_states(source, meta, STATE_CHECKS)
         elif job.decider is not None:  # the model shape came from the base's trainer.json (job.py): bound it
             check_model_fits(Path(job.decider.init_from or ""), job.model)
+        check_steps_left(source, meta, job)
         if mesh.rank == 0 and (repaired := repair_latest(store)):  # a crash left it naming an older/missing step
             print(repaired, flush=True)
         session = build_session(job, mesh)
@@ -543,10 +545,15 @@ def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
             ckpt.restore(source, meta)
             if mesh.rank == 0:
                 print(f"resumed from {source} (step {state.step}, {state.tokens:,} tokens)", flush=True)
+                note = schedule_end_note(session.scheduler, session.controller, step=state.step, steps=job.train.steps)
+                if note:
+                    print(note, flush=True)
         elif job.decider is not None:  # a decider job starts from its base model (decider.init_from)
             load_base(session.net, Path(job.decider.init_from or ""))
             if mesh.is_logging_rank:
                 print(f"decider job: base model from {job.decider.init_from} ({job.decider.backbone})", flush=True)
+        if mesh.is_logging_rank and state.step < job.train.steps:
+            files.finished.unlink(missing_ok=True)  # trained further: finished again at the end (Slurm reads it)
         # the MLflow run continues: its id came with the checkpoint's "tracker" state (or, when MLflow had not
         # answered by the time that save was taken, it is in the run directory's mlflow_run_id file)
         tracker = tracking.start(run_id_file=source is not None and source.parent == ckpt.store.root)

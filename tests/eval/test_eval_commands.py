@@ -75,6 +75,10 @@ def test_generate_defaults_to_every_pass_without_a_decider_and_refuses_what_it_c
     plain = cli("generate", str(run_dir), "--prompt", "x", "--max-new-tokens", "3")
     assert "mean passes/token 4.00" in plain.stdout  # L_max = 4 passes
     assert "[depth: 4 passes per token; L_max = 4" in plain.stderr
+    # the README's line: without --max-new-tokens, what the 128-token context leaves after the prompt (the
+    # default of 128 new tokens refused every prompt on this model)
+    readme = cli("generate", str(run_dir), "--prompt", "def ", "--loops", "2")
+    assert "[124 tokens, mean passes/token 2.00" in readme.stdout
     for flags, words in (
         (["--temperature", "-1"], "--temperature -1.0: must be a finite number >= 0"),
         (["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),

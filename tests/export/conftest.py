@@ -53,11 +53,9 @@ def export(
     net: Any, out: Path, *, decider: DeciderConfig | None = None, tokenizer: TokenizerConfig | None = None
 ) -> Any:
     """Export ``net`` and load it back with transformers (trust_remote_code)."""
-    from elastic_pretrain.export.compat import hide_broken_torchvision
     from elastic_pretrain.export.hf_export import write_export
 
     write_export(net, tokenizer or TokenizerConfig(), out, decider=decider)
-    hide_broken_torchvision()
     from transformers import AutoModelForCausalLM
 
     model, info = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, output_loading_info=True)

@@ -60,9 +60,6 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
 
 
 def load_hf(path: Path) -> Any:
-    from elastic_pretrain.export.compat import hide_broken_torchvision
-
-    hide_broken_torchvision()
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=True).eval()

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -108,40 +109,72 @@ def test_adaptive_depth_with_the_decider(mesh1, tmp_path: Path) -> None:
         hf(ids, loops=5)
 
 
-def test_loads_without_megatron(mesh1, tmp_path: Path) -> None:
-    """A fresh interpreter loads the export with transformers alone; its logits equal the project's."""
-    net = build(tiny(route_replay=True), decider=DeciderConfig())
-    export(net, tmp_path / "hf", decider=DeciderConfig())
-    ids = torch.randint(0, 257, (1, 20), generator=torch.Generator().manual_seed(5))
-    script = f"""
-import json, sys, torch
-from elastic_pretrain.export.compat import hide_broken_torchvision
-hide_broken_torchvision()  # this venv's torchvision is a CUDA build that cannot import (export/compat.py)
-from transformers import AutoModelForCausalLM
-m = AutoModelForCausalLM.from_pretrained({str(tmp_path / "hf")!r}, trust_remote_code=True)
-logits = {{ell: m(torch.tensor({ids.tolist()}), loops=ell).logits.tolist() for ell in range(1, 5)}}
-print(json.dumps({{"megatron": sorted(k for k in sys.modules if k.startswith("megatron")),
-                  "project": sorted(k for k in sys.modules if k.startswith("elastic_pretrain.")),
-                  "logits": logits}}))
-"""
+def fresh_interpreter(script: str) -> dict[str, Any]:
+    """Run ``script`` in a new interpreter of this venv; it prints one JSON line last."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["megatron"] == []
-    # the package's import hook (torch-free, elastic_pretrain/_import_hooks.py) and the export's compat helper only
-    assert got["project"] == [f"elastic_pretrain.{m}" for m in ("_import_hooks", "export", "export.compat")]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_loads_without_megatron(mesh1, tmp_path: Path) -> None:
+    """A fresh interpreter of the venv loads the export with docs/export.md's line, transformers alone (no
+    torchvision that cannot import, no patch of transformers: issue 33 item 4); its logits equal the project's."""
+    net = build(tiny(route_replay=True), decider=DeciderConfig())
+    export(net, tmp_path / "hf", decider=DeciderConfig())
+    ids = torch.randint(0, 257, (1, 20), generator=torch.Generator().manual_seed(5))
+    got = fresh_interpreter(f"""
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "hf")!r}, trust_remote_code=True)
+logits = {{ell: model(torch.tensor({ids.tolist()}), loops=ell).logits.tolist() for ell in range(1, 5)}}
+print(json.dumps({{"megatron": sorted(k for k in sys.modules if k.startswith("megatron")),
+                  "project": sorted(k for k in sys.modules if k.startswith("elastic_pretrain")),
+                  "logits": logits}}))
+""")
+    assert got["megatron"] == [] and got["project"] == []
     for ell in range(1, 5):
         with torch.no_grad():
             torch.testing.assert_close(torch.tensor(got["logits"][str(ell)]), net(ids, loops=ell)[ell], **TOL)
+
+
+def test_loads_beside_the_streaming_standin(mesh1, tmp_path: Path) -> None:
+    """A process that read shards first (``import_streaming``: stand-in torchvision names for streaming's
+    vision module when no torchvision is installed) still loads the export: transformers must not take the
+    stand-in for a torchvision (data/streaming_compat.py)."""
+    export(build(tiny()), tmp_path / "hf")
+    got = fresh_interpreter(f"""
+import json, sys
+from elastic_pretrain.data.streaming_compat import import_streaming
+import_streaming()
+from transformers import AutoModelForCausalLM
+from transformers.utils import is_torchvision_available
+model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "hf")!r}, trust_remote_code=True)
+tv = sys.modules.get("torchvision")
+print(json.dumps({{"standin": bool(getattr(tv, "_elastic_pretrain_standin", False)),
+                  "torchvision_available": is_torchvision_available(), "class": type(model).__name__}}))
+""")
+    assert got["class"] == "ElasticLoopedForCausalLM"
+    if got["standin"]:  # no importable torchvision here (the CPU venv): transformers must know it is absent
+        assert got["torchvision_available"] is False
+
+
+def test_generation_config(mesh1, tmp_path: Path) -> None:
+    """``generation_config.json`` (docs/export.md lists it): written, loaded by transformers, used by generate."""
+    from transformers import GenerationConfig
+
+    model = export(build(tiny()), tmp_path / "hf")
+    gen = GenerationConfig.from_pretrained(str(tmp_path / "hf"))
+    assert gen.eos_token_id == 256 and gen.pad_token_id == 256 and gen.do_sample is False
+    assert model.generation_config.eos_token_id == 256
 
 
 def test_export_files_and_config(mesh1, tmp_path: Path) -> None:
     net = build(tiny(), conditioning=False)
     export(net, tmp_path / "hf")
     names = sorted(p.name for p in (tmp_path / "hf").iterdir())
-    assert {"config.json", "model.safetensors", "modeling_elastic.py", "configuration_elastic.py", "tokenizer.json",
-            "tokenizer_config.json", "elastic_pretrain.json"} <= set(names)  # fmt: skip
+    assert {"config.json", "generation_config.json", "model.safetensors", "modeling_elastic.py", "tokenizer.json",
+            "configuration_elastic.py", "tokenizer_config.json", "elastic_pretrain.json"} <= set(names)
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["max_loops"] == 4 and cfg["core_layers"] == 1 and cfg["num_experts"] == 8  # built shape (flatten 2)
     assert cfg["loop_conditioning"] is False and cfg["decider_hidden_size"] is None and cfg["eos_token_id"] == 256

@@ -206,9 +206,6 @@ def test_the_config_check_covers_every_config_field() -> None:
     import inspect
 
     from elastic_pretrain.export import folder
-    from elastic_pretrain.export.compat import hide_broken_torchvision
-
-    hide_broken_torchvision()
     from elastic_pretrain.export.hf.configuration_elastic import ElasticLoopedConfig
 
     params = set(inspect.signature(ElasticLoopedConfig.__init__).parameters) - {"self", "kwargs"}

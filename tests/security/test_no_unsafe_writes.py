@@ -54,6 +54,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("elastic_pretrain/export/hf_export.py", "write_export", "config.save_pretrained"): (
         "transformers writes config.json into the export folder write_export checked new or empty"
     ),
+    ("elastic_pretrain/export/hf_export.py", "write_export", "generation_config().save_pretrained"): (
+        "transformers writes generation_config.json into the export folder write_export checked new or empty"
+    ),
     ("elastic_pretrain/export/tokenizer.py", "export_tokenizer", "fast.save_pretrained"): (
         "transformers writes the tokenizer files into the export folder write_export checked new or empty"
     ),

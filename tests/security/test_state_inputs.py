@@ -191,6 +191,15 @@ BAD_CONTROLLERS = {
     "mixed without a switch": ({"phase": "mixed", "switch_step": None, "seed": 1}, "controller.switch_step is None"),
     "negative seed": ({"phase": "fixed", "switch_step": None, "seed": -1}, "controller.seed is -1"),
     "seed 10**30": ({"phase": "fixed", "switch_step": None, "seed": 10**30}, "controller.seed"),
+    # the run's token horizon (issue 33: a larger train.steps keeps the switch point): a positive count
+    "total_tokens 0": ({"phase": "fixed", "switch_step": None, "seed": 1, "total_tokens": 0},
+                       "controller.total_tokens is 0"),
+    "total_tokens 10**30": ({"phase": "fixed", "switch_step": None, "seed": 1, "total_tokens": 10**30},
+                            "controller.total_tokens"),
+    "total_tokens a string": ({"phase": "fixed", "switch_step": None, "seed": 1, "total_tokens": "300"},
+                              "controller.total_tokens"),
+    "total_tokens null": ({"phase": "fixed", "switch_step": None, "seed": 1, "total_tokens": None},
+                          "controller.total_tokens is None"),
 }
 
 
@@ -203,8 +212,11 @@ def test_controller_states_out_of_range(case: str) -> None:
     with pytest.raises(UserError) as err:
         ctl.load_state_dict(state)
     assert words in one_line(err)
-    ctl.load_state_dict({"phase": "mixed", "switch_step": 5, "seed": 9})  # a state the controller writes
-    assert (ctl.phase, ctl.switch_step, ctl.seed) == ("mixed", 5, 9)
+    assert (ctl.phase, ctl.total_tokens) == ("fixed", 1000)  # nothing taken from the refused state
+    ctl.load_state_dict({"phase": "mixed", "switch_step": 5, "seed": 9, "total_tokens": 800})  # as it writes
+    assert (ctl.phase, ctl.switch_step, ctl.seed, ctl.total_tokens) == ("mixed", 5, 9, 800)
+    ctl.load_state_dict({"phase": "mixed", "switch_step": 5, "seed": 9})  # written before total_tokens was saved
+    assert ctl.total_tokens == 800
 
 
 def test_scheduler_and_fault_window_states(mesh1, tmp_path: Path) -> None:

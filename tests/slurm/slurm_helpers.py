@@ -71,8 +71,27 @@ def expected_value(steps: int = STEPS, world: int = 2) -> float:
     return value
 
 
+def tiny_data(site: Path) -> str:
+    """A small corpus prepared into ``site``/cache/tiny, as the data recipe ``site``/data/tiny.yaml (paths relative
+    to ``site``, the submit directory): submit checks that a job's shards exist (launch/preflight.py)."""
+    from elastic_pretrain.data.prepare import prepare_data
+    from tests.data.conftest import recipe, write_corpus
+
+    prepare_data(recipe(site / "cache" / "tiny", [str(write_corpus(site / "corpus"))]), progress=False)
+    (site / "data" / "tiny.yaml").write_text(
+        "format: mds\nseq_len: 16\nstreams: [{path: cache/tiny}]\nvalidation: {path: cache/tiny, split: val}\n"
+    )
+    return "tiny"
+
+
+def job_log(run_dir: Path) -> Path:
+    """The log of the run's latest job (``slurm/train-<job id>.log``; submit records the id before sbatch runs it)."""
+    files = RunFiles(run_dir)
+    return files.job_log(files.job_id.read_text().strip())
+
+
 def log_tail(run_dir: Path, lines: int = 40) -> str:
-    log = RunFiles(run_dir).log
+    log = job_log(run_dir)
     text = log.read_text(errors="replace") if log.exists() else "(no log yet)"
     return "\n".join(text.splitlines()[-lines:])
 

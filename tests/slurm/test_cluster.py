@@ -30,6 +30,7 @@ from slurm_helpers import (
     STEPS,
     Cluster,
     expected_value,
+    job_log,
     log_tail,
     submit_fake,
     wait_for,
@@ -85,12 +86,12 @@ def jobs(slurm_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> It
     try:
         # cancel as soon as the batch script runs (`elastic-pretrain cancel` does the same)
         job_id, run_dir = jobs["cancelled"]
-        log = RunFiles(run_dir).log  # created when the batch script starts
+        log = job_log(run_dir)  # created when the batch script starts
         wait_for(log.exists, timeout=START_TIMEOUT_S, what="the batch script to start", run_dir=run_dir, job_id=job_id)
         cancel(run_dir)
         # signalled while the trainer is still starting (no step yet, then no handler yet)
         job_id, run_dir = jobs["early"]
-        log = RunFiles(run_dir).log
+        log = job_log(run_dir)
         wait_for(lambda: log.exists() and "restart 0:" in log.read_text(), timeout=START_TIMEOUT_S,
                  what="the batch script's first line", run_dir=run_dir, job_id=job_id)  # fmt: skip
         subprocess.run(["scancel", "--signal=TERM", "--batch", job_id], check=True)
@@ -145,7 +146,7 @@ def test_preempted_job_requeues_resumes_and_matches_uninterrupted_run(jobs: dict
     ref_id, ref_dir = jobs["reference"]
     wait_job_end(ref_id, ref_dir, timeout=END_TIMEOUT_S)
     assert finished_value(run_dir) == finished_value(ref_dir) == expected_value()
-    log = RunFiles(run_dir).log.read_text()
+    log = job_log(run_dir).read_text()
     assert "got SIGTERM" in log and "requeueing as restart 1 of 2" in log
 
 
@@ -161,7 +162,7 @@ def test_partition_preemption_signals_requeues_and_resumes(jobs: dict[str, Job])
     assert finished_value(run_dir) == expected_value()
     # the script requeues the job itself once the step ends; if that takes longer than the
     # partition's GraceTime, Slurm kills and requeues it instead: either way it resumes
-    assert "got SIGUSR2" in RunFiles(run_dir).log.read_text()
+    assert "got SIGUSR2" in job_log(run_dir).read_text()
 
 
 def test_signal_during_startup_still_requeues_and_finishes(jobs: dict[str, Job]) -> None:
@@ -170,7 +171,7 @@ def test_signal_during_startup_still_requeues_and_finishes(jobs: dict[str, Job])
     job_id, run_dir = jobs["early"]
     state = wait_job_end(job_id, run_dir, timeout=END_TIMEOUT_S)
     assert state.state == "COMPLETED" and state.restarts == 1, f"{state}\n{log_tail(run_dir)}"
-    assert "got SIGTERM" in RunFiles(run_dir).log.read_text()
+    assert "got SIGTERM" in job_log(run_dir).read_text()
     assert finished_value(run_dir) == expected_value()
 
 
@@ -183,7 +184,7 @@ def test_retry_cap_stops_requeueing(jobs: dict[str, Job]) -> None:
     files = RunFiles(run_dir)
     assert not files.finished.exists()
     assert last_committed_step(files) == HOLD_AT, "the signalled trainer should have saved"
-    assert "reached the retry cap slurm.retries=0" in files.log.read_text()
+    assert "reached the retry cap slurm.retries=0" in job_log(files.run_dir).read_text()
 
 
 def test_stop_signal_to_the_step_only_requeues_and_finishes(jobs: dict[str, Job]) -> None:
@@ -195,7 +196,7 @@ def test_stop_signal_to_the_step_only_requeues_and_finishes(jobs: dict[str, Job]
     assert [s["start_step"] for s in starts(run_dir)] == [0, HOLD_AT], "the stopped job did not resume"
     assert finished_value(run_dir) == expected_value()
     files = RunFiles(run_dir)
-    log = files.log.read_text()
+    log = job_log(files.run_dir).read_text()
     assert "the trainer stopped on a signal that did not come through this script" in log, log
     assert "got SIGTERM" not in log and "requeueing as restart 1 of 2" in log, log
     assert not files.stopped.exists(), "the restart that finished must clear the earlier start's STOPPED"
@@ -210,7 +211,7 @@ def test_a_failure_after_the_stop_save_still_requeues(jobs: dict[str, Job]) -> N
     assert state.state == "COMPLETED" and state.restarts == 1, f"{state}\n{log_tail(run_dir)}"
     assert [s["start_step"] for s in starts(run_dir)] == [0, HOLD_AT], "the stopped job did not resume"
     assert finished_value(run_dir) == expected_value()
-    log = RunFiles(run_dir).log.read_text()
+    log = job_log(run_dir).read_text()
     assert "after the trainer saved and stopped" in log, log  # the exit: 1, or 137 when srun ended the step
     assert "the trainer failed" not in log and "requeueing as restart 1 of 2" in log, log
 
@@ -221,7 +222,7 @@ def test_killed_task_fails_the_job_without_hanging(jobs: dict[str, Job]) -> None
     state = wait_job_end(job_id, run_dir, timeout=120)
     assert state.state == "FAILED", f"{state}\n{log_tail(run_dir)}"
     assert state.restarts == 0, "on_failure=fail must not requeue a crashed trainer"
-    assert "the trainer failed" in RunFiles(run_dir).log.read_text()
+    assert "the trainer failed" in job_log(run_dir).read_text()
 
 
 def test_clean_exit_without_finished_marker_fails_instead_of_requeueing(jobs: dict[str, Job]) -> None:
@@ -229,7 +230,7 @@ def test_clean_exit_without_finished_marker_fails_instead_of_requeueing(jobs: di
     state = wait_job_end(job_id, run_dir, timeout=END_TIMEOUT_S)
     assert state.state == "FAILED" and state.exit_code == "5:0", f"{state}\n{log_tail(run_dir)}"
     assert state.restarts == 0
-    assert "without writing" in RunFiles(run_dir).log.read_text()
+    assert "without writing" in job_log(run_dir).read_text()
 
 
 def test_two_node_job_runs_on_distinct_hosts_and_finishes(jobs: dict[str, Job]) -> None:
@@ -237,14 +238,14 @@ def test_two_node_job_runs_on_distinct_hosts_and_finishes(jobs: dict[str, Job]) 
     state = wait_job_end(job_id, run_dir, timeout=END_TIMEOUT_S)
     assert state.state == "COMPLETED" and state.restarts == 0, f"{state}\n{log_tail(run_dir)}"
     files = RunFiles(run_dir)
-    assert files.log.is_file(), "sbatch --output did not land at the literal run dir path"
+    assert job_log(files.run_dir).is_file(), "sbatch --output did not land at the literal run dir path"
     assert files.job_id.read_text().strip() == job_id
     (start,) = starts(run_dir)
     assert start["start_step"] == 0 and start["restart"] == 0
     assert sorted(start["hosts"]) == ["node1", "node2"], "the two ranks must run on two distinct hosts"
     assert finished_value(run_dir) == expected_value()
     assert last_committed_step(files) == STEPS // SAVE_EVERY * SAVE_EVERY
-    assert "training finished" in files.log.read_text()
+    assert "training finished" in job_log(files.run_dir).read_text()
 
 
 def test_status_reports_job_restarts_and_last_step(jobs: dict[str, Job], capsys: pytest.CaptureFixture[str]) -> None:

@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from slurm_helpers import tiny_data
 
 from elastic_pretrain import cli
 from elastic_pretrain.checkpoint.store import CheckpointStore
@@ -17,9 +18,11 @@ from elastic_pretrain.launch.slurm import check_can_submit, explain_sbatch_error
 from elastic_pretrain.rundir import RunFiles
 
 REPO = Path(__file__).resolve().parents[2]
-# The default job without its name (submit validates the whole job before calling sbatch).
+# The default job without its name, on a small prepared corpus (submit validates the whole job and checks its
+# data before calling sbatch).
 BASE = "".join(
-    line for line in (REPO / "jobs" / "tiny-cpu.yaml").read_text().splitlines(True) if not line.startswith("name:")
+    line for line in (REPO / "jobs" / "tiny-cpu.yaml").read_text().replace("data: stdlib-code", "data: tiny")
+    .splitlines(True) if not line.startswith("name:")
 )
 
 
@@ -28,6 +31,7 @@ def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.chdir(tmp_path)
     for preset in ("parallel", "data"):
         shutil.copytree(REPO / preset, tmp_path / preset)
+    tiny_data(tmp_path)
     path = tmp_path / "jobs" / "tiny job.yaml"
     path.parent.mkdir()
     path.write_text(BASE + "name: tiny\nslurm:\n  nodes: 2\n  retries: 5\n  partition: cpu\n")
@@ -47,7 +51,8 @@ def test_dry_run_prints_the_script_and_writes_nothing(job: Path, capsys: pytest.
     run_dir = Path.cwd() / "runs" / "tiny"  # default: runs/<name> under the working directory
     assert "#SBATCH --nodes=4" in out and "#SBATCH --partition=cpu" in out and "#SBATCH --time=30" in out
     assert "RETRIES=5" in out  # from the YAML's slurm: section; flags override it key by key
-    assert f"TRAINER=(-m elastic_pretrain.cli train '{job}' train.steps=70 --run-dir {run_dir})" in out
+    # the job as submitted (overrides applied), snapshotted into the run: what every (re)start trains
+    assert f"TRAINER=(-m elastic_pretrain.cli train {run_dir}/slurm/job.yaml --run-dir {run_dir})" in out
     assert "dry run" in err and not run_dir.exists()
 
 

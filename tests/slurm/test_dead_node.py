@@ -26,6 +26,7 @@ from slurm_helpers import (
     PREEMPT_NODES,
     REPO,
     Cluster,
+    job_log,
     log_tail,
     wait_checkpoint,
     wait_for,
@@ -137,7 +138,7 @@ def test_dead_node_requeues_and_resumes_from_the_last_committed_checkpoint(
             subprocess.run(["bash", str(CLUSTER_SCRIPTS / "up.sh")], env=slurm_cluster.env, capture_output=True,
                            timeout=300)  # fmt: skip
 
-    log = files.log.read_text()
+    log = job_log(files.run_dir).read_text()
     print(f"pending after the kill: {pending}\n{log_tail(run_dir, 80)}")
     assert state.state == "COMPLETED" and state.restarts is not None and state.restarts >= 1, f"{state}\n{log}"
     assert f"resumed from {store.step_dir(committed.step)} (step {committed.step}," in log, log[-6000:]

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from slurm_helpers import MAIN_NODES, REPO, Cluster, log_tail, wait_checkpoint, wait_job_end
+from slurm_helpers import MAIN_NODES, REPO, Cluster, job_log, log_tail, wait_checkpoint, wait_job_end
 
 from elastic_pretrain import cli
 from elastic_pretrain.rundir import RunFiles
@@ -64,7 +64,7 @@ def test_deepspeed_job_is_preempted_requeued_and_resumes(slurm_cluster: Cluster,
         state = wait_job_end(job_id, run_dir, timeout=END_TIMEOUT_S)
     finally:
         subprocess.run(["scancel", job_id], capture_output=True)
-    log = files.log.read_text()
+    log = job_log(files.run_dir).read_text()
     assert state.state == "COMPLETED" and state.restarts == 1, f"{state}\n{log_tail(run_dir)}"
     assert "engine deepspeed: ZeRO-2" in log and "got SIGTERM" in log and "requeueing as restart 1 of 1" in log
     found = re.findall(rf"stopped \(SIGTERM(?: on ranks? [\d, ]+)?\) at step (\d+)/{STEPS}: checkpoint saved", log)

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import pytest
 import yaml
-from slurm_helpers import MAIN_NODES, REPO, Cluster, log_tail, wait_checkpoint, wait_job_end
+from slurm_helpers import MAIN_NODES, REPO, Cluster, job_log, log_tail, wait_checkpoint, wait_job_end
 
 from elastic_pretrain import cli
 from elastic_pretrain.launch.layout import last_committed_step
@@ -152,7 +152,7 @@ def test_two_node_real_trainer_trains_checkpoints_and_finishes(jobs: dict[str, J
     assert [h["step"] for h in s["history"]] == list(range(1, STEPS + 1))
     assert s["layout"] == {"world_size": 2, "tp": 1, "ep": 2, "pp": 1, "dp": 2, "device": "cpu"}
     assert s["stopped"] is None
-    log = files.log.read_text()
+    log = job_log(files.run_dir).read_text()
     assert "2 node(s) node[1-2] x 1 process(es)" in log and "training finished" in log
     (run,) = mlflow_runs(run_dir)
     assert run.info.status == "FINISHED" and run.info.run_id == files.mlflow_run_id.read_text().strip()
@@ -162,7 +162,7 @@ def test_preempted_real_run_resumes_same_mlflow_run_and_matches_reference_bitwis
     job_id, run_dir = jobs["preempted"]
     state = wait_job_end(job_id, run_dir, timeout=END_TIMEOUT_S)
     files = RunFiles(run_dir)
-    log = files.log.read_text()
+    log = job_log(files.run_dir).read_text()
     assert state.state == "COMPLETED" and state.restarts == 1, f"{state}\n{log_tail(run_dir)}"
     assert "got SIGTERM" in log and "requeueing as restart 1 of 1" in log
     step = stopped_at(log, "TERM")
@@ -195,7 +195,7 @@ def test_user_error_on_two_nodes_prints_once_without_traceback_and_exits_2(jobs:
     requeued although slurm.on_failure=requeue."""
     job_id, run_dir = jobs["bad_shards"]
     state = wait_job_end(job_id, run_dir, timeout=END_TIMEOUT_S)
-    log = RunFiles(run_dir).log.read_text()
+    log = job_log(run_dir).read_text()
     assert state.state == "FAILED" and state.exit_code == "2:0", f"{state}\n{log[-6000:]}"
     assert state.restarts == 0, "a user error must not be requeued"
     for noise in ("Traceback", "ChildFailedError", "torch.distributed.elastic"):

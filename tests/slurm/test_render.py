@@ -117,7 +117,7 @@ def test_cpu_defaults_leave_unset_options_out() -> None:
     opts = sbatch_options(script)
     assert opts["--nodes"] == ["2"] and opts["--ntasks-per-node"] == ["1"]
     assert opts["--signal"] == ["B:TERM@300"] and "--requeue" in opts and opts["--open-mode"] == ["append"]
-    assert opts["--output"] == ["/runs/tiny/slurm/train.log"]
+    assert opts["--output"] == ["/runs/tiny/slurm/train-%j.log"]  # one log per Slurm job id
     for unset in ("--gpus-per-node", "--partition", "--account", "--time", "--cpus-per-task"):
         assert unset not in opts
     assert "{{" not in script
@@ -140,7 +140,7 @@ def test_gpu_cluster_example() -> None:
 
 
 def test_values_needing_quotes_reach_bash_and_sbatch_unchanged() -> None:
-    run_dir = Path("/runs") / NASTY
+    run_dir = Path("/runs") / NASTY.replace("\\", "")  # a backslash turns sbatch's %j off: refused (below)
     trainer = [
         "-m",
         "elastic_pretrain.cli",
@@ -157,7 +157,9 @@ def test_values_needing_quotes_reach_bash_and_sbatch_unchanged() -> None:
     assert values == [str(run_dir), "/work dir", "/opt/my env/python", NASTY, *trainer]
     opts = sbatch_options(script)
     assert opts["--job-name"] == [NASTY] and opts["--comment"] == [NASTY]
-    assert opts["--output"] == [output_pattern(run_dir / "slurm" / "train.log")]
+    assert opts["--output"] == [output_pattern(run_dir / "slurm") + "/train-%j.log"]
+    with pytest.raises(ConfigError, match="contains a backslash, which turns off sbatch's --output patterns"):
+        render(cfg, spec(Path("/runs") / NASTY, name=NASTY, trainer=trainer))
 
 
 def test_output_pattern_escapes_percent_unless_a_backslash_disables_patterns() -> None:

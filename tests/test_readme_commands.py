@@ -35,7 +35,7 @@ import yaml
 
 from tests.conftest import REPO
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.slow, pytest.mark.long, pytest.mark.timeout(3600)]  # ~9 min: beyond CI (docs/testing.md)
 
 DIVISOR = 50
 SKIP = ("scripts/test.sh", "mlflow ui")

@@ -35,6 +35,7 @@ from elastic_pretrain.checkpoint.store import CheckpointStore
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.rundir import RunFiles
 from tests.conftest import REPO, VENV_BIN
+from tests.slurm.slurm_helpers import tiny_data
 
 CLI = str(VENV_BIN / "elastic-pretrain")
 SECRET = "the user's own file: never overwritten, never copied\n"
@@ -237,8 +238,9 @@ def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         shutil.copytree(REPO / preset, tmp_path / preset)
     path = tmp_path / "jobs" / "tiny.yaml"
     path.parent.mkdir()
-    base = (REPO / "jobs" / "tiny-cpu.yaml").read_text().splitlines(True)
-    path.write_text("".join(ln for ln in base if not ln.startswith("name:")) + "name: tiny\nslurm:\n  nodes: 2\n")
+    base = (REPO / "jobs" / "tiny-cpu.yaml").read_text().replace("data: stdlib-code", f"data: {tiny_data(tmp_path)}")
+    kept = "".join(ln for ln in base.splitlines(True) if not ln.startswith("name:"))
+    path.write_text(kept + "name: tiny\nslurm:\n  nodes: 2\n")
     bin_dir = tmp_path / "fake-slurm"
     bin_dir.mkdir()
     for name, body in (("sbatch", "echo 4242"), ("scancel", "exit 0"), ("squeue", "exit 1"), ("sacct", "exit 1")):

@@ -13,6 +13,7 @@ import pytest
 
 from elastic_pretrain import cli
 from elastic_pretrain.rundir import RunFiles
+from tests.slurm.slurm_helpers import tiny_data
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = "".join(
@@ -27,7 +28,8 @@ def job(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         shutil.copytree(REPO / preset, tmp_path / preset)
     path = tmp_path / "jobs" / "tiny.yaml"
     path.parent.mkdir()
-    path.write_text(BASE + "name: tiny\nslurm:\n  nodes: 2\n")  # expert parallel 2: two ranks
+    data = tiny_data(tmp_path)  # submit's pre-flight checks that the job's shards exist
+    path.write_text(BASE.replace("data: stdlib-code", f"data: {data}") + "name: tiny\nslurm:\n  nodes: 2\n")
     return path
 
 
@@ -91,7 +93,7 @@ def test_abbreviated_managed_sbatch_options_are_refused(
 
 def test_unmanaged_sbatch_options_still_pass(job: Path, capsys: pytest.CaptureFixture[str]) -> None:
     sbatch_args = "[--qos=high, --mem=0, --time-min=5, --exclusive]"
-    job.write_text(BASE + f"name: tiny\nslurm:\n  nodes: 2\n  sbatch_args: {sbatch_args}\n")
+    job.write_text(job.read_text() + f"  sbatch_args: {sbatch_args}\n")  # under the fixture's slurm: section
     code, out, err = run_cli(["submit", str(job), "--dry-run"], capsys)
     assert code == 0, err
     assert "#SBATCH --qos=high" in out and "#SBATCH --time-min=5" in out
@@ -129,4 +131,8 @@ def test_the_trainer_writes_where_the_batch_script_watches(
     assert trainer[:2] == ["-m", "elastic_pretrain.cli"]
     args, extra = cli.build_parser().parse_known_args(trainer[2:])  # what each node's torchrun runs
     assert not extra
+    snapshot = Path(args.job)  # the real submit snapshots the job into the run (slurm/job.yaml); a dry run does not
+    assert snapshot == Path(watched) / "slurm" / "job.yaml", snapshot
+    snapshot.parent.mkdir(parents=True)
+    shutil.copy(job, snapshot)
     assert job_from_args(args).run_path == Path(watched) == Path.cwd() / name

@@ -188,6 +188,9 @@ def _fusion_kwargs(model: ModelConfig) -> dict[str, Any]:
     return kw
 
 
+_SAID = {"local_spec": False}
+
+
 def layer_specs(model: ModelConfig, backend: Literal["te", "local"] | None = None) -> LayerSpecs:
     """megatron's TE layer spec with CUDA + TE (``backend`` None), else its local spec (torch modules).
 
@@ -207,7 +210,9 @@ def layer_specs(model: ModelConfig, backend: Literal["te", "local"] | None = Non
             num_experts=model.experts_built, moe_grouped_gemm=grouped, qk_layernorm=model.qk_norm
         )
         return LayerSpecs(dense=dense, moe=moe, norm=TESpecProvider().layer_norm())
-    log.info("no Transformer Engine/CUDA: using megatron-core's local layer spec (torch modules)")
+    if not _SAID["local_spec"]:  # once per process: evaluation builds a model per checkpoint (issue 33 item 12)
+        _SAID["local_spec"] = True
+        log.info("no Transformer Engine/CUDA: using megatron-core's local layer spec (torch modules)")
     dense = specs.get_gpt_layer_local_spec(
         num_experts=None, normalization=model.normalization, qk_layernorm=model.qk_norm
     )

@@ -174,3 +174,15 @@ def test_te_spec_computes_what_the_local_spec_computes(mesh1, te_standins, norma
     torch.testing.assert_close(te_logits, local_logits, rtol=0, atol=1e-6)
     for ell in local_losses:
         torch.testing.assert_close(te_losses[ell], local_losses[ell], rtol=0, atol=1e-6)
+
+
+def test_the_local_spec_is_announced_once_per_process(caplog: pytest.LogCaptureFixture) -> None:
+    """Evaluation builds a model per checkpoint: the 'no Transformer Engine' line is said once, not per model."""
+    from elastic_pretrain.parallel import megatron as pm
+
+    pm._SAID["local_spec"] = False
+    with caplog.at_level("INFO", logger=pm.log.name):
+        for _ in range(3):
+            layer_specs(tiny(), "local")
+    assert [r.getMessage() for r in caplog.records].count(
+        "no Transformer Engine/CUDA: using megatron-core's local layer spec (torch modules)") == 1

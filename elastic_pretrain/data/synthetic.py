@@ -11,9 +11,13 @@ A line assigns a digit to the first variable of each of ``chains`` chains (``a7`
 variable of a chain to the one before it (``ba``: b = a), the chains interleaved; after ``;`` every variable
 is queried once as ``?<name><value>``. The value of a variable at depth k (``a`` 1, ``b`` 2, ``f`` 3) is k
 lookups away: a model resolves about one lookup per attention layer, so a one-pass model can answer shallow
-queries and only a deeper one the rest. No query is asked before the queries of its descendants, so no
-answer can be read off an earlier one; the *difficulty* of an answer token is its number of lookups
-(1..``max_depth``), every other token's is 0.
+queries and only a deeper one the rest. No query is asked before the queries of its descendants (an
+ancestor's answer would shorten every descendant's chase); the *difficulty* of an answer token is the fewest
+lookups that reach a value in view, every other token's is 0. With every variable asked (``queries: all``)
+that is the whole chase only for a chain's last variable: an ancestor asked after its child is two lookups
+away (``fb`` names f's source b, and ``?f7`` gave f's value), however deep it sits. An earlier solver counted
+the chase from the root alone and labelled those answers with their depth, overstating the hard tokens;
+``queries: leaves`` asks only the last variable of each chain, so every answer is a full chase.
 
 A document is exactly ``seq_len`` bytes (whole lines, then ``.`` padding): with its EOS it fills one
 packed row, so no row starts inside a line whose definitions it cannot see. The tables are small (a
@@ -73,6 +77,13 @@ class SyntheticConfig:
         "", doc="the text between a variable and its source in a definition: '' writes b=a as 'ba' (the shape "
         "an induction head copies), '=' as 'b=a'"
     )
+    queries: Literal["all", "leaves"] = field(
+        "all",
+        doc="all: every variable is asked (each chain deepest first); an ancestor asked after its child is two "
+        "lookups away (its child's definition, then the child's answer), so only the leaves need the whole "
+        "chase; leaves: only the last variable of each chain is asked, chains in random order, and the roots are "
+        "drawn with replacement (no answer follows from another by elimination): every answer is a full chase",
+    )
 
     def __post_init__(self) -> None:
         if not 1 <= self.chains <= len(VALUES):
@@ -94,17 +105,20 @@ class SyntheticConfig:
 
     def line_chars(self, variables: int) -> int:
         """Characters of a line with ``variables`` variables, its newline included: ``x=y,`` per assignment
-        (the last without the comma, then ``;``) and ``?xv`` per query."""
-        return (3 + len(self.assign)) * variables + 3 * variables + 1
+        (the last without the comma, then ``;``) and ``?xv`` per query (one per chain with ``queries: leaves``)."""
+        asked = self.chains if self.queries == "leaves" else variables
+        return (3 + len(self.assign)) * variables + 3 * asked + 1
 
 
 @dataclasses.dataclass(frozen=True)
 class Line:
-    """One generated line and, per variable, its value and depth (the generator's own account)."""
+    """One generated line and, per variable, its value and depth, and per asked variable the lookups its
+    answer needs given the answers before it (the generator's own account, from the chains)."""
 
     text: str
     value: dict[str, str]
     depth: dict[str, int]
+    hops: dict[str, int]
 
 
 def _chain_lengths(rng: random.Random, cfg: SyntheticConfig, variables: int) -> list[int]:
@@ -122,7 +136,9 @@ def make_line(rng: random.Random, cfg: SyntheticConfig, variables: int) -> Line:
     order = [c for c, n in enumerate(lengths) for _ in range(n)]  # the chain of each definition, interleaved
     rng.shuffle(order)
     names = list(NAMES[:variables]) if cfg.names == "alphabetical" else rng.sample(NAMES, variables)
-    roots = rng.sample(VALUES, cfg.chains)  # distinct: a chain's value says which chain it is
+    # leaves: roots with replacement (no answer follows from another by elimination); all: distinct roots (a
+    # chain's value says which chain it is)
+    roots = rng.choices(VALUES, k=cfg.chains) if cfg.queries == "leaves" else rng.sample(VALUES, cfg.chains)
     chains: list[list[str]] = [[] for _ in lengths]
     defs = []
     for name, c in zip(names, order):  # a name is defined before it is used
@@ -131,7 +147,10 @@ def make_line(rng: random.Random, cfg: SyntheticConfig, variables: int) -> Line:
     value = {v: roots[c] for c, chain in enumerate(chains) for v in chain}
     depth = {v: i + 1 for chain in chains for i, v in enumerate(chain)}
     # queries: no ancestor is answered before a descendant (its answer would shorten the descendant's chase)
-    if cfg.names == "alphabetical":
+    if cfg.queries == "leaves":
+        asked = [chain[-1] for chain in chains]
+        rng.shuffle(asked)
+    elif cfg.names == "alphabetical":
         asked = names[::-1]  # reverse definition order
     else:  # interleaved at random, each chain deepest first
         rng.shuffle(order)
@@ -140,8 +159,13 @@ def make_line(rng: random.Random, cfg: SyntheticConfig, variables: int) -> Line:
         for c in order:
             left[c] -= 1
             asked.append(chains[c][left[c]])
+    hops: dict[str, int] = {}
+    for v in asked:  # along v's chain: to the root's digit, or to the nearest answered variable and its answer
+        chain = next(chain for chain in chains if v in chain)
+        i = chain.index(v)
+        hops[v] = min([i + 1] + [abs(j - i) + 1 for j, u in enumerate(chain) if u in hops])
     queries = "".join(f"?{v}{value[v]}" for v in asked)
-    return Line(text=",".join(defs) + ";" + queries + "\n", value=value, depth=depth)
+    return Line(text=",".join(defs) + ";" + queries + "\n", value=value, depth=depth, hops=hops)
 
 
 def make_document(rng: random.Random, cfg: SyntheticConfig, chars: int) -> tuple[str, list[Line]]:
@@ -177,13 +201,16 @@ def documents(cfg: SyntheticConfig, *, seed: int, chars: int) -> Iterator[tuple[
 def solve_line(line: str, assign: str = "") -> list[tuple[int, int]]:
     """(offset of the answer character in ``line``, hops) for every query of one line, from the text alone.
 
-    The hops of a query are the lookups from its variable to the first value already in view: a digit (a
-    chain's root), or an earlier query's answer (one more lookup, to that query). Raises
-    ValueError when the line is not of the task's form or an answer is wrong."""
+    The hops of a query are the fewest lookups from its variable to a value in view: along definitions
+    in either direction (``cb`` leads from c to b, and from b to c), each one lookup, to a digit (a chain's
+    root: one more lookup) or to a variable an earlier query answered (one more, to that answer). Asked
+    after its child, an ancestor is two lookups away however deep it sits. Raises ValueError when the line
+    is not of the task's form or an answer is wrong."""
     defs_text, sep, queries = line.partition(";")
     if not sep:
         raise ValueError("no ';' between assignments and queries")
     rhs: dict[str, str] = {}
+    users: dict[str, list[str]] = {}
     for item in defs_text.split(","):
         name, middle, right = item[:1], item[1:-1], item[-1:]
         if not (middle == assign and len(item) == 2 + len(assign) and name in NAMES and name not in rhs):
@@ -191,24 +218,29 @@ def solve_line(line: str, assign: str = "") -> list[tuple[int, int]]:
         if right not in VALUES and right not in rhs:
             raise ValueError(f"{item!r} uses {right!r} before it is defined")
         rhs[name] = right
+        users.setdefault(right, []).append(name)
     if len(queries) % 3:
         raise ValueError("queries are not ?xv triples")
-    answered: set[str] = set()
+    answered: dict[str, str] = {}
     out = []
     for q in range(0, len(queries), 3):
         mark, name, given = queries[q], queries[q + 1], queries[q + 2]
         if mark != "?" or name not in rhs:
             raise ValueError(f"query {queries[q : q + 3]!r} is not ?<defined name><value>")
-        hops, at = 1, rhs[name]
-        while at not in VALUES and at not in answered:
-            hops, at = hops + 1, rhs[at]
-        if at not in VALUES:  # one more lookup: the earlier query's answer
-            hops += 1
-            while at not in VALUES:
-                at = rhs[at]
+        at = name  # the value, by the definitions alone
+        while at not in VALUES:
+            at = rhs[at]
         if given != at:
             raise ValueError(f"query ?{name} answers {given!r}, the assignments give {at!r}")
-        answered.add(name)
+        hops, seen, frontier = 0, {name}, [name]  # breadth-first over the definitions, both directions
+        while True:
+            if any(rhs[v] in VALUES or (v in answered and v != name) for v in frontier):
+                hops += 1
+                break
+            nxt = [u for v in frontier for u in (rhs[v], *users.get(v, ())) if u not in VALUES and u not in seen]
+            seen.update(nxt)
+            frontier, hops = nxt, hops + 1
+        answered[name] = given
         out.append((len(defs_text) + 1 + q + 2, hops))
     return out
 

@@ -35,10 +35,17 @@ MIN_SEEDS = 3
 
 Direction = Literal["negative", "positive", "equal"]  # the sign the paper predicts for the quantity
 Verdict = Literal[
-    "yes", "no", "contradicted", "not resolved at this scale", "not resolved — premise absent", "not comparable"
+    "yes",
+    "no",
+    "contradicted",
+    "not resolved at this scale",
+    "not resolved — premise absent",
+    "not comparable",
+    "not measured",
 ]
 PREMISE_ABSENT: Verdict = "not resolved — premise absent"  # the claim's premise did not resolve "yes"
 NOT_COMPARABLE: Verdict = "not comparable"  # another metric than the paper's: no agreement or contradiction stated
+NOT_MEASURED: Verdict = "not measured"  # an arm or a quantity the stored numbers lack, or no seed ran
 # "paper": a paper's claim; "premise": a condition other claims presuppose (e.g. depth pays on these runs);
 # "implementation check": an accounting identity of our code, not evidence for a paper
 Kind = Literal["paper", "premise", "implementation check"]
@@ -191,12 +198,15 @@ def _values(claim: Claim, by_seed: dict[int, Metrics]) -> tuple[tuple[float, ...
     try:
         return tuple(claim.value(m) for m in by_seed.values()), None
     except KeyError as e:
-        return (), (f"not measured: no {e.args[0]!r} (an arm the job set lacks, a quantity these runs give "
+        return (), (f"no {e.args[0]!r} (an arm the job set lacks, a quantity these runs give "
                     "nothing to measure, or one measured only since these numbers were stored)")  # fmt: skip
 
 
 def _premise_reason(premise: ClaimResult) -> str:
-    shown = premise.reason if premise.interval is None else f"{premise.interval.text()}, {premise.verdict}"
+    if premise.interval is not None:
+        shown = f"{premise.interval.text()}, {premise.verdict}"
+    else:
+        shown = f"{NOT_MEASURED}: {premise.reason}" if premise.verdict == NOT_MEASURED else premise.reason
     what = f"{premise.claim.measure}: {shown}"
     return f"its premise is not established here ({what}); the claim's own interval is not read"
 
@@ -224,9 +234,9 @@ def evaluate(claim: Claim, by_seed: dict[int, Metrics]) -> ClaimResult:
         other = "" if claim.comparable else "; on another metric than the paper's number besides (not comparable)"
         return ClaimResult(claim, values, iv, PREMISE_ABSENT, _premise_reason(premise) + other, premise)
     if missing is not None:
-        return ClaimResult(claim, (), None, "no", missing, premise)
+        return ClaimResult(claim, (), None, NOT_MEASURED, missing, premise)
     if not values:
-        return ClaimResult(claim, (), None, "no", "no seeds ran", premise)
+        return ClaimResult(claim, (), None, NOT_MEASURED, "no seeds ran", premise)
     if iv is None:  # e.g. a share of an improvement that is 0 at some seed
         return ClaimResult(claim, values, None, "no", "undefined at some seed (a ratio over 0)", premise)
     verdict, reason = decide(iv, claim.expect, margin=claim.margin)

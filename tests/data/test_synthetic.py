@@ -41,9 +41,9 @@ def recipe(out: Path, format: str = "mds", **synthetic: Any) -> DataConfig:
     })  # fmt: skip
 
 
-@pytest.mark.parametrize("names", ["random", "alphabetical"])
-def test_same_seed_same_bytes_and_every_label_matches_the_generators_depth(names: str) -> None:
-    cfg = SyntheticConfig(names=names, assign="=" if names == "random" else "")
+@pytest.mark.parametrize(("names", "queries"), [("random", "all"), ("alphabetical", "all"), ("alphabetical", "leaves")])
+def test_same_seed_same_bytes_and_every_label_matches_the_generators_account(names: str, queries: str) -> None:
+    cfg = SyntheticConfig(names=names, assign="=" if names == "random" else "", queries=queries)  # type: ignore[arg-type]
     first = [t for _, t in zip(range(200), documents(cfg, seed=3, chars=128))]
     assert first == [t for _, t in zip(range(200), documents(cfg, seed=3, chars=128))]
     assert first != [t for _, t in zip(range(200), documents(cfg, seed=4, chars=128))]
@@ -59,18 +59,26 @@ def test_same_seed_same_bytes_and_every_label_matches_the_generators_depth(names
             for q in range(queries, len(line.text) - 1, 3):
                 name, answer = line.text[q + 1], line.text[q + 2]
                 assert answer == line.value[name]
-                want[start + q + 2] = line.depth[name]
+                want[start + q + 2] = line.hops[name]
+                assert line.hops[name] <= line.depth[name]
+            if queries == "leaves":  # only the chains' last variables (no definition uses them), each a whole chase
+                sources = {d[-1] for d in line.text[: line.text.index(";")].split(",")}
+                assert set(line.hops) == set(line.value) - sources
+                assert all(line.hops[v] == line.depth[v] for v in line.hops)
             start += len(line.text)
         got = difficulty(text, cfg.assign)
         np.testing.assert_array_equal(got, want)
         seen.update(got[got > 0].tolist())
-    assert sorted(seen) == list(range(1, cfg.max_depth + 1))  # every depth 1..max_depth occurs
+    assert sorted(seen) == list(range(1, cfg.max_depth + 1))  # every difficulty 1..max_depth occurs
 
 
 def test_the_solver_counts_lookups_to_the_first_value_in_view_and_refuses_a_wrong_answer() -> None:
     # c -> b -> a -> 4: three lookups; asked after b was answered, c needs one to b and one to b's answer
     assert solve_line("a4,ba,cb;?c4?b4?a4") == [(11, 3), (14, 2), (17, 1)]
     assert solve_line("a4,ba,cb;?b4?c4") == [(11, 2), (14, 2)]
+    # asked after its child, an ancestor is two lookups away however deep: c -> d ('dc'), then d's answer
+    assert solve_line("a4,ba,cb,dc;?d4?c4?b4?a4") == [(14, 4), (17, 2), (20, 2), (23, 1)]
+    assert solve_line("a7,ba,c3,dc,ed,fb;?f7?e3?d3?c3?b7?a7") == [(20, 3), (23, 3), (26, 2), (29, 1), (32, 2), (35, 1)]
     assert solve_line("a=4,b=a;?b4", "=") == [(10, 2)]
     for bad, why in (("a4,ba;?b5", "answers '5'"), ("a4,bc;?b4", "before it is defined"), ("a4,ba", "no ';'"),
                      ("a4,a5;?a4", "defined once"), ("a4;?z4", "defined name")):  # fmt: skip

@@ -99,4 +99,4 @@ def test_a_claim_is_decided_on_paired_differences_per_seed() -> None:
     flipped = evaluate(Claim(**{**claim.__dict__, "expect": "positive"}), by_seed)
     assert flipped.verdict == "contradicted"
     missing = evaluate(Claim(**{**claim.__dict__, "value": paired("a", "c", "loss")}), by_seed)
-    assert missing.verdict == "no" and "'c'" in missing.reason and missing.interval is None
+    assert missing.verdict == "not measured" and "'c'" in missing.reason and missing.interval is None

@@ -47,6 +47,7 @@ def _experiment(args: argparse.Namespace) -> int:
             "--seeds",
             seeds,
             *(["--scale", str(args.scale)] if args.scale != 1 else []),
+            *(["--tokens-per-param", str(args.tokens_per_param)] if args.tokens_per_param is not None else []),
             *(["--runs", str(runs)] if args.runs else []),
             *(["--out", str(out)] if args.out else []),
             *args.overrides,
@@ -61,6 +62,7 @@ def _experiment(args: argparse.Namespace) -> int:
             command=command,
             seeds=seeds,
             scale=args.scale,
+            tokens_per_param=args.tokens_per_param,
         )
     return 0
 
@@ -117,8 +119,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         metavar="K",
-        help="the same designs K times wider and K times longer (e.g. 4, 16; for a GPU; reports go to "
-        "docs/results/scale-K/)",
+        help="the same designs K times wider, K times the batch, lr / sqrt(K), and the tokens per parameter of "
+        "the design (or --tokens-per-param) (e.g. 4, 16; for a GPU; reports go to docs/results/scale-K/)",
+    )
+    p.add_argument(
+        "--tokens-per-param",
+        type=float,
+        default=None,
+        metavar="R",
+        help="train every run on R tokens per parameter of its (scaled) model (default: the design's own ratio)",
     )
     p.add_argument("--runs", help="run directories root (default runs/experiments, --quick: runs/experiments-quick)")
     p.add_argument("--out", help="report folder (default docs/results, --quick: <runs>/results)")

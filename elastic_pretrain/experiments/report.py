@@ -67,15 +67,18 @@ def run_experiment(
     command: str,
     seeds: str | None = None,
     scale: int = 1,
+    tokens_per_param: float | None = None,
 ) -> Path:
     """Train or reuse every (job, seed), analyse each seed, decide the claims over the seeds, write
     ``<out_dir>/<name>.{md,png,json}``; returns the .md path. ``seeds``: runner.parse_seeds."""
     t0 = time.perf_counter()
-    jobs = load_jobs(experiment.name, runs_root, overrides, seeds=seeds, scale=scale)  # config errors first
+    jobs = load_jobs(experiment.name, runs_root, overrides, seeds=seeds, scale=scale,
+                     tokens_per_param=tokens_per_param)  # config errors first  # fmt: skip
     check_runs_root(runs_root)
     runs: list[Run] = []
     for path, seed, job in jobs:
-        job = job or load_post_training(path, experiment.name, runs_root, overrides, runs, seed=seed, scale=scale)
+        job = job or load_post_training(path, experiment.name, runs_root, overrides, runs, seed=seed, scale=scale,
+                                        tokens_per_param=tokens_per_param)  # fmt: skip
         runs.append(ensure_trained(path, job, runs_root))
     train_wall = time.perf_counter() - t0
     init_mesh(ParallelConfig(), seed=0)  # one process, for loading and evaluating the checkpoints

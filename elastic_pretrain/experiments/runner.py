@@ -7,8 +7,8 @@ analysis, one file under ``experiments/analyses/`` registered in
 initialisation, data order and depth draws), one after the other, into ``<runs>/<name>/<job>-seed<seed>``:
 in this process, or — a job with ``slurm.nproc_per_node: N`` (N > 1; e.g. ``parallel: cpu-ep2``, N = 2) —
 in N local processes through the launcher of ``elastic-pretrain train --nproc-per-node N``
-(:func:`train_processes`). ``--scale k`` multiplies the widths and the steps of every job
-(:func:`scale_overrides`; for a GPU). A finished run is **reused** when its resolved config
+(:func:`train_processes`). ``--scale k`` widens every job k times and sizes its tokens, batch and learning
+rate by a stated rule (:func:`scale_overrides`; for a GPU). A finished run is **reused** when its resolved config
 (``config.yaml``, name and run directory left out) equals the job's and the run was trained for the
 experiment and job its directory names (``config.yaml``'s ``run_dir`` and ``name``, which the runner sets):
 its own directory, or the directory of another job set's job with the same config (the late-switch run that
@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import time
@@ -39,6 +40,7 @@ from elastic_pretrain.errors import UserError
 from elastic_pretrain.experiments.stats import MIN_SEEDS, Claim, Metrics
 from elastic_pretrain.files import LIMITS, check_regular, read_json_object
 from elastic_pretrain.job import JobConfig, dump_job, load_job
+from elastic_pretrain.model.params import count_parameters
 from elastic_pretrain.rundir import RunFiles
 
 if TYPE_CHECKING:
@@ -189,21 +191,45 @@ def parse_seeds(text: str, base: int) -> list[int]:
     return seeds
 
 
-def scale_overrides(job: JobConfig, scale: int) -> list[str]:
-    """``--scale k``: the same design k times wider (residual, FFN and expert widths; heads unchanged)
-    and k times longer (steps and warmup, so k times the tokens). Meant for a GPU: at k = 16 the hidden
-    size 64 of the experiment jobs becomes 1,024 and 200 steps become 3,200."""
+def scale_overrides(job: JobConfig, scale: int, *, tokens_per_param: float | None = None) -> list[str]:
+    """``--scale k``: the same design k times wider, trained on tokens sized to its parameters (for a GPU).
+
+    The rule (docs/experiments.md, "--scale"):
+
+    * width x k: residual, FFN and expert widths (heads, layers, experts and loops unchanged), so the
+      parameters grow ~k²;
+    * tokens = R x the scaled model's total parameters, R = ``tokens_per_param`` or the design's own ratio at
+      k = 1: the tokens per parameter stay put instead of falling ~1/k (k times the tokens for ~k² the
+      parameters was the earlier rule);
+    * batch x k sequences (micro-batch and global: the same micro-batches per step, each k times larger), so
+      the steps grow ~k: steps = tokens / (batch x seq_len), rounded up;
+    * lr and min_lr x 1/√k: μP's 1/width for Adam on hidden matrices, times √k for the k-times batch
+      (square-root batch scaling for Adam); warmup the same fraction of the steps.
+    """
     if scale < 1:
         raise UserError(f"--scale {scale}: must be a positive integer (1, 4, 16)")
-    if scale == 1:
+    if tokens_per_param is not None and not (math.isfinite(tokens_per_param) and tokens_per_param > 0):
+        raise UserError(f"--tokens-per-param {tokens_per_param}: must be a positive number, e.g. 20")
+    if scale == 1 and tokens_per_param is None:
         return []
     m, t = job.model, job.train
+    wide = dataclasses.replace(m, hidden_size=m.hidden_size * scale, ffn_hidden_size=m.ffn_hidden_size * scale,
+                               moe_ffn_hidden_size=m.moe_ffn_hidden_size * scale)  # fmt: skip
+    params_1, params_k = count_parameters(m).total, count_parameters(wide).total
+    ratio = tokens_per_param if tokens_per_param is not None else t.steps * job.tokens_per_step / params_1
+    steps = max(2, math.ceil(ratio * params_k / (job.tokens_per_step * scale)))
+    warmup = min(steps - 1, round(t.warmup_steps * steps / t.steps))
+    shrink = math.sqrt(scale)
     return [
-        f"model.hidden_size={m.hidden_size * scale}",
-        f"model.ffn_hidden_size={m.ffn_hidden_size * scale}",
-        f"model.moe_ffn_hidden_size={m.moe_ffn_hidden_size * scale}",
-        f"train.steps={t.steps * scale}",
-        f"train.warmup_steps={t.warmup_steps * scale}",
+        f"model.hidden_size={wide.hidden_size}",
+        f"model.ffn_hidden_size={wide.ffn_hidden_size}",
+        f"model.moe_ffn_hidden_size={wide.moe_ffn_hidden_size}",
+        f"train.micro_batch_size={t.micro_batch_size * scale}",
+        f"train.global_batch_size={t.global_batch_size * scale}",
+        f"train.steps={steps}",
+        f"train.warmup_steps={warmup}",
+        f"train.lr={t.lr / shrink:.6g}",
+        f"train.min_lr={t.min_lr / shrink:.6g}",
     ]
 
 
@@ -224,6 +250,7 @@ def load_jobs(
     *,
     seeds: str | None = None,
     scale: int = 1,
+    tokens_per_param: float | None = None,
 ) -> list[tuple[Path, int, JobConfig | None]]:
     """Every (job, seed) of the set with the overrides applied, seed-major (all arms of the first seed
     first, so that an interrupted experiment holds complete pairs), run directories
@@ -242,11 +269,10 @@ def load_jobs(
     paths.sort(key=lambda p: bases[p] is not None)  # bases first
     own = load_job(paths[0], overrides).train.seed  # config errors before any training
     seed_list = parse_seeds(seeds, own) if seeds is not None else [own]
-    return [
-        (p, seed, None if bases[p] else _load(p, name, runs_root, overrides, seed=seed, scale=scale))
-        for seed in seed_list
-        for p in paths
-    ]
+    def load(p: Path, seed: int) -> JobConfig:
+        return _load(p, name, runs_root, overrides, seed=seed, scale=scale, tokens_per_param=tokens_per_param)
+
+    return [(p, seed, None if bases[p] else load(p, seed)) for seed in seed_list for p in paths]
 
 
 def base_job(path: Path) -> str | None:
@@ -257,12 +283,21 @@ def base_job(path: Path) -> str | None:
 
 
 def load_post_training(
-    path: Path, name: str, runs_root: Path, overrides: list[str], runs: list[Run], *, seed: int, scale: int = 1
+    path: Path,
+    name: str,
+    runs_root: Path,
+    overrides: list[str],
+    runs: list[Run],
+    *,
+    seed: int,
+    scale: int = 1,
+    tokens_per_param: float | None = None,
 ) -> JobConfig:
     """A job that post-trains a job of its set, on that job's run of the same seed (trained or reused)."""
     base = next(r for r in runs if r.name == base_job(path) and r.seed == seed)
     values = {"decider.init_from": str(base.run_dir)}
-    return _load(path, name, runs_root, overrides, seed=seed, scale=scale, values=values)
+    return _load(path, name, runs_root, overrides, seed=seed, scale=scale, tokens_per_param=tokens_per_param,
+                 values=values)  # fmt: skip
 
 
 def _load(
@@ -273,6 +308,7 @@ def _load(
     *,
     seed: int,
     scale: int = 1,
+    tokens_per_param: float | None = None,
     values: dict[str, str] | None = None,
 ) -> JobConfig:
     # paths are set verbatim, not as key=value overrides that YAML would parse ('#', ': ', '~')
@@ -280,8 +316,9 @@ def _load(
     values = {**(values or {}), "run_dir": str(runs_root / name / stem), "name": f"{name}-{stem}"}
     overrides = [*overrides, f"train.seed={seed}"]
     job = load_job(path, overrides, values=values)
-    if scale != 1:  # after the other overrides: --scale multiplies what they set
-        job = load_job(path, [*overrides, *scale_overrides(job, scale)], values=values)
+    if scale != 1 or tokens_per_param is not None:  # after the other overrides: --scale multiplies what they set
+        rule = scale_overrides(job, scale, tokens_per_param=tokens_per_param)
+        job = load_job(path, [*overrides, *rule], values=values)
     check_processes(path, job)
     return job
 

@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 
 from elastic_pretrain.config import ConfigError, load_yaml
+from elastic_pretrain.errors import UserError
 from elastic_pretrain.experiments.runner import base_job, check_processes, fingerprint, job_diff, load_jobs
-from elastic_pretrain.job import dump_job, load_job
+from elastic_pretrain.job import JobConfig, dump_job, load_job
 from tests.conftest import REPO
 from tests.experiments.quick import quick_workspace, run_python
 
@@ -283,40 +285,50 @@ def test_post_training_runs_on_its_base_of_the_same_seed(tmp_path: Path) -> None
         load_post_training(post, "decider", tmp_path, [], bases, seed=1235)
 
 
-def test_scale_multiplies_widths_and_steps_and_the_job_still_builds(tmp_path: Path) -> None:
+def _scaled(tmp_path: Path, path: Path, overrides: list[str], **rule: Any) -> JobConfig:
+    [(_, _, job)] = [
+        t
+        for t in load_jobs(path.parent.name, tmp_path, overrides, jobs_dir=REPO / "jobs/experiments", seeds="1", **rule)
+        if t[0] == path
+    ]
+    assert job is not None
+    return job
+
+
+def test_scale_keeps_tokens_per_parameter_and_scales_batch_and_lr_with_the_width(tmp_path: Path) -> None:
+    """--scale k (issue 32 item 4): k times wider (~k² parameters), trained on the design's own tokens per
+    parameter (k times the tokens left the ratio falling ~1/k), batch x k, lr / √k; the job still builds."""
     from elastic_pretrain.experiments.runner import parse_seeds, scale_overrides
+    from elastic_pretrain.model.params import count_parameters
 
     path = REPO / "jobs/experiments/late-switch/switch-0.75.yaml"
     one = load_job(path)
     assert scale_overrides(one, 1) == []
-    [(_, _, big)] = [
-        t
-        for t in load_jobs("late-switch", tmp_path, [], jobs_dir=REPO / "jobs/experiments", seeds="1", scale=4)
-        if t[0] == path
-    ]
-    assert big is not None
-    m1, m4 = one.model, big.model
+    big = _scaled(tmp_path, path, [], scale=4)
+    m1, m4, t1, t4 = one.model, big.model, one.train, big.train
     assert (m4.hidden_size, m4.ffn_hidden_size, m4.moe_ffn_hidden_size) == (
         4 * m1.hidden_size,
         4 * m1.ffn_hidden_size,
         4 * m1.moe_ffn_hidden_size,
     )
-    assert (big.train.steps, big.train.warmup_steps) == (4 * one.train.steps, 4 * one.train.warmup_steps)
-    assert big.tokens_per_step == one.tokens_per_step and m4.num_heads == m1.num_heads  # tokens grow by the steps
-    # --scale multiplies what an override set (an override first, then the scale)
-    [(_, _, short)] = [
-        t
-        for t in load_jobs(
-            "late-switch",
-            tmp_path,
-            ["train.steps=50", "train.warmup_steps=5"],
-            jobs_dir=REPO / "jobs/experiments",
-            seeds="1",
-            scale=4,
-        )
-        if t[0] == path
-    ]
-    assert short is not None and short.train.steps == 200
+    assert m4.num_heads == m1.num_heads and m4.max_loops == m1.max_loops
+    assert (t4.micro_batch_size, t4.global_batch_size) == (4 * t1.micro_batch_size, 4 * t1.global_batch_size)
+    assert t4.lr == pytest.approx(t1.lr / 2, rel=1e-5) and t4.min_lr == pytest.approx(t1.min_lr / 2, rel=1e-5)
+    p1, p4 = count_parameters(m1).total, count_parameters(m4).total
+    assert 10 < p4 / p1 < 16  # ~k² (the byte embedding grows only k-fold)
+    ratio = lambda job, p: job.train.steps * job.tokens_per_step / p  # noqa: E731
+    # the same tokens per parameter, up to rounding the steps up to whole batches
+    assert ratio(one, p1) <= ratio(big, p4) < ratio(one, p1) + big.tokens_per_step / p4
+    assert t4.warmup_steps / t4.steps == pytest.approx(t1.warmup_steps / t1.steps, abs=1 / t4.steps)
+    # a target ratio instead of the design's; and the rule applies after the user's overrides
+    twenty = _scaled(tmp_path, path, ["data.seq_len=256"], scale=4, tokens_per_param=20)
+    assert twenty.data.seq_len == 256 and twenty.tokens_per_step == 4 * t1.global_batch_size * 256
+    assert 20 <= ratio(twenty, p4) < 20 + twenty.tokens_per_step / p4
+    same_width = _scaled(tmp_path, path, [], scale=1, tokens_per_param=2.0)
+    assert same_width.model.hidden_size == m1.hidden_size and same_width.train.lr == t1.lr
+    assert 2.0 <= ratio(same_width, p1) < 2.0 + one.tokens_per_step / p1
+    with pytest.raises(UserError, match=r"--tokens-per-param -1\.0: must be a positive number"):
+        scale_overrides(one, 4, tokens_per_param=-1.0)
     assert parse_seeds("3", 10) == [10, 11, 12] and parse_seeds("5,1", 10) == [5, 1]
 
 

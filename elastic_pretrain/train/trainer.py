@@ -385,8 +385,7 @@ class TrackingCallback:
         self.world_size, self.is_logging_rank = mesh.world_size, mesh.is_logging_rank
         t = job.train
         tflops = t.peak_tflops or (t.peak_flops_per_s / 1e12 if t.peak_flops_per_s else None)
-        # model.fp8 arrives with the precision work (gpu-b); until then every model is measured against bf16
-        self.peak = device_peak(tflops, precision="fp8" if getattr(job.model, "fp8", "off") != "off" else "bf16")
+        self.peak = device_peak(tflops, precision="fp8" if job.model.fp8 != "off" else "bf16")
 
     def state_dict(self) -> dict[str, Any]:
         live = self.tracker.run_id if self.tracker is not None else None
@@ -432,7 +431,7 @@ class TrackingCallback:
         if self.peak and result.depth is not None:  # global depth of the step; train/mfu.py
             flops = step_flops(self.job.model, result.depth, seq_len=self.job.data.seq_len,
                                micro_batch_tokens=self.job.train.micro_batch_size * self.job.data.seq_len,
-                               recompute=getattr(self.job.train, "recompute", "none"))  # train.recompute: gpu-b
+                               recompute=self.job.train.recompute)
             u = utilisation(flops, tokens_per_s=tokens_per_s, devices=self.world_size, peak_flops_per_s=self.peak[0])
             metrics.update({n.MFU: u["mfu"], n.HFU: u["hfu"], n.GHOST_PASS_FRACTION: u["ghost_pass_fraction"]})
         vs_baseline = state.flops_vs_baseline(self.job)

@@ -4,15 +4,18 @@ looped model trained at fixed depth ℓ = L_max beat the same model trained at �
 Every depth claim of the papers presupposes that extra depth pays: ELR's "four loops adding 7.25 and 4.75
 points", TaH2's decider giving passes to the tokens that need them, TLM's prefixes below the full depth. On
 the byte corpus at this scale it does not (docs/results/README.md). This report checks the premise where it
-can hold, per true difficulty of the predicted token (data/synthetic.py: the number of lookups its answer
-needs; 0 for every other token), so that a verdict says *which* tokens depth pays on.
+can hold, per true difficulty of the predicted token (data/synthetic.py: the fewest lookups its answer needs;
+0 for every other token), so that a verdict says *which* tokens depth pays on.
 
-The two arms train on the same tokens with the same seed (initialisation and data order): ``fixed-1`` at one
-pass (prelude, pass 0, coda) and ``fixed-max`` at L_max = 4 passes (prelude, passes 0..3, coda).
+Two shapes, each a pair of arms on the same tokens with the same seed (initialisation and data order):
+``bare-1`` / ``bare-max``, the looped core alone (ℓ = 1 is one layer, which cannot look anything up: a lookup
+needs a previous-token layer and a copy), and ``fixed-1`` / ``fixed-max`` with a prelude and a coda around it
+(ℓ = 1 is three layers, enough for the one- and two-lookup answers that most of the answers are).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,15 +24,29 @@ from elastic_pretrain.data.difficulty import load_difficulty
 from elastic_pretrain.eval.difficulty import DifficultyTable, by_difficulty
 from elastic_pretrain.experiments.present import figure, table
 from elastic_pretrain.experiments.runner import Context, Experiment, Findings
-from elastic_pretrain.experiments.stats import Claim, Metrics
+from elastic_pretrain.experiments.stats import Claim, Direction, Metrics
 
 SOURCE = "seeds/003 (ELR), seeds/000 (TaH2); the premise issue 32 asks for"
-SHALLOW, DEEP = "fixed-1", "fixed-max"
 MULTI = 2  # answers needing at least this many lookups: what one pass cannot do by a single lookup
 
 
-def _deep_minus_shallow(key: str) -> Callable[[Metrics], float]:
-    return lambda m: m[DEEP][key] - m[SHALLOW][key]
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One pair of arms: the same model trained at ℓ = 1 and at ℓ = L_max."""
+
+    shallow: str
+    deep: str
+    what: str  # the shape in words, for the claims
+
+
+BARE = Shape("bare-1", "bare-max", "the bare looped core (ℓ = 1: one layer; ℓ = 4: four)")
+WRAPPED = Shape("fixed-1", "fixed-max", "prelude + looped core + coda (ℓ = 1: three layers; ℓ = 4: six)")
+SHAPES = (BARE, WRAPPED)
+SHALLOW_ARMS = {sh.shallow for sh in SHAPES}
+
+
+def _deep_minus_shallow(shape: Shape, key: str) -> Callable[[Metrics], float]:
+    return lambda m: m[shape.deep][key] - m[shape.shallow][key]
 
 
 def _cell(tab: DifficultyTable, ell: int, levels: list[int]) -> tuple[float, float, int]:
@@ -60,18 +77,22 @@ def analyse(ctx: Context) -> Findings:
     tabs = {r.name: by_difficulty(ctx.model(r.name), tokens, labels) for r in ctx.runs}
     trained = {r.name: r.job.schedule.fixed_loops or r.job.schedule.loops or r.job.model.max_loops for r in ctx.runs}
     metrics = {name: arm_metrics(tab, trained[name]) for name, tab in tabs.items()}
-    hard = [k for k in tabs[DEEP].levels if k > 0]
-    top = trained[DEEP]
-    gaps = {k: metrics[DEEP][f"loss[d={k}]"] - metrics[SHALLOW][f"loss[d={k}]"] for k in hard}
-    acc_gaps = {k: metrics[DEEP][f"acc[d={k}]"] - metrics[SHALLOW][f"acc[d={k}]"] for k in hard}
-    reading = [
-        f"{DEEP} at ℓ = {top} minus {SHALLOW} at ℓ = 1, loss per difficulty: "
-        + ", ".join(f"d={k} {v:+.3f}" for k, v in gaps.items())
-        + "; accuracy: " + ", ".join(f"d={k} {v:+.2f}" for k, v in acc_gaps.items()) + ".",
-        f"All held-out tokens: {metrics[DEEP]['loss[all]']:.4f} ({DEEP}, ℓ = {top}) vs "
-        f"{metrics[SHALLOW]['loss[all]']:.4f} ({SHALLOW}, ℓ = 1); answer tokens "
-        f"{metrics[DEEP]['loss[answers]']:.4f} vs {metrics[SHALLOW]['loss[answers]']:.4f}.",
-    ]
+    reading = []
+    for sh in SHAPES:
+        if sh.deep not in tabs or sh.shallow not in tabs:
+            continue
+        hard = [k for k in tabs[sh.deep].levels if k > 0]
+        top, deep, shallow = trained[sh.deep], metrics[sh.deep], metrics[sh.shallow]
+        gaps = ", ".join(f"d={k} {deep[f'loss[d={k}]'] - shallow[f'loss[d={k}]']:+.3f}" for k in hard)
+        acc_gaps = ", ".join(f"d={k} {deep[f'acc[d={k}]'] - shallow[f'acc[d={k}]']:+.2f}" for k in hard)
+        reading += [
+            f"{sh.what}: {sh.deep} at ℓ = {top} minus {sh.shallow} at ℓ = 1, loss per difficulty: {gaps}; "
+            f"accuracy: {acc_gaps}.",
+            f"{sh.what}: all held-out tokens {deep['loss[all]']:.4f} ({sh.deep}, ℓ = {top}) vs "
+            f"{shallow['loss[all]']:.4f} ({sh.shallow}, ℓ = 1); answer tokens {deep['loss[answers]']:.4f} vs "
+            f"{shallow['loss[answers]']:.4f}; answer accuracy {deep['acc[answers]']:.3f} vs "
+            f"{shallow['acc[answers]']:.3f}.",
+        ]
     predicted = tokens.shape[0] * (tokens.shape[1] - 1)
     return Findings(
         tables=[curve_table(tabs, trained)],
@@ -83,8 +104,12 @@ def analyse(ctx: Context) -> Findings:
             "Difficulty of a token = the lookups its value needs (data/synthetic.py's reference solver, stored "
             "beside the tokens by prepare-data: data/difficulty.py); 0 for every token that is not an answer. "
             "A token's loss is scored under the difficulty of the token predicted.",
-            f"Both arms are evaluated at every ℓ = 1..L_max; the claims compare each at the depth it trained at "
-            f"({SHALLOW}: 1, {DEEP}: {top}). `d>={MULTI}`: answers needing {MULTI} or more lookups.",
+            "Every arm is evaluated at every ℓ = 1..L_max; the claims compare each pair at the depth each arm "
+            f"trained at (ℓ = 1 and ℓ = L_max). `d>={MULTI}`: answers needing {MULTI} or more lookups.",
+            "Two shapes of the same looped core (one layer of attention and an 8-expert MoE, run 4 times): bare "
+            "(no prelude or coda) and wrapped in one prelude and one coda layer. A lookup needs two layers (a "
+            "previous-token layer, then the copy), so bare ℓ = 1 cannot do one, while wrapped ℓ = 1 (three "
+            "layers) can do the one- and two-lookup answers, which are most of the answers.",
         ],
         held_out=f"the first {tokens.shape[0]} sequences of the validation split ({predicted:,} predicted tokens; "
         "documents never trained on, chosen by a hash of their name)",
@@ -93,7 +118,7 @@ def analyse(ctx: Context) -> Findings:
 
 def curve_table(tabs: dict[str, DifficultyTable], trained: dict[str, int]) -> str:
     """Loss / accuracy per (arm, ℓ) and true difficulty, then all answers and all tokens."""
-    deep = tabs[DEEP]
+    deep = next(iter(tabs.values()))
     hard = [k for k in deep.levels if k > 0]
     rows = []
     for name, tab in tabs.items():
@@ -117,8 +142,8 @@ def plot_difficulty(tabs: dict[str, DifficultyTable], trained: dict[str, int], p
             hard = [k for k in tab.levels if k > 0]
             for ell in tab.loops:
                 own = ell == trained[name]
-                if not own and name == SHALLOW:
-                    continue  # fixed-1 never ran passes 2..4: its deeper exits are untrained noise
+                if not own and name in SHALLOW_ARMS:
+                    continue  # an ℓ = 1 arm never ran passes 2..4: its deeper exits are untrained noise
                 style = dict(marker="o", linestyle="-" if own else ":", label=f"{name} ℓ={ell}")
                 axes[0].plot(hard, [tab.cells[ell][k].loss for k in hard], **style)
                 axes[1].plot(hard, [tab.cells[ell][k].accuracy for k in hard], **style)
@@ -132,53 +157,47 @@ def plot_difficulty(tabs: dict[str, DifficultyTable], trained: dict[str, int], p
     return figure(path, draw, panels=2)
 
 
-PREMISE = Claim(
-    paper='Depth pays: the premise of every depth claim ("four loops adding 7.25 and 4.75 points", ELR; '
-    "adaptive depth that \"keeps gaining\" with more iterations, TaH2)",
-    source=SOURCE,
-    magnitude="ELR: −0.058 nat at five loops (0.5B); here: any resolved gain",
-    measure=f"{DEEP} at ℓ = L_max minus {SHALLOW} at ℓ = 1, all held-out tokens (nats)",
-    value=_deep_minus_shallow("loss[all]"),
-    expect="negative",
-    kind="premise",  # a condition the papers' depth claims need, not a claim of theirs: never "contradicted"
-)
+def _premise_rows(shape: Shape) -> tuple[Claim, ...]:
+    """The premise on all tokens, on the answers, on multi-lookup answers and in answer accuracy, for one shape."""
+    paper = ('Depth pays: the premise of every depth claim ("four loops adding 7.25 and 4.75 points", ELR; '
+             'adaptive depth that "keeps gaining" with more iterations, TaH2)')  # fmt: skip
+    head = f"{shape.what}: {shape.deep} at ℓ = L_max minus {shape.shallow} at ℓ = 1"
+    rows: tuple[tuple[str, str, str, str, Direction], ...] = (
+        ("", "ELR: −0.058 nat at five loops (0.5B); here: any resolved gain", "all held-out tokens (nats)",
+         "loss[all]", "negative"),
+        (" — on the tokens that need computation", "any resolved gain", "answer tokens (nats)", "loss[answers]",
+         "negative"),
+        (f" — on answers needing {MULTI} or more sequential lookups", "any resolved gain",
+         f"answers of difficulty >= {MULTI} (nats)", f"loss[d>={MULTI}]", "negative"),
+        (" — in next-token accuracy on the answers", "TaH2 reports accuracy; any resolved gain",
+         "answer-token accuracy (fraction)", "acc[answers]", "positive"),
+    )  # fmt: skip
+    return tuple(
+        Claim(
+            paper=paper + suffix,
+            source=SOURCE,
+            magnitude=magnitude,
+            measure=f"{head}, {what}",
+            value=_deep_minus_shallow(shape, key),
+            expect=expect,
+            kind="premise",
+        )
+        for suffix, magnitude, what, key, expect in rows
+    )
+
+
+# the premise other claims can gate on: the bare core, whose ℓ = 1 cannot look anything up
+_BARE_ROWS = _premise_rows(BARE)
+PREMISE = _BARE_ROWS[0]
 
 EXPERIMENT = Experiment(
     name="depth-premise",
     title="Does depth pay? Fixed depth ℓ = L_max vs ℓ = 1 on a corpus of k-hop lookups",
     question="The premise of every depth claim, on the depth-pays corpus (data/depth-pays.yaml: chained "
     "variable assignments whose answers need 1..6 lookups, the difficulty stored per token): the looped model "
-    "trained at fixed depth ℓ = L_max against the same model trained at ℓ = 1, same tokens and seed; loss and "
-    "next-token accuracy per ℓ and per true difficulty.",
+    "trained at fixed depth ℓ = L_max against the same model trained at ℓ = 1, same tokens and seed, for the "
+    "bare looped core and for the core wrapped in a prelude and a coda; loss and next-token accuracy per ℓ and "
+    "per true difficulty.",
     analyse=analyse,
-    claims=(
-        PREMISE,
-        Claim(
-            paper=PREMISE.paper + " — on the tokens that need computation",
-            source=SOURCE,
-            magnitude="any resolved gain",
-            measure=f"{DEEP} at ℓ = L_max minus {SHALLOW} at ℓ = 1, answer tokens (nats)",
-            value=_deep_minus_shallow("loss[answers]"),
-            expect="negative",
-            kind="premise",
-        ),
-        Claim(
-            paper=PREMISE.paper + f" — on answers needing {MULTI} or more sequential lookups",
-            source=SOURCE,
-            magnitude="any resolved gain",
-            measure=f"{DEEP} at ℓ = L_max minus {SHALLOW} at ℓ = 1, answers of difficulty >= {MULTI} (nats)",
-            value=_deep_minus_shallow(f"loss[d>={MULTI}]"),
-            expect="negative",
-            kind="premise",
-        ),
-        Claim(
-            paper=PREMISE.paper + " — in next-token accuracy on the answers",
-            source=SOURCE,
-            magnitude="TaH2 reports accuracy; any resolved gain",
-            measure=f"{DEEP} at ℓ = L_max minus {SHALLOW} at ℓ = 1, answer-token accuracy (fraction)",
-            value=_deep_minus_shallow("acc[answers]"),
-            expect="positive",
-            kind="premise",
-        ),
-    ),
+    claims=(*_BARE_ROWS, *_premise_rows(WRAPPED)),
 )

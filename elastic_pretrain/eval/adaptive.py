@@ -116,6 +116,7 @@ class AdaptiveSweep:
 
     fixed: tuple[FixedPoint, ...]
     adaptive: tuple[AdaptiveResult, ...]
+    policy: KVPolicy = "per-loop"  # the KV cache of both curves
 
     def fixed_at(self, compute: float) -> tuple[float, float]:
         """(loss, accuracy) of fixed depth interpolated at ``compute`` (relative)."""
@@ -160,7 +161,7 @@ class AdaptiveSweep:
             "accuracy per doubling of decode compute (TaH2's slope, points): "
             f"fixed depth {100 * slope_fixed:.2f}, adaptive {100 * slope_adaptive:.2f}"
         )
-        return "\n".join(["**adaptive depth (iteration decider), teacher-forced, per-loop KV**", "", *rows, "",
+        return "\n".join([f"**adaptive depth (iteration decider), teacher-forced, {self.policy} KV**", "", *rows, "",
                           *fixed, "", slope, ""])  # fmt: skip
 
 
@@ -172,16 +173,21 @@ def adaptive_sweep(
     thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
     *,
     batch_size: int = 8,
+    kv_cache: KVPolicy = "per-loop",
 ) -> AdaptiveSweep:
-    """Fixed depth at every ℓ and adaptive depth at every threshold, on the same held-out tokens."""
+    """Fixed depth at every ℓ and adaptive depth at every threshold, on the same held-out tokens, both under
+    the ``kv_cache`` policy (``last-loop``: the cache ``generate`` serves with, token by token)."""
     seq_len = tokens_NT1.shape[1] - 1
     fixed = []
     for ell in range(1, model.cfg.max_loops + 1):
-        tf = teacher_forced_loss(model, tokens_NT1, loops=ell, kv_cache="per-loop", batch_size=batch_size)
+        tf = teacher_forced_loss(model, tokens_NT1, loops=ell, kv_cache=kv_cache, batch_size=batch_size)
         rel = relative_compute(model.cfg, ell, seq_len=seq_len)
         fixed.append(FixedPoint(loops=ell, relative_compute=rel, loss=tf.loss, accuracy=tf.accuracy))
-    adaptive = [adaptive_eval(model, decider, tokens_NT1, t, batch_size=batch_size) for t in sorted(thresholds)]
-    return AdaptiveSweep(fixed=tuple(fixed), adaptive=tuple(adaptive))
+    adaptive = [
+        adaptive_eval(model, decider, tokens_NT1, t, batch_size=batch_size, kv_cache=kv_cache)
+        for t in sorted(thresholds)
+    ]
+    return AdaptiveSweep(fixed=tuple(fixed), adaptive=tuple(adaptive), policy=kv_cache)
 
 
 def plot_sweep(sweep: AdaptiveSweep, path: Path, *, root: Path | None = None) -> Path:

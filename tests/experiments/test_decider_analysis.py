@@ -100,10 +100,10 @@ def _seed(joint_gain: float, noise: float, depth_gain: float = -0.1) -> dict[str
 def test_the_claims_are_decided_over_paired_seeds() -> None:
     vs_uniform = f"joint per-token minus {UNIFORM}"
     names = ("frozen decider", "joint per-token decider", vs_uniform, "joint per-token minus frozen decider",
-             "frozen vs random", "joint vs random")  # fmt: skip
+             "frozen vs random", "joint per-token decider under the last-loop cache", "joint vs random")  # fmt: skip
     claims = dict(zip(names, (c for c in EXPERIMENT.claims if c.kind != "premise"), strict=True))
-    assert all(claims[n].measure.startswith(n) for n in names[:4])
-    assert all("random stopping" in claims[n].measure for n in names[4:])
+    assert all(claims[n].measure.startswith(n) for n in (*names[:4], names[5]))
+    assert all("random stopping" in claims[n].measure for n in (names[4], names[6]))
     by_seed = {s: _seed(0.04, n) for s, n in zip((1, 2, 3), (0.0, 0.002, -0.001), strict=True)}
     verdicts = {k: evaluate(c, by_seed).verdict for k, c in claims.items()}
     assert verdicts["frozen decider"] == "contradicted"  # adaptive worse than fixed depth at every seed
@@ -155,13 +155,17 @@ def test_quick_decider_experiment_measures_both_deciders(decider_quick: QuickRun
     # the frozen decider's backbone is the base model: its own fixed depth is the base's, so both AUCs agree
     assert metrics[FROZEN]["auc_vs_base"] == pytest.approx(metrics[FROZEN]["auc_vs_fixed"], abs=1e-5)
     assert numbers["deciders"][PER_TOKEN]["backbone_drift"] > 1e-3  # the joint backbone trained
-    assert len(numbers["claims"]) == 7 and numbers["claims"][0]["kind"] == "premise"
+    assert len(numbers["claims"]) == 8 and numbers["claims"][0]["kind"] == "premise"
     # every claim is measured where the deciders it reads decide something: after 2 training steps a decider can
     # stop every token at the same pass, and then its sweep has no point off the forced ends, no frontier
     inner = {n: any(1 + 1e-6 < r["mean_passes"] < 4 - 1e-6 for r in d["adaptive"])
              for n, d in numbers["deciders"].items()}  # fmt: skip
-    reads = [[FROZEN], [PER_TOKEN], [PER_TOKEN, UNIFORM], [PER_TOKEN, FROZEN], [FROZEN], [PER_TOKEN]]
+    # the last-loop sweep (the cache generate serves with) is stored per decider run, fixed depth at every ℓ
+    assert all(len(d["last_loop"]["fixed"]) == 4 and d["last_loop"]["adaptive"] for d in numbers["deciders"].values())
+    last = numbers["deciders"][PER_TOKEN]["last_loop"]["adaptive"]
+    served = any(1 + 1e-6 < r["mean_passes"] < 4 - 1e-6 for r in last)
+    reads = [[FROZEN], [PER_TOKEN], [PER_TOKEN, UNIFORM], [PER_TOKEN, FROZEN], [FROZEN], None, [PER_TOKEN]]
     for claim, names in zip(numbers["claims"][1:], reads, strict=True):
-        assert bool(claim["values"]) == all(inner[n] for n in names), claim
+        assert bool(claim["values"]) == (served if names is None else all(inner[n] for n in names)), claim
         assert claim["verdict"] == "not resolved — premise absent"  # one seed: the premise has no interval
     assert numbers["claims"][0]["values"] and "depth_gain" in metrics["late-switch"]

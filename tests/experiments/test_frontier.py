@@ -69,6 +69,20 @@ def test_frontier_scores_drop_forced_ends_and_dominated_thresholds() -> None:
     # a decider that decides nothing (every threshold forced): no frontier to score, said as "not measured"
     none = frontier_scores(_run([]), {})
     assert none["frontier_points"] == 0.0 and "frontier_vs_own_fixed" not in none
+    assert "last_loop_frontier_vs_own_fixed" not in s  # numbers stored before the last-loop sweep: not measured
+
+
+def test_the_last_loop_sweep_is_scored_against_fixed_depth_under_the_same_cache() -> None:
+    """Adaptive depth as `generate` serves it (issue 32 item 3): its frontier against the same checkpoint's fixed
+    depth under the last-loop cache, not the per-loop one (under which the whole-sequence curve is lower)."""
+    run = _run([(2.0, 0.6, 2.5, 0.30)])
+    last = _run([(2.0, 0.6, 2.75, 0.28), (3.0, 0.8, 2.9, 0.27)], fixed_loss=(3.1, 2.8, 2.7, 2.6))
+    run["last_loop"] = {"fixed": last["fixed"], "adaptive": last["adaptive"]}
+    s = frontier_scores(run, {})
+    assert s["frontier_vs_own_fixed"] == pytest.approx(2.5 - 2.6)  # per-loop: its own per-loop fixed depth
+    # last-loop frontier: (0.6, 2.75) only ((0.8, 2.9) is dominated); fixed depth under last-loop at 0.6: 2.8
+    assert s["last_loop_frontier_vs_own_fixed"] == pytest.approx(2.75 - 2.8)
+    assert s["last_loop_depth_gain"] == pytest.approx(2.6 - 3.1)
 
 
 def _seed(base_gain: float, frozen_gap: float, noise: float) -> dict:
@@ -89,7 +103,7 @@ def test_the_decider_claims_read_the_frontier_and_are_gated_by_depth_paying() ->
     assert flat[1][decider.BASE]["depth_gain"] == pytest.approx(0.001)
     assert flat[2][decider.FROZEN]["frontier_vs_base"] == pytest.approx(0.021)
     claims = [c for c in decider.EXPERIMENT.claims if c.kind != "premise"]
-    assert len(claims) == 6 and all(c.premise is decider.DEPTH_PAYS for c in claims)
+    assert len(claims) == 7 and all(c.premise is decider.DEPTH_PAYS for c in claims)
     frozen = claims[0]
     assert evaluate(decider.DEPTH_PAYS, flat).verdict == "not resolved at this scale"
     result = evaluate(frozen, flat)

@@ -149,6 +149,9 @@ def _method(ms: list[dict[str, Any]]) -> list[str]:
         f"the default) — in every decider job but {COVERAGE}, the ablation with the coverage cut (`decider.coverage: "
         "0.9`: only the largest gains, covering 90% of the total); reports made before issue 32 trained every arm "
         "with the cut (their `Jobs differ` line and run configs say which).",
+        "Served: the same sweep (fewer thresholds) and fixed depth under the last-loop KV cache, token by token "
+        "against the cache `generate(loops=\"auto\")` keeps (each token's K/V from the last pass it ran); "
+        "`last_loop_frontier_vs_own_fixed` is the frontier score under that cache.",
         "Control: the same execution with a random stop rule (each pass, each token stops with probability q, "
         "seed 0). The per-seed quantities `minus_fixed`/`minus_random` are means over the thresholds strictly "
         "between the ends.",
@@ -203,6 +206,10 @@ def _numbers(m: dict[str, Any]) -> dict[str, Any]:
             for r in sweep.adaptive
         ],
         "random_stop": m["control"],
+        "last_loop": {
+            "fixed": [dataclasses.asdict(p) for p in m["last_loop"].fixed],
+            "adaptive": [dataclasses.asdict(r) for r in m["last_loop"].adaptive],
+        },
         "decider_minus_random": m["vs_random"],
         "auc": dict(zip(cmp.names, cmp.aucs, strict=True)),
         "auc_range": [cmp.lo, cmp.hi],
@@ -227,6 +234,11 @@ def analyse(ctx: Context) -> Findings:
     return Findings(
         tables=[
             *(f"**{m['run'].name}** ({m['backbone']} backbone)\n\n{m['sweep'].markdown()}" for m in ms),
+            *(
+                f"**{m['run'].name}** under the last-loop cache (what `generate` serves with)\n\n"
+                f"{m['last_loop'].markdown()}"
+                for m in ms
+            ),
             _control_table(ms),
         ],
         reading=[
@@ -332,6 +344,17 @@ EXPERIMENT = Experiment(
             magnitude="not given (vs random allocation)",
             measure=f"frozen decider: {FRONTIER} random stopping's loss at the same compute (nats)",
             value=_of(FROZEN, "frontier_vs_random"),
+            expect="negative",
+            premise=DEPTH_PAYS,
+        ),
+        Claim(
+            paper=_SLOPE + " — served: ELR keeps \"only the last loop's KV cache\" at inference, and `generate` "
+            "runs adaptive depth against it",
+            source=TAH2,
+            magnitude="not given (TaH2 does not combine the decider with a last-loop cache)",
+            measure=f"joint per-token decider under the last-loop cache: {FRONTIER} its own fixed depth under the "
+            "same cache at the same compute (nats)",
+            value=_of(PER_TOKEN, "last_loop_frontier_vs_own_fixed"),
             expect="negative",
             premise=DEPTH_PAYS,
         ),

@@ -15,6 +15,7 @@ from elastic_pretrain.experiments.measure import losses
 from elastic_pretrain.experiments.runner import Context, Run, base_job
 
 RANDOM_STOP = (0.1, 0.25, 0.5, 0.75)  # the control: each pass, stop with this probability regardless of the token
+LAST_LOOP_THRESHOLDS = (0.0, 0.2, 0.4, 0.5, 0.6, 0.8, 1.01)  # the last-loop sweep runs token by token: fewer
 
 
 def random_stop(model: Any, tokens: torch.Tensor, q: float, *, seed: int = 0) -> dict[str, float]:
@@ -56,6 +57,9 @@ def measure(ctx: Context, run: Run) -> dict[str, Any]:
     if model.decider is None or run.job.decider is None:
         raise UserError(f"{run.run_dir}: the decider job's checkpoint holds no iteration decider")
     sweep = adaptive_sweep(model, model.decider.eval(), tokens, (0.0, 0.5, 1.01) if ctx.quick else DEFAULT_THRESHOLDS)
+    # the cache generate serves with (issue 32 item 3): token by token, so fewer thresholds
+    last = adaptive_sweep(model, model.decider, tokens, (0.0, 0.5, 1.01) if ctx.quick else LAST_LOOP_THRESHOLDS,
+                          kv_cache="last-loop")  # fmt: skip
     control = [random_stop(model, tokens, q) for q in ((0.5,) if ctx.quick else RANDOM_STOP)]
     for c in control:
         c["fixed_loss"], c["fixed_accuracy"] = sweep.fixed_at(c["relative_compute"])
@@ -70,6 +74,7 @@ def measure(ctx: Context, run: Run) -> dict[str, Any]:
         "backbone": run.job.decider.backbone,
         "base": base,
         "sweep": sweep,
+        "last_loop": last,
         "control": control,
         "inner": inner,
         "top": top,
@@ -165,6 +170,26 @@ def frontier_scores(run: dict[str, Any], refs: dict[str, Curve]) -> dict[str, fl
     acc = [(float(r["relative_compute"]), -float(r["accuracy"])) for r in reachable(ada, top)]
     own_acc = [(float(p["relative_compute"]), -float(p["accuracy"])) for p in fixed.values()]
     out["acc_frontier_vs_own_fixed"] = -100.0 * frontier_gap(acc, own_acc)  # points, higher is better
+    out.update(last_loop_scores(run))
+    return out
+
+
+def last_loop_scores(run: dict[str, Any]) -> dict[str, float]:
+    """Under the last-loop cache (``run["last_loop"]``, stored since issue 32; absent before): the frontier of the
+    reachable thresholds minus the same checkpoint's fixed depth under the same cache (``last_loop_frontier_vs_
+    own_fixed``, nats) and its fixed depth's loss at L_max minus at ℓ = 1 (``last_loop_depth_gain``)."""
+    from elastic_pretrain.eval.curves import frontier_gap
+
+    sweep = run.get("last_loop")
+    if not sweep:
+        return {}
+    fixed = {int(p["loops"]): p for p in sweep["fixed"]}
+    top = max(fixed)
+    out = {"last_loop_depth_gain": float(fixed[top]["loss"]) - float(fixed[1]["loss"])}
+    pts = [(float(r["relative_compute"]), float(r["loss"])) for r in reachable(sweep["adaptive"], top)]
+    if pts:
+        own = [(float(p["relative_compute"]), float(p["loss"])) for p in fixed.values()]
+        out["last_loop_frontier_vs_own_fixed"] = frontier_gap(pts, own)
     return out
 
 

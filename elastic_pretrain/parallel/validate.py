@@ -128,8 +128,8 @@ def _check_sequence_parallel(job: JobConfig, tp: int) -> bool:
     return sp
 
 
-# Share of a GPU's memory the estimate may fill: the rest is the CUDA context, allocator fragmentation,
-# NCCL buffers and routing imbalance (the estimate assumes every expert gets its share of tokens).
+# Share of a GPU's memory the estimate may fill: the rest is the CUDA context and allocator fragmentation
+# (routing imbalance, the all-to-all's buffers and NCCL's are in the estimate: parallel/memory.py).
 MEMORY_HEADROOM = 0.9
 
 

@@ -20,6 +20,9 @@ GHOST_PASS_FRACTION = "ghost_pass_fraction"  # ghost passes / executed passes (e
 DEPTH_EFFICIENCY = "depth_efficiency"  # useful / executed passes of the step, global (1 - ghost_pass_fraction)
 DEPTH_BALANCE = "depth_balance"  # mean / max executed passes per replica of the step (train/mfu.py: DepthCounts)
 GHOST_TIME_S = "ghost_time_s"  # estimated seconds of the step spent in ghost passes (train/mfu.py: ghost_time_share)
+# CUDA only: the caching allocator's peak since the previous report, GiB (train/memory_peaks.py)
+PEAK_ALLOCATED_GIB = "memory/peak_allocated_gib"
+PEAK_RESERVED_GIB = "memory/peak_reserved_gib"
 TRAIN_FLOPS_VS_BASELINE = "train_flops_vs_baseline"  # model FLOPs trained so far / the ℓ=1 baseline's (same tokens)
 MFU_PEAK_TAG = "mfu.peak_flops_per_s"  # e.g. "989 TFLOP/s (H100 SXM bf16 dense)"
 SYSTEM_PREFIX = "system/"

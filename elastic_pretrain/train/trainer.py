@@ -30,11 +30,13 @@ from elastic_pretrain.files import append_text, read_bounded, read_text_or_none,
 from elastic_pretrain.job import JobConfig, write_resolved
 from elastic_pretrain.jsonsafe import count, mapping
 from elastic_pretrain.jsonsafe import loads as json_loads
+from elastic_pretrain.parallel.device import device
 from elastic_pretrain.parallel.mesh import Mesh, describe, every_rank, init_mesh, teardown
 from elastic_pretrain.parallel.strict import enter_strict_devices
 from elastic_pretrain.rundir import RunFiles
 from elastic_pretrain.train.decider import load_base
 from elastic_pretrain.train.faults import FaultMonitor
+from elastic_pretrain.train.memory_peaks import MemoryPeaks, gib
 from elastic_pretrain.train.mfu import baseline_flops_per_token, device_peak, step_flops, utilisation
 from elastic_pretrain.train.profiling import ProfileWindow
 from elastic_pretrain.train.resume import check_steps_left
@@ -182,8 +184,10 @@ class Trainer:
 class ProgressPrinter:
     """One progress line every ``log_interval`` steps, from the logging rank."""
 
-    def __init__(self, job: JobConfig, mesh: Mesh, controller: ScheduleController) -> None:
+    def __init__(self, job: JobConfig, mesh: Mesh, controller: ScheduleController,
+                 peaks: MemoryPeaks | None = None) -> None:
         self.job, self.enabled, self.controller = job, mesh.is_logging_rank, controller
+        self.peaks = peaks or MemoryPeaks(None)
         self._window: list[float] = []
         self.routing: dict[tuple[int, int], dict[str, float]] = {}
 
@@ -208,10 +212,12 @@ class ProgressPrinter:
         # after the switch the step's micro-batches ran different ℓ: its loss averages over the depths drawn,
         # so it is not comparable with the fixed phase's (the per-ℓ values in parentheses are)
         loss = "loss" if not self.controller.mixed else "loss (mixed ℓ)"
+        peak = self.peaks.read("progress")  # CUDA: this window's peak allocated / reserved; CPU: None
+        mem = f" | mem {gib(peak[0]):.1f}/{gib(peak[1]):.1f} GiB" if peak else ""
         print(
             f"step {state.step:>5}/{total} [{100 * state.step / total:5.1f}%] {loss} {result.loss:.4f} ({per_loop})"
             f"{decider} | lr {result.lr:.2e} | gnorm {result.grad_norm:.2f}"
-            f" | {self.job.tokens_per_step / mean_s:,.0f} tok/s | {self.controller.phase}"
+            f" | {self.job.tokens_per_step / mean_s:,.0f} tok/s{mem} | {self.controller.phase}"
             f"{depth_note(a) if self.controller.mixed else ''}"
             f" | eta {eta:,.0f}s",
             flush=True,
@@ -375,10 +381,11 @@ class TrackingCallback:
     Checkpointed (as ``tracker``): its state is the MLflow run id, so a resumed run continues that MLflow
     run. :meth:`start` opens the run, after a resume has loaded the id."""
 
-    def __init__(self, job: JobConfig, mesh: Mesh, run_dir: Path) -> None:
+    def __init__(self, job: JobConfig, mesh: Mesh, run_dir: Path, peaks: MemoryPeaks | None = None) -> None:
         from elastic_pretrain.tracking import names
 
         self.job, self.mesh, self.names, self.files = job, mesh, names, RunFiles(run_dir)
+        self.peaks = peaks or MemoryPeaks(None)
         self.resume_run_id: str | None = None
         self.tracker: Tracker | None = None
         self._window: list[float] = []
@@ -437,6 +444,9 @@ class TrackingCallback:
         vs_baseline = state.flops_vs_baseline(self.job)
         if vs_baseline is not None:
             metrics[n.TRAIN_FLOPS_VS_BASELINE] = vs_baseline
+        peak = self.peaks.read("tracking")  # CUDA only: this window's peak (train/memory_peaks.py)
+        if peak:
+            metrics.update({n.PEAK_ALLOCATED_GIB: gib(peak[0]), n.PEAK_RESERVED_GIB: gib(peak[1])})
         metrics.update({n.loss_loops(k): v for k, v in result.loss_by_loops.items()})
         metrics.update({n.sanitize(k): v for k, v in result.aux.items()})
         for (layer, p), stats in result.routing.items():
@@ -474,7 +484,8 @@ class TrackingCallback:
             write_atomic(self.files.mlflow_run_id, self._tracker.run_id, root=self.files.run_dir)
 
 
-def fault_callbacks(job: JobConfig, mesh: Mesh, run_dir: Path, faults: FaultMonitor, tracker: Any) -> list[Any]:
+def fault_callbacks(job: JobConfig, mesh: Mesh, run_dir: Path, faults: FaultMonitor, tracker: Any,
+                    peaks: MemoryPeaks | None = None) -> list[Any]:
     """Wire the fault policy, hang watchdog, straggler report and profiler window to MLflow (docs/faults.md)."""
     t = job.train
     faults.log_metrics, faults.set_tags = tracker.log_metrics, tracker.set_tags
@@ -487,7 +498,8 @@ def fault_callbacks(job: JobConfig, mesh: Mesh, run_dir: Path, faults: FaultMoni
 
     return [
         HangWatchdog(t.hang_timeout_s, run_dir, mesh.rank, on_fire=hung),
-        StragglerReport(t.straggler_interval, mesh.rank, mesh.is_logging_rank, tracker.log_metrics, tracker.set_tags),
+        StragglerReport(t.straggler_interval, mesh.rank, mesh.is_logging_rank, tracker.log_metrics, tracker.set_tags,
+                        peaks=peaks),
         ProfileWindow(t.profile, run_dir, mesh.rank, tracker.log_artifact),
     ]
 
@@ -534,7 +546,8 @@ def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
         session = build_session(job, mesh)
         if mesh.is_logging_rank:
             print(session.describe(), flush=True)
-        state, tracking = TrainState(), TrackingCallback(job, mesh, run_dir)
+        peaks = MemoryPeaks.on(device())  # peak memory per report window on CUDA (issue 31 item 4)
+        state, tracking = TrainState(), TrackingCallback(job, mesh, run_dir, peaks)
         # what a checkpoint holds besides the tensors, by name in trainer.json (docs/checkpoints.md)
         ckpt = Checkpointer(job, mesh, run_dir, session.tensors(),
                             {"trainer": state, **session.checkpointed(), "tracker": tracking})  # fmt: skip
@@ -557,10 +570,10 @@ def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
         # answered by the time that save was taken, it is in the run directory's mlflow_run_id file)
         tracker = tracking.start(run_id_file=source is not None and source.parent == ckpt.store.root)
         callbacks: list[Callback] = [
-            ProgressPrinter(job, mesh, session.controller),
+            ProgressPrinter(job, mesh, session.controller, peaks),
             SummaryWriter(run_dir, mesh, resumed_step=state.step, job=job),
             tracking,
-            *fault_callbacks(job, mesh, run_dir, faults, tracker),
+            *fault_callbacks(job, mesh, run_dir, faults, tracker, peaks),
         ]
         val = Trainer(job, mesh, session, callbacks, ckpt, stop, state, faults).fit()
         ckpt.close()

@@ -15,7 +15,13 @@ from elastic_pretrain.config import ConfigError
 from elastic_pretrain.job import load_job
 from elastic_pretrain.model.config import DeciderConfig
 from elastic_pretrain.parallel.megatron import build_model
-from elastic_pretrain.parallel.memory import estimate_memory, largest_micro_batch, parse_bytes
+from elastic_pretrain.parallel.memory import (
+    NCCL_BUFFSIZE,
+    NCCL_CHANNELS,
+    estimate_memory,
+    largest_micro_batch,
+    parse_bytes,
+)
 from tests.conftest import REPO, VENV_BIN
 
 JOB = REPO / "jobs" / "tiny-cpu.yaml"
@@ -109,6 +115,47 @@ def test_recompute_modes_order_and_largest_micro_batch_fits():
     assert largest_micro_batch(job, 2, gpu, recompute="pass") > largest_micro_batch(job, 2, gpu, recompute="none")
 
 
+GPU16 = REPO / "jobs" / "gpu-16node.yaml"  # DP 128, EP 8 (expert-DP 16), TP 1, PP 1, bf16, nccl
+
+
+def test_routing_imbalance_scales_the_expert_activations_of_the_most_loaded_rank():
+    """The hand count at 16 nodes: N = 2 x 4096 tokens, k 4, D 2048, F 1408, 8 core layers, bf16. At MaxVio v
+    the most loaded EP rank keeps v x (N·k·D + 3·N·k·F) more bytes per (core layer, pass): the fc1 input, the fc1
+    output (2F) and the SwiGLU output (F) of its experts' tokens."""
+    job = load_job(GPU16)
+    per_layer_pass = 2 * 8192 * 4 * (2048 + 3 * 1408)
+    for v in (0.5, 1.0):
+        st = estimate_memory(job, 128, maxvio=v).stages[0]
+        assert st.imbalance_bytes["none"] == {ell: v * ell * 8 * per_layer_pass for ell in (1, 2, 3, 4)}
+        assert st.imbalance_bytes["pass"] == {ell: v * 8 * per_layer_pass for ell in (1, 2, 3, 4)}  # one pass live
+        assert st.total(4, "none") == (st.static_bytes + st.activation_bytes["none"][4]
+                                       + st.imbalance_bytes["none"][4] + st.dispatch_bytes + st.nccl_bytes)
+    # zero where it must be: a balanced router, or EP 1 (one rank holds every token whatever the routing)
+    balanced = estimate_memory(job, 128, maxvio=0).stages[0]
+    assert all(b == 0 for acts in balanced.imbalance_bytes.values() for b in acts.values())
+    assert balanced.activation_bytes == estimate_memory(job, 128).stages[0].activation_bytes
+    ep1 = estimate_memory(load_job(GPU16, ["parallel.expert=1"]), 128, maxvio=3.0).stages[0]
+    assert all(b == 0 for acts in ep1.imbalance_bytes.values() for b in acts.values())
+    # a rank receives at most every rank's tokens: the load factor stops at EP
+    assert estimate_memory(job, 128, maxvio=20).stages[0].imbalance_bytes["none"][1] == 7 * 8 * per_layer_pass
+    with pytest.raises(ConfigError, match="maxvio: must be >= 0"):
+        estimate_memory(job, 128, maxvio=-0.1)
+
+
+def test_communication_buffers_all_to_all_and_nccl():
+    job = load_job(GPU16)
+    st = estimate_memory(job, 128, maxvio=0.5).stages[0]
+    # the dispatcher's send buffer (N·k·D) and receive buffer (1.5 x N·k·D on the most loaded rank), bf16
+    assert st.dispatch_bytes == 2 * 8192 * 4 * 2048 * (1 + 1.5) == 320 * 2**20
+    # 4 MiB x 16 channels x peers: rings over world 128, DP 128, expert-DP 16 (2 peers each) + all-to-all over EP 8
+    assert st.nccl_bytes == NCCL_BUFFSIZE * NCCL_CHANNELS * (2 + 2 + 2 + 7) == 832 * 2**20
+    assert estimate_memory(job, 128, maxvio=0).stages[0].dispatch_bytes == 2 * 8192 * 4 * 2048 * 2
+    ep1 = estimate_memory(load_job(GPU16, ["parallel.expert=1"]), 128).stages[0]
+    assert ep1.dispatch_bytes == 0 and ep1.nccl_bytes == NCCL_BUFFSIZE * NCCL_CHANNELS * (2 + 2 + 2)
+    gloo = estimate_memory(load_job(JOB, []), 2, spec="local").stages[0]  # tiny-cpu: EP 2 over gloo
+    assert gloo.nccl_bytes == 0 and gloo.dispatch_bytes > 0
+
+
 def test_pipeline_stages_are_estimated_separately():
     est = estimate_memory(load_job(JOB, ["parallel=cpu-pp2", "model.flatten=1"]), 2)
     assert [st.stage for st in est.stages] == [0, 1]
@@ -129,6 +176,10 @@ def test_estimate_command():
                            "train.recompute=pass"], cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
     assert "stage 0:" in proc.stdout and "largest micro-batch that fits 16GiB" in proc.stdout
     assert "train.recompute=pass" in proc.stdout
+    assert "imbalance " in proc.stdout and "MaxVio 0.5" in proc.stdout and "all-to-all " in proc.stdout
+    neg = subprocess.run([cli, "estimate", "jobs/tiny-cpu.yaml", "--maxvio", "-1"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert neg.returncode == 2 and neg.stderr.strip().endswith("got -1.0") and "--maxvio" in neg.stderr
     bad = subprocess.run([cli, "estimate", "jobs/tiny-cpu.yaml", "--world-size", "3"], cwd=REPO, capture_output=True,
                          text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "parallel.expert" in bad.stderr

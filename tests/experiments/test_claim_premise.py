@@ -89,11 +89,11 @@ def test_an_accounting_identity_is_an_implementation_check() -> None:
 
 # The audit (issue 32 item 2): every claim that presupposes depth pays, by experiment, and its premise's measure.
 GATED = {
-    "decider": 6,  # every adaptive-depth claim: the base's fixed depth at L_max below ℓ = 1
+    "decider": 7,  # every adaptive-depth claim: the base's fixed depth at L_max below ℓ = 1
     "decider-depths": 4,  # per L_max, and the growth claim on L_max = 2 and the deepest
     "samplers": 3,  # all but the one-loop tax (measured against the one-loop baseline whatever depth gives)
     "samplers-ep2": 4,
-    "exit-schedules": 3,  # the areas and the holes; "matching at full capacity" needs no holes
+    "exit-schedules": 4,  # the areas, the holes, the dial's price; "matching at full capacity" needs no holes
     "kv-cache": 5,  # the size of the cost (one per arm) and the trained mode's shrinkage (a gap to shrink)
     "late-switch": 10,  # the shares retained and the five-loop comparisons (loops must pay), tied and untied
     "flattening": 0,

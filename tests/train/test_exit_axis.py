@@ -239,9 +239,19 @@ def test_exit_schedule_jobs_are_matched_in_training_flops():
     from elastic_pretrain.experiments.analyses.exit_schedules import planned_training_flops
 
     flops = {p.stem: planned_training_flops(load_job(p), steps=20) for p in sorted(SET.glob("*.yaml"))}
-    assert set(flops) == {"fixed-depth", "sparse-exits", "telescopic", "telescopic-one-draw"}
+    assert set(flops) == {"fixed-depth", "sparse-exits", "telescopic", "telescopic-dial", "telescopic-one-draw"}
     assert flops["telescopic"] == flops["sparse-exits"]
     assert flops["fixed-depth"] < flops["telescopic-one-draw"] < flops["telescopic"]
+    # the density dial moves where the draw lands, not how many: the one-draw job's FLOPs, and only its exits
+    assert flops["telescopic-dial"] == flops["telescopic-one-draw"]
+    from elastic_pretrain.experiments.analyses.exit_schedules import DIAL_EXITS
+    from elastic_pretrain.train.schedule import ScheduleController
+
+    dial = load_job(SET / "telescopic-dial.yaml")
+    ctl = ScheduleController(dial.schedule, max_loops=1, total_tokens=10**6, seed=1, layers=8)
+    ctl.update(step=0, tokens_seen=0)
+    drawn = {e for step in range(20) for e in ctl.plan(step=step, micro=0, replica=0).exits}
+    assert drawn == {*DIAL_EXITS, 8}
     # the trainer's per-step count (train/mfu.py step_flops via the step's depth counts) agrees with the replay
     from elastic_pretrain.train.mfu import DepthCounts, step_flops
 

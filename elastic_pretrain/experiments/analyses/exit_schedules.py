@@ -18,17 +18,20 @@ count the trainer kept (``train_flops`` in summary.json) and says whether the pa
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from elastic_pretrain.eval.curves import QualityCurve, auc, compare
 from elastic_pretrain.eval.loss import quality_curve
 from elastic_pretrain.eval.report import plot
 from elastic_pretrain.experiments.runner import Context, Experiment, Findings, Run
-from elastic_pretrain.experiments.stats import Claim, paired
+from elastic_pretrain.experiments.stats import Claim, Metrics, paired
 from elastic_pretrain.job import JobConfig
 
 BASELINE = "sparse-exits"
 MATCHED = "telescopic"  # the telescopic job at the baseline's training FLOPs
 ONE_DRAW = "telescopic-one-draw"  # TLM as published: the anchor and one prefix exit, fewer FLOPs than the baseline
+DIAL = "telescopic-dial"  # TLM's density dial: ONE_DRAW with the draw concentrated on the baseline's prefix exits
+DIAL_EXITS = (2, 4)  # where telescopic-dial concentrates its draw (its job file; checked against it in the test)
 TLM = "seeds/000, seeds/001 (TLM)"
 FLOPS_TOLERANCE = 0.01  # relative difference still called "equal training FLOPs"
 # TLM's failure mode of fixed exits: "perplexity 10^2 to 10^5" at unsupervised depths against ~20 ("readable
@@ -194,6 +197,13 @@ def _holes(m: dict[str, dict[str, float]]) -> float:
     return math.log(arm["max_ppl_unsupervised"]) - arm["loss@full"] - math.log(FAR_ABOVE)
 
 
+def _dial(exits: tuple[int, ...]) -> Callable[[Metrics], float]:
+    """telescopic-dial minus telescopic-one-draw, mean loss over the exits ``exits`` (same FLOPs, same tokens)."""
+    return lambda m: sum(m[DIAL][f"loss@{k}"] - m[ONE_DRAW][f"loss@{k}"] for k in exits) / len(exits)
+
+
+OTHER_EXITS = (1, 3, 5, 6, 7)  # the prefix exits the dial never draws (the 8-layer stack's, but 2, 4 and 8)
+
 HOLES = Claim(
     paper="TLM's claims presuppose holes to fill: fixed exits leave \"the nested model at chance level everywhere "
     'else", "perplexity 10^2 to 10^5" at unsupervised depths',
@@ -214,7 +224,8 @@ EXPERIMENT = Experiment(
         "On TLM's own axis (exits after the layers of a non-looped 8-layer stack), does telescopic training (the full "
         "stack plus random prefix exits) give a lower area under the quality-budget curve, in loss and in perplexity, "
         "than a Matryoshka-style baseline supervising exits L/4, L/2, L, at equal training FLOPs and equal tokens? "
-        "With TLM's one-draw telescopic (fewer FLOPs; TLM's own claim) and full-depth-only training as references. "
+        "With TLM's one-draw telescopic (fewer FLOPs; TLM's own claim) and full-depth-only training as references, "
+        "and the density dial: one-draw telescopic concentrated on the baseline's prefix exits. "
         "Every claim on the area presupposes the holes TLM fills: unsupervised exits far above full depth (its row)."
     ),
     analyse=exit_schedules,
@@ -257,6 +268,26 @@ EXPERIMENT = Experiment(
             value=paired(BASELINE, MATCHED, "max_ppl_unsupervised"),
             expect="positive",
             premise=HOLES,  # telescopic can fill only holes the fixed exits leave
+        ),
+        Claim(
+            paper='"The prefix sampling density is a dial ... Concentrate sampling on a few depths and you recover '
+            'fixed-exit quality there"',
+            source=TLM,
+            magnitude="not given (fixed-exit quality at the concentrated depths)",
+            measure=f"{DIAL} (draws only layers {', '.join(map(str, DIAL_EXITS))}) minus {ONE_DRAW} (uniform over "
+            f"1..7), mean loss at layers {', '.join(map(str, DIAL_EXITS))} (nats; same training FLOPs)",
+            value=_dial(DIAL_EXITS),
+            expect="negative",
+        ),
+        Claim(
+            paper='"... at the price of the continuum"',
+            source=TLM,
+            magnitude="not given",
+            measure=f"{DIAL} minus {ONE_DRAW}, mean loss at the layers the dial never draws "
+            f"({', '.join(map(str, OTHER_EXITS))}) (nats)",
+            value=_dial(OTHER_EXITS),
+            expect="positive",
+            premise=HOLES,  # a price only where unsupervised depths fall far behind
         ),
     ),
 )

@@ -32,6 +32,8 @@ def _experiment(args: argparse.Namespace) -> int:
     from elastic_pretrain.quiet import quiet_logs
 
     quiet_logs()
+    if args.gpu_smoke:
+        gpu_smoke(args, names)
     if args.scale < 1:
         raise UserError(f"--scale {args.scale}: must be a positive integer (e.g. 1, 4, 16)")
     runs = Path(args.runs or ("runs/experiments-quick" if args.quick else "runs/experiments"))
@@ -65,6 +67,29 @@ def _experiment(args: argparse.Namespace) -> int:
             tokens_per_param=args.tokens_per_param,
         )
     return 0
+
+
+SMOKE_SCALE, SMOKE_TOKENS_PER_PARAM = 4, 1.0  # ~3-4 M parameters, ~350-500 steps of 64 x 128 tokens per run
+
+
+def gpu_smoke(args: argparse.Namespace, names: list[str], *, cuda: bool | None = None) -> None:
+    """``--gpu-smoke`` (issue 32 item 4): the premise probe at ~3-4 M parameters for one H200: ``--scale 4
+    --tokens-per-param 1 --seeds 3`` into docs/results/gpu-smoke/, depth-premise only (12 runs of 345-505 steps).
+    Its time on an H200 is not measured yet (no GPU was lent): time the first run before trusting the budget."""
+    import torch
+
+    if names != ["depth-premise"]:
+        raise UserError("--gpu-smoke runs the premise probe: name depth-premise alone (experiment depth-premise "
+                        "--gpu-smoke)")  # fmt: skip
+    if not (torch.cuda.is_available() if cuda is None else cuda):
+        raise UserError("--gpu-smoke is sized for one GPU and this machine has no CUDA device: run it on a GPU "
+                        "node, or drop --gpu-smoke for the CPU design")  # fmt: skip
+    if args.scale != 1 or args.tokens_per_param is not None or args.quick:
+        raise UserError("--gpu-smoke sets --scale and --tokens-per-param itself and trains for real: drop --scale, "
+                        "--tokens-per-param and --quick")  # fmt: skip
+    args.scale, args.tokens_per_param = SMOKE_SCALE, SMOKE_TOKENS_PER_PARAM
+    args.seeds = args.seeds or "3"
+    args.out = args.out or "docs/results/gpu-smoke"
 
 
 def _rerender(args: argparse.Namespace, names: list[str], out: Path) -> int:
@@ -121,6 +146,12 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         metavar="K",
         help="the same designs K times wider, K times the batch, lr / sqrt(K), and the tokens per parameter of "
         "the design (or --tokens-per-param) (e.g. 4, 16; for a GPU; reports go to docs/results/scale-K/)",
+    )
+    p.add_argument(
+        "--gpu-smoke",
+        action="store_true",
+        help="depth-premise only: the premise probe sized for one GPU (--scale 4 --tokens-per-param 1 --seeds 3, "
+        "reports in docs/results/gpu-smoke/); refused without CUDA",
     )
     p.add_argument(
         "--tokens-per-param",

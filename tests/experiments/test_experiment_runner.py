@@ -350,3 +350,25 @@ def test_every_claim_reads_arms_of_its_own_job_set() -> None:
             result = evaluate(claim, by_seed)  # type: ignore[arg-type]
             assert result.interval is not None, f"{name}: {claim.measure}: {result.reason}"
             assert claim.paper.count('"') % 2 == 0 and claim.source.startswith("seeds/"), claim.paper
+
+
+def test_gpu_smoke_is_the_premise_probe_at_scale_4_and_is_refused_without_cuda() -> None:
+    import argparse
+
+    from elastic_pretrain.experiments.commands import gpu_smoke
+
+    def args(**kw: Any) -> argparse.Namespace:
+        return argparse.Namespace(**{"scale": 1, "tokens_per_param": None, "quick": False, "seeds": None,
+                                     "out": None, **kw})  # fmt: skip
+
+    a = args()
+    gpu_smoke(a, ["depth-premise"], cuda=True)
+    assert (a.scale, a.tokens_per_param, a.seeds, a.out) == (4, 1.0, "3", "docs/results/gpu-smoke")
+    for names, kw, cuda, words in (
+        (["depth-premise"], {}, False, "no CUDA device"),
+        (["late-switch"], {}, True, "name depth-premise alone"),
+        (["depth-premise"], {"scale": 8}, True, "drop --scale"),
+    ):
+        with pytest.raises(UserError, match=words) as err:
+            gpu_smoke(args(**kw), names, cuda=cuda)
+        assert "\n" not in str(err.value)

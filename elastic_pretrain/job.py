@@ -69,8 +69,10 @@ class JobConfig:
             )
         check_engine(self)  # first: under engine=deepspeed a model-parallel mesh is the mistake to name
         if self.engine != "megatron" and self.parallel.grad_reduce == "overlap":
+            also = " parallel.param_gather=after_step" if self.parallel.param_gather == "overlap" else ""
             raise ConfigError(f"parallel.grad_reduce=overlap drives megatron's gradient buckets: use engine=megatron "
-                              f"or parallel.grad_reduce=after_backward (engine={self.engine} has its own overlap)")
+                              f"or parallel.grad_reduce=after_backward{also} "
+                              f"(engine={self.engine} has its own overlap)")
         self.schedule.validate_for(self.model.max_loops, loop_conditioning=self.model.loop_conditioning,
                                    layers=self.model.core_layers_built)
         if self.schedule.exit_axis == "layer":

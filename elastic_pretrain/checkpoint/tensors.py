@@ -20,6 +20,7 @@ from elastic_pretrain.checkpoint import optim_state, parallel_io
 from elastic_pretrain.checkpoint.safe_load import load_sharded
 from elastic_pretrain.checkpoint.snapshot import SaveStrategies
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.parallel.overlap import settle_param_gather
 from elastic_pretrain.rundir import CheckpointFiles
 
 
@@ -31,6 +32,7 @@ def save_tensors(
 
     ``strategy``: a megatron save strategy, or the trainer's :class:`SaveStrategies` (which skips the
     sharding validation and reuses the save plan while the state dict's structure is unchanged)."""
+    settle_param_gather(optimizer)  # parallel.param_gather=overlap: the step's all-gathers may be in flight
     model_sd = net.sharded_state_dict()
     optim_sd, adam_step = optim_state.sharded_optimizer_state(optimizer, model_sd)
     state = {"model": model_sd, "optimizer": optim_sd}
@@ -57,6 +59,7 @@ def load_tensors(
     ``optimizer``: also its Adam state (with ``adam_step``); None reads model tensors only. ``exclude``: a
     parameter-name prefix that keeps its initialisation (a decider job's ``decider.``); every other
     parameter must be in the checkpoint. Reads are spread over the data-parallel group (parallel_io)."""
+    settle_param_gather(optimizer)  # an all-gather in flight would overwrite the loaded parameters
     model_sd = net.sharded_state_dict()
     if exclude:
         model_sd = {k: v for k, v in model_sd.items() if not k.startswith(exclude)}

@@ -27,12 +27,30 @@ class ParallelConfig:
         "reduction starts during backward once its gradients are final, under any mix of loop counts "
         "(megatron engine; docs/elastic-depth.md).",
     )
+    param_gather: Literal["after_step", "overlap"] = field(
+        "after_step",
+        doc="Distributed optimizer's parameter all-gather: at the end of the optimizer step, or 'overlap' — "
+        "started after the step, each bucket awaited by the next forward's first use of it (needs "
+        "grad_reduce: overlap; no effect without train.distributed_optimizer; docs/gpu.md).",
+    )
+    bucket_size: int = field(
+        0,
+        doc="Parameters per data-parallel communication bucket under grad_reduce: overlap; 0 = chosen from the "
+        "parameters per rank and the DP size (parallel/overlap.py: bucket_size_for).",
+    )
     timeout_minutes: int = field(10, doc="Collective timeout; a hang fails after this long instead of forever.")
 
     def __post_init__(self) -> None:
         for name in ("tensor", "expert", "pipeline"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        if self.bucket_size < 0:
+            raise ConfigError(f"bucket_size: must be >= 0 (0 = from the model size), got {self.bucket_size}")
+        if self.param_gather == "overlap" and self.grad_reduce != "overlap":
+            raise ConfigError(
+                "param_gather=overlap needs grad_reduce=overlap (its DDP starts the gathers in one order on every "
+                "rank): set parallel.grad_reduce=overlap or parallel.param_gather=after_step"
+            )
 
     def model_parallel_size(self) -> int:
         return self.tensor * self.pipeline

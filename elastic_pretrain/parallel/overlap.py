@@ -31,6 +31,18 @@ forward) could make a bucket start before its last gradient. A forward precedes 
 correct count is never behind the hooks: a hook beyond the count raises (whether or not the bucket
 had started) instead of risking a partial reduction. A count too high only delays that bucket (and the
 ones after it) to ``finish_grad_sync``. Applies on CPU and GPU alike (unlike ``parallel/cpu_compat.py``).
+
+**Parameter all-gather overlapped** (``parallel.param_gather: overlap``, distributed optimizer). megatron's
+``overlap_param_gather`` starts bucket k+1's all-gather when a forward pre-hook first waits on bucket k, and
+a bucket nobody waited on is started by the next hook that needs it: the issue order follows which
+modules the forward reaches first. Under mixed depth ranks reach different modules (untied attention of
+passes beyond ℓ), so their all-gathers would pair with other buckets' on their peers, or one rank would
+issue fewer. Here every pending bucket starts at once, in one fixed order (each lane in forward order),
+right after the optimizer step (:func:`start_param_gather`); a pre-hook only waits for its module's
+buckets, before their first use in the step (later passes and micro-batches find them done). Anything
+that reads or writes parameters outside a forward (checkpoint save/load, the switch's pass copy) calls
+:func:`settle_param_gather` first; ``finish_grad_sync`` waits for gathers no forward used before the
+optimizer writes the shards again.
 """
 
 from __future__ import annotations
@@ -44,6 +56,27 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
 from elastic_pretrain.model.recompute import current_scope
+
+# bucket_size_for: buckets per rank to aim for, and the bounds (parameters) it is clamped to
+BUCKETS_PER_RANK = 16
+RING_CHUNK_FLOOR = 1 << 18  # parameters per rank's ring chunk: 1 MiB of fp32 gradient
+MEGATRON_FLOOR, MEGATRON_PER_RANK = 40_000_000, 1_000_000  # megatron's default: max(40 M, 1 M x DP)
+
+
+def bucket_size_for(params_per_rank: int, dp: int) -> int:
+    """Parameters per DP bucket under overlap: ``clamp(params_per_rank / 16, 2^18 x dp, max(40 M, 1 M x dp))``.
+
+    About 16 buckets per rank (both lanes together): the first reduction starts after ~1/16 of backward
+    and only the last bucket's (≈ 1/16 of the traffic, unless one parameter is larger: the embedding) is
+    exposed after it. Floor: a ring reduce-scatter sends each rank ``bucket / dp`` elements per step; at
+    2^18 fp32 gradients (1 MiB) a message is bandwidth- rather than latency-bound. Ceiling: megatron's own
+    default, never larger buckets than it validated at scale (at large DP the floor may exceed
+    the ceiling's 40 M: the floor wins). docs/gpu.md has the figures of the GPU recipes."""
+    if params_per_rank < 1 or dp < 1:
+        raise ValueError(f"bucket_size_for: params_per_rank and dp must be >= 1, got {params_per_rank}, {dp}")
+    hi = max(MEGATRON_FLOOR, MEGATRON_PER_RANK * dp)
+    lo = min(RING_CHUNK_FLOOR * dp, hi)
+    return min(max(-(-params_per_rank // BUCKETS_PER_RANK), lo), hi)
 
 
 class GradLedger:
@@ -152,6 +185,9 @@ class GradLedger:
             self.started[lane] = len(groups)
         for groups in self.lanes:
             for group in groups:
+                if group.param_gather_handle is not None:  # a bucket no forward used: done before the
+                    group.param_gather_handle.wait()  # optimizer writes its shard of that buffer
+                    group.param_gather_handle = None
                 group.param_gather_dispatched = False
                 if group.grad_reduce_handle is not None:
                     group.grad_reduce_handle.wait()
@@ -167,6 +203,40 @@ class DepthOverlapDDP(DistributedDataParallel):
         if not self.ddp_config.overlap_grad_reduce or self.ddp_config.num_distributed_optimizer_instances != 1:
             raise ValueError("DepthOverlapDDP needs overlap_grad_reduce=True and one distributed-optimizer instance")
         self.ledger = GradLedger(self)
+        self.gathers = bool(self.use_forward_hook)  # megatron's: distributed optimizer + overlap_param_gather
+        for groups in self.ledger.lanes:  # built whole on every rank: nothing to gather before the first step
+            for group in groups:
+                group.param_gather_dispatched = self.gathers
+
+    def start_param_gather(self) -> None:
+        """Start every bucket's all-gather not started since the last reduction, in one fixed order on
+        every rank: dense, then expert-parallel, each in forward order (the first layers' bucket first)."""
+        for groups in self.ledger.lanes:
+            for group in reversed(groups):
+                if not group.param_gather_dispatched:
+                    group.start_param_sync()
+
+    def finish_param_gather(self) -> None:
+        """Every parameter current on every rank (start what is pending, wait for all)."""
+        self.start_param_gather()
+        for groups in self.ledger.lanes:
+            for group in groups:
+                group.finish_param_sync(skip_next_bucket_dispatch=True)
+
+    def _make_forward_pre_hook(self) -> Callable[..., None]:
+        """Wait for the module's buckets (megatron's hook would also start the next bucket, in an order set
+        by which modules this rank's forward reaches first)."""
+
+        def hook(module: torch.nn.Module, *unused: Any) -> None:
+            for p in module.parameters(recurse=False):
+                group = self.param_to_bucket_group.get(p)
+                if group is None:
+                    continue
+                if not group.param_gather_dispatched:  # not reached in training (started after each step)
+                    self.start_param_gather()
+                group.finish_param_sync(skip_next_bucket_dispatch=True)
+
+        return hook
 
     def _make_backward_post_hook(self, param: torch.nn.Parameter) -> Callable[..., None]:
         """megatron's hook (gradient into ``main_grad``), reporting to the ledger instead of the bucket's
@@ -201,3 +271,17 @@ def overlapped_step(model: Any, forward_step: Callable[..., Any], calls: int) ->
         return
     model.ledger.begin(calls)
     yield model.ledger.watch(forward_step)
+
+
+def start_param_gather(model: Any) -> None:
+    """After the optimizer step: start the parameter all-gathers, to be awaited by the next forward
+    (``parallel.param_gather: overlap``; a no-op otherwise — the optimizer step gathered them)."""
+    if isinstance(model, DepthOverlapDDP) and model.gathers:
+        model.start_param_gather()
+
+
+def settle_param_gather(optimizer: Any) -> None:
+    """Before reading or writing parameters outside a forward: every gather of ``optimizer``'s models done."""
+    for chunk in getattr(optimizer, "model_chunks", []):
+        if isinstance(chunk, DepthOverlapDDP) and chunk.gathers:
+            chunk.finish_param_gather()

@@ -20,8 +20,8 @@ from elastic_pretrain.job import JobConfig
 from elastic_pretrain.jsonsafe import StateError, choice, count, mapping, number
 from elastic_pretrain.model.looped import LoopedMoEModel
 from elastic_pretrain.parallel.megatron import build_model
-from elastic_pretrain.parallel.mesh import Mesh, expert_layout
-from elastic_pretrain.parallel.overlap import DepthOverlapDDP
+from elastic_pretrain.parallel.mesh import Mesh, data_parallel_group, expert_layout
+from elastic_pretrain.parallel.overlap import DepthOverlapDDP, bucket_size_for, settle_param_gather
 from elastic_pretrain.parallel.pipeline import Pipeline, check_micro_batches
 from elastic_pretrain.train.decider import DeciderStep, freeze_backbone
 from elastic_pretrain.train.schedule import ExpertLayout, ScheduleController
@@ -48,6 +48,7 @@ class Session:
                  "; loop-conditioning heads on (zero-init)" if self.net.loop_conditioning is not None else "")
         unused = self.controller.unused_passes()
         if unused and self.job.schedule.init_unused_passes == "copy_pass0":
+            settle_param_gather(self.optimizer)  # pass 0's whole attention, not one rank's shard of it
             # only passes the fixed phase never ran change, so the switch step's loss at fixed_loops is unchanged
             written = self.net.init_unused_passes(unused)
             copy_to_main_params(self.optimizer, written)
@@ -207,6 +208,7 @@ def build_optimizer(job: JobConfig, model: DistributedDataParallel) -> tuple[Any
         optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
         adam_beta2=t.adam_beta2, adam_eps=1e-8, clip_grad=t.clip_grad, bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=t.distributed_optimizer,
+        overlap_param_gather=model.ddp_config.overlap_param_gather,  # megatron: "same value as the DDP config's"
     )
     optimizer = get_megatron_optimizer(opt_cfg, [model])
     scheduler = OptimizerParamScheduler(
@@ -237,15 +239,21 @@ def per_token_loss(net: LoopedMoEModel) -> None:
 
 
 def wrap_ddp(job: JobConfig, net: LoopedMoEModel, *, bucket_size: int | None = None) -> DistributedDataParallel:
-    """megatron's DDP over ``net`` (``bucket_size``: parameters per bucket, megatron's default when None)."""
+    """megatron's DDP over ``net`` (``bucket_size``: parameters per bucket under overlap; None: from
+    ``parallel.bucket_size``, whose 0 means the rule of parallel/overlap.py ``bucket_size_for``)."""
     if job.schedule.balance == "compute":  # replicas run different micro-batch counts
         per_token_loss(net)
     # parallel.grad_reduce=overlap: megatron's overlapped reduction with buckets started by our ledger, not by
     # megatron's first-step hook counts, which mixed depth breaks (parallel/overlap.py; docs/elastic-depth.md)
     overlap = job.parallel.grad_reduce == "overlap"
+    if overlap and bucket_size is None:
+        bucket_size = job.parallel.bucket_size or bucket_size_for(
+            sum(p.numel() for p in net.parameters() if p.requires_grad), data_parallel_group().size())
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=overlap, bucket_size=bucket_size,
         use_distributed_optimizer=job.train.distributed_optimizer,
+        # gathers started after the step, awaited by the next forward (parallel/overlap.py; issue 31 item 1)
+        overlap_param_gather=job.train.distributed_optimizer and job.parallel.param_gather == "overlap",
     )
     ddp_class = DepthOverlapDDP if overlap else DistributedDataParallel
     model = ddp_class(config=net.config, ddp_config=ddp_cfg, module=net)

@@ -27,7 +27,7 @@ from elastic_pretrain.parallel.mesh import (
     expert_group_max_each,
     pipeline_group,
 )
-from elastic_pretrain.parallel.overlap import overlapped_step
+from elastic_pretrain.parallel.overlap import overlapped_step, start_param_gather
 from elastic_pretrain.parallel.pipeline import AttachLoss, PassChunk, Pipeline
 from elastic_pretrain.tracking import names
 from elastic_pretrain.train.faults import guarded_step
@@ -204,6 +204,7 @@ class TrainStep:
             ok, grad_norm = guarded_step(self.optimizer, partial(self.veto, loss=loss))
         if ok:  # a dropped update leaves the LR schedule where it was, as megatron's own skipped steps do
             self.scheduler.step(increment=1)
+        start_param_gather(self.model)  # parallel.param_gather=overlap: awaited by the next forward's pre-hooks
         return StepResult(loss=loss, loss_by_loops=by_loops, grad_norm=float(grad_norm or 0.0),
                           lr=float(self.optimizer.param_groups[0]["lr"]), skipped=not ok,
                           aux={**_moe_aux(len(micro_batches)), **extra})

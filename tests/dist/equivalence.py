@@ -91,7 +91,7 @@ def main(mode: str, out: Path) -> None:
 
 
 def wrap_ddp_for_test(net, balance: str = "off", grad_reduce: str = "after_backward", bucket_size=None,
-                      distributed_optimizer: bool = False):
+                      distributed_optimizer: bool = False, param_gather: str = "after_step"):
     class _Job:  # wrap_ddp reads only these
         class train:
             pass
@@ -105,6 +105,8 @@ def wrap_ddp_for_test(net, balance: str = "off", grad_reduce: str = "after_backw
     _Job.train.distributed_optimizer = distributed_optimizer  # type: ignore[attr-defined]
     _Job.schedule.balance = balance  # type: ignore[attr-defined]
     _Job.parallel.grad_reduce = grad_reduce  # type: ignore[attr-defined]
+    _Job.parallel.param_gather = param_gather  # type: ignore[attr-defined]
+    _Job.parallel.bucket_size = 0  # type: ignore[attr-defined]
 
     return wrap_ddp(_Job, net, bucket_size=bucket_size)
 

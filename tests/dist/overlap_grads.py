@@ -8,6 +8,7 @@ step, an extra exit runs its head mid-pipeline before a last micro-batch without
 
   <recompute>-after_backward  the reference: one reduction after backward (megatron's default path)
   <recompute>-overlap         DepthOverlapDDP, small buckets (many per process group, so issue order matters)
+  none-overlap-gather         (dp4 only) and the parameter all-gathers overlapped (``parallel.param_gather``)
   stock                       (ep2 only) megatron's own overlap_grad_reduce on the same steps: the evidence
 
 for recompute none, and pass with route replay. ep2: expert parallel 2 (both replicas one EP group, ghost passes),
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
-from elastic_pretrain.parallel.overlap import DepthOverlapDDP
+from elastic_pretrain.parallel.overlap import DepthOverlapDDP, settle_param_gather
 from elastic_pretrain.parallel.pipeline import Pipeline
 from elastic_pretrain.train.config import TrainConfig
 from elastic_pretrain.train.schedule import DepthPlan
@@ -65,8 +66,10 @@ def plans(s: int, replica: int, layout: str) -> list[DepthPlan]:
     return [DepthPlan(ell, exits, group_loops=g) for (ell, exits), g in zip(mine, group)]
 
 
-def run(layout: str, recompute: str, grad_reduce: str, out: Path, *, distributed: bool) -> None:
+def run(layout: str, recompute: str, grad_reduce: str, out: Path, *, distributed: bool,
+        param_gather: str = "after_step") -> None:
     name = f"{recompute}-{grad_reduce}" + ("-distopt" if distributed and layout == "ep2" else "")
+    name += "-gather" if param_gather == "overlap" else ""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo", init_method=f"file://{out}/store_{name}", rank=rank, world_size=world)
     par = LAYOUTS[layout]
@@ -86,7 +89,7 @@ def run(layout: str, recompute: str, grad_reduce: str, out: Path, *, distributed
         net.config.finalize_model_grads_func = finalize_model_grads
     else:
         model = wrap_ddp_for_test(net, grad_reduce=grad_reduce, bucket_size=BUCKET,
-                                  distributed_optimizer=distributed)
+                                  distributed_optimizer=distributed, param_gather=param_gather)
     assert isinstance(model, DepthOverlapDDP) == (grad_reduce == "overlap")
     job = SimpleNamespace(model=MODEL, train=TrainConfig(steps=3, warmup_steps=0, lr=1e-2, clip_grad=0.0,
                                                          distributed_optimizer=distributed))
@@ -96,7 +99,8 @@ def run(layout: str, recompute: str, grad_reduce: str, out: Path, *, distributed
                      pipeline=pipeline)
     tokens = torch.randint(0, MODEL.vocab_size, (len(STEPS), 4, ROWS, SEQ + 1),
                            generator=torch.Generator().manual_seed(mesh.dp_rank))
-    result: dict = {"loss": [], "grad_norm": [], "grads": [], "overlapped": [], "buckets": 0, "error": None}
+    result: dict = {"loss": [], "grad_norm": [], "grads": [], "overlapped": [], "buckets": 0, "error": None,
+                    "gathers_in_flight": []}
     if isinstance(model, DepthOverlapDDP):
         result["buckets"] = sum(len(lane) for lane in model.ledger.lanes)
     try:
@@ -109,10 +113,13 @@ def run(layout: str, recompute: str, grad_reduce: str, out: Path, *, distributed
                 result["grads"].append({n: p.main_grad.detach().clone() for n, p in net.named_parameters()})
             if isinstance(model, DepthOverlapDDP):
                 result["overlapped"].append(model.ledger.overlapped)
+                result["gathers_in_flight"].append(sum(g.param_gather_handle is not None
+                                                       for lane in model.ledger.lanes for g in lane))
     except Exception:  # the evidence of the stock path (both ranks stop at zero_grad_buffer, no collective)
         if grad_reduce != "stock":
             raise  # this rank dies, torchrun ends its peer (which may be waiting in a collective)
         result["error"] = traceback.format_exc(limit=4)
+    settle_param_gather(optimizer)  # param_gather=overlap: the last step's all-gathers (as a checkpoint save does)
     result["params"] = {n: p.detach().clone() for n, p in net.named_parameters()}
     torch.save(result, out / f"{layout}_{name}_rank{mesh.rank}.pt")
     del step, pipeline, optimizer, model, net
@@ -124,6 +131,7 @@ if __name__ == "__main__":
     if which == "dp4":  # 4 processes: data parallel 4 with the distributed optimizer (the GPU presets' path)
         for grad_reduce in ("after_backward", "overlap"):
             run(which, "none", grad_reduce, out_dir, distributed=True)
+        run(which, "none", "overlap", out_dir, distributed=True, param_gather="overlap")  # and the gathers
         sys.exit(0)
     for recompute in ("none", "pass"):
         for grad_reduce in ("after_backward", "overlap"):

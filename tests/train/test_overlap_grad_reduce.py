@@ -58,7 +58,8 @@ def test_overlapped_reduction_equals_the_reduction_after_backward_at_ep2(tmp_pat
 
 
 def test_overlapped_reduction_equals_the_reduction_after_backward_at_dp4_with_the_distributed_optimizer(tmp_path):
-    """The GPU presets' default (issue 31 item 1): DP 4, reduce-scatter into optimizer shards."""
+    """The GPU presets' default (issue 31 item 1): DP 4, reduce-scatter into optimizer shards; and with the
+    parameter all-gathers overlapped (``parallel.param_gather: overlap``) bitwise equal to gathering in the step."""
     torchrun(REPO / "tests" / "dist" / "overlap_grads.py", "dp4", str(tmp_path), nproc=4, timeout=500,
              env={"PYTHONPATH": str(REPO)})
     # Not bitwise after the first step: gloo's reduce-scatter adds 4 ranks' fp32 gradients in an order set by an
@@ -72,6 +73,14 @@ def test_overlapped_reduction_equals_the_reduction_after_backward_at_dp4_with_th
     # more. Every bucket must have started during backward.
     for rank in range(4):
         _compare(tmp_path, "dp4", rank, "none", grads=False, params=False, loss_rtol=1e-6)
+        # parallel.param_gather=overlap (the presets' default too) against the gather in the optimizer step,
+        # same buckets so the same reduce-scatter: an all-gather copies, so everything is bitwise
+        step = torch.load(tmp_path / f"dp4_none-overlap_rank{rank}.pt", weights_only=True)
+        over = torch.load(tmp_path / f"dp4_none-overlap-gather_rank{rank}.pt", weights_only=True)
+        assert over["error"] is None and (over["loss"], over["grad_norm"]) == (step["loss"], step["grad_norm"])
+        assert [n for n, want in step["params"].items() if not torch.equal(over["params"][n], want)] == []
+        assert step["gathers_in_flight"] == [0] * 3  # gathered inside the optimizer step
+        assert min(over["gathers_in_flight"]) == over["buckets"]  # every bucket's gather left to the next forward
 
 
 @pytest.mark.long  # DP=1 here: the bucket schedule, not a reduction's arithmetic (EP=2 above is in CI)

@@ -36,6 +36,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 _LONG = pytest.StashKey[int]()
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Shard verification records (data/verified.py) go to a folder of this session, inherited by every process
+    the tests start, not to the user's ~/.cache: a test never trusts a record an earlier run wrote."""
+    import tempfile
+
+    os.environ.setdefault("ELASTIC_PRETRAIN_VERIFY_CACHE", tempfile.mkdtemp(prefix="verified-"))
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: pytest.Config) -> None:
     if n := config.stash.get(_LONG, 0):
         terminalreporter.write_line(f"{n} long tests deselected: run them with `bash scripts/test.sh --long` "

@@ -46,10 +46,10 @@ from elastic_pretrain.data.manifest import (
     check_compatible,
     read_manifest,
     sha256_file,
-    verify_shard,
 )
 from elastic_pretrain.data.streaming_compat import cloud_downloader, import_streaming_lean
 from elastic_pretrain.data.tokenizer import Tokenizer
+from elastic_pretrain.data.verified import verify_shard_once
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import inside
 from elastic_pretrain.jsonsafe import loads as json_loads
@@ -320,9 +320,9 @@ class SplitReader:
     def _check(self, info: ShardInfo, *, raise_error: bool = True) -> bool:
         try:
             path = self.files.file(self.split_name, info.name)
-            problem = verify_shard(path, info, self.cfg.verify)
+            problem = verify_shard_once(path, info, self.cfg.verify)  # hashed once per machine (data/verified.py)
             if problem is not None and self.files.remote:  # a damaged cache copy: fetch it once more
-                problem = verify_shard(self.files.refetch(self.split_name, info.name), info, self.cfg.verify)
+                problem = verify_shard_once(self.files.refetch(self.split_name, info.name), info, self.cfg.verify)
         except UserError as err:
             if raise_error:
                 raise

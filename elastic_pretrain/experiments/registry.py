@@ -19,6 +19,7 @@ from elastic_pretrain.experiments.runner import Experiment
 
 ANALYSES = (  # modules of elastic_pretrain.experiments.analyses, in the order `--list` and `all` use
     "depth_premise",
+    "depth_premise_long",
     "exit_schedules",
     "late_switch",
     "flattening",

@@ -187,8 +187,8 @@ def _premise_rows(shape: Shape) -> tuple[Claim, ...]:
 
 
 # the premise other claims can gate on: the bare core, whose ℓ = 1 cannot look anything up
-_BARE_ROWS = _premise_rows(BARE)
-PREMISE = _BARE_ROWS[0]
+BARE_ROWS = _premise_rows(BARE)
+PREMISE = BARE_ROWS[0]
 
 EXPERIMENT = Experiment(
     name="depth-premise",
@@ -199,5 +199,5 @@ EXPERIMENT = Experiment(
     "bare looped core and for the core wrapped in a prelude and a coda; loss and next-token accuracy per ℓ and "
     "per true difficulty.",
     analyse=analyse,
-    claims=(*_BARE_ROWS, *_premise_rows(WRAPPED)),
+    claims=(*BARE_ROWS, *_premise_rows(WRAPPED)),
 )

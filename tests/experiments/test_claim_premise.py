@@ -100,6 +100,7 @@ GATED = {
     "route-replay": 0,
     "seed-noise": 0,
     "depth-premise": 0,  # its rows are the premise itself (kind "premise"), on the depth-pays corpus
+    "depth-premise-long": 0,  # the same, the bare core at 3,000 steps
 }
 
 

@@ -231,7 +231,8 @@ def test_cli_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     from elastic_pretrain.cli import main
 
     assert main(["experiment", "nope"]) == 2
-    assert "unknown experiment 'nope' (known: depth-premise, exit-schedules" in capsys.readouterr().err
+    known = "unknown experiment 'nope' (known: depth-premise, depth-premise-long, exit-schedules"
+    assert known in capsys.readouterr().err
     assert main(["experiment", "kv-cache", "--quick", "modle.loops=2"]) == 2
     assert "unknown key 'modle'" in capsys.readouterr().err
     assert main(["experiment", "--list"]) == 0 and "route-replay" in capsys.readouterr().out

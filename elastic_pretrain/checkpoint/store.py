@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -67,15 +68,24 @@ def fault_point(point: str, rank: int, step: int) -> None:
     Points, in save order: ``before_tensors`` (step directory prepared, nothing written),
     ``before_marker`` (this rank's files written, no marker), ``after_marker`` (marker written inside
     ``.tmp-step_<N>``, not renamed; rank 0), ``after_rename`` (``step_<N>`` in place, ``latest`` still
-    names the previous one; rank 0). Without ``<step>`` the first save that reaches the point dies."""
+    names the previous one; rank 0). Without ``<step>`` the first save that reaches the point dies. The
+    variable is read once per process (the crash tests set it when they start one): outside the tests a save
+    pays one cached lookup per point."""
+    fault = _fault()
+    if fault is not None and fault[0] == point and fault[1] == rank and fault[2] in (None, step):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@functools.cache
+def _fault() -> tuple[str, int, int | None] | None:
     spec = os.environ.get(FAULT_ENV, "")
     if not spec:
-        return
+        return None
     parts = spec.split(":")
-    if parts[0] not in FAULT_POINTS:
-        raise UserError(f"{FAULT_ENV}={spec}: the point must be one of {', '.join(FAULT_POINTS)}")
-    if parts[0] == point and int(parts[1]) == rank and (len(parts) < 3 or int(parts[2]) == step):
-        os.kill(os.getpid(), signal.SIGKILL)
+    if parts[0] not in FAULT_POINTS or not 2 <= len(parts) <= 3 or not all(p.isdigit() for p in parts[1:]):
+        points = ", ".join(FAULT_POINTS)
+        raise UserError(f"{FAULT_ENV}={spec}: write <point>:<rank>[:<step>], the point one of {points}")
+    return parts[0], int(parts[1]), int(parts[2]) if len(parts) == 3 else None
 
 
 def crc32_file(path: Path, durable: bool = False) -> int:

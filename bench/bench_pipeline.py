@@ -76,7 +76,7 @@ class ComputeTimers:
 
 
 def plans(kind: str, micro: int, max_loops: int) -> list[Any]:
-    from elastic_pretrain.train.schedule import DepthPlan
+    from elastic_pretrain.schedule import DepthPlan
 
     if kind == "fixed":
         return [DepthPlan(max_loops, (max_loops,))] * micro

@@ -30,9 +30,9 @@ from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.model.config import DeciderConfig, ModelConfig
 from elastic_pretrain.parallel.config import ParallelConfig
 from elastic_pretrain.rundir import RunFiles
+from elastic_pretrain.schedule import ScheduleConfig
 from elastic_pretrain.tracking.config import REDACTED, TrackingConfig, redact_uri, write_private
 from elastic_pretrain.train.config import TrainConfig
-from elastic_pretrain.train.schedule import ScheduleConfig
 
 # Sections that may name a preset file: section -> folder at the repository root.
 PRESET_DIRS = {"parallel": "parallel", "data": "data"}

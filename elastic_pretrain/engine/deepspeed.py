@@ -45,7 +45,7 @@ from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import write_atomic
 from elastic_pretrain.job import JobConfig
 from elastic_pretrain.parallel.mesh import Mesh
-from elastic_pretrain.train.schedule import ExpertLayout
+from elastic_pretrain.schedule import ExpertLayout
 from elastic_pretrain.train.session import Session, wsd_decay_steps
 from elastic_pretrain.train.step import (
     MicroBatch,
@@ -308,7 +308,7 @@ def build_session(job: JobConfig, mesh: Mesh) -> Any:
     from elastic_pretrain.data.prefetch import prefetched
     from elastic_pretrain.data.tokenizer import load_tokenizer
     from elastic_pretrain.parallel.megatron import build_model
-    from elastic_pretrain.train.schedule import ScheduleController
+    from elastic_pretrain.schedule import ScheduleController
 
     deepspeed = import_deepspeed()
     tokenizer = load_tokenizer(job.data.tokenizer)

@@ -29,10 +29,10 @@ from elastic_pretrain.parallel.mesh import (
 )
 from elastic_pretrain.parallel.overlap import overlapped_step, start_param_gather
 from elastic_pretrain.parallel.pipeline import AttachLoss, PassChunk, Pipeline
+from elastic_pretrain.schedule import DepthPlan
 from elastic_pretrain.tracking import names
 from elastic_pretrain.train.faults import guarded_step
 from elastic_pretrain.train.mfu import DepthCounts, ghost_time_share
-from elastic_pretrain.train.schedule import DepthPlan
 from elastic_pretrain.train.step_timing import StepSpan, open_span
 
 

@@ -34,13 +34,13 @@ from elastic_pretrain.parallel.device import device
 from elastic_pretrain.parallel.mesh import Mesh, describe, every_rank, init_mesh, teardown
 from elastic_pretrain.parallel.strict import enter_strict_devices
 from elastic_pretrain.rundir import RunFiles
+from elastic_pretrain.schedule import ExpertLayout, ScheduleController
 from elastic_pretrain.train.decider import load_base
 from elastic_pretrain.train.faults import FaultMonitor
 from elastic_pretrain.train.memory_peaks import MemoryPeaks, gib
 from elastic_pretrain.train.mfu import baseline_flops_per_token, device_peak, step_flops, utilisation
 from elastic_pretrain.train.profiling import ProfileWindow
 from elastic_pretrain.train.resume import check_steps_left
-from elastic_pretrain.train.schedule import ExpertLayout, ScheduleController
 from elastic_pretrain.train.session import SchedulerState, Session, schedule_end_note
 from elastic_pretrain.train.step import MicroBatch, StepResult
 from elastic_pretrain.train.stragglers import DATA_WAIT_KEY, StragglerReport
@@ -106,7 +106,7 @@ class Trainer:
     def fit(self) -> dict[int, float] | None:
         """Train to ``train.steps`` (returns validation loss per ℓ), or save and return None when stopped."""
         job, s, state = self.job, self.s, self.state
-        layout = s.depth_layout()  # once: then every rank computes its group's ℓ locally (train/schedule.py)
+        layout = s.depth_layout()  # once: then every rank computes its group's ℓ locally (schedule.py)
         while state.step < job.train.steps:
             if s.controller.update(step=state.step, tokens_seen=state.tokens):
                 self.ckpt.settle()  # the switch may write parameters (init_unused_passes)

@@ -12,7 +12,7 @@ import sys
 import torch.distributed as dist
 
 from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
-from elastic_pretrain.train.schedule import DepthPlan
+from elastic_pretrain.schedule import DepthPlan
 from elastic_pretrain.train.step import MicroBatch, depth_counts
 
 # replica r's micro-batches: (ℓ, supervised exits)

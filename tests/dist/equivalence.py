@@ -15,7 +15,7 @@ import torch
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
-from elastic_pretrain.train.schedule import DepthPlan
+from elastic_pretrain.schedule import DepthPlan
 from elastic_pretrain.train.session import wrap_ddp
 from elastic_pretrain.train.step import MicroBatch, _forward_step, _reduce_by_loops
 

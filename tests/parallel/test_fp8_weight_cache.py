@@ -30,7 +30,7 @@ def main_grads(params: dict[str, torch.Tensor], config: dict[str, bool]) -> dict
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from elastic_pretrain.train.schedule import DepthPlan
+    from elastic_pretrain.schedule import DepthPlan
     from elastic_pretrain.train.step import MicroBatch, _forward_step
     from tests.dist.equivalence import wrap_ddp_for_test
 

@@ -192,7 +192,7 @@ def test_a_pipeline_chunk_with_its_head_is_one_forward(mesh1, monkeypatch, recip
     scaling one autocast around both, as megatron's model chunk (train/step.py ``_ChunkForward``)."""
     from types import SimpleNamespace
 
-    from elastic_pretrain.train.schedule import DepthPlan
+    from elastic_pretrain.schedule import DepthPlan
     from elastic_pretrain.train.step import MicroBatch, _ChunkForward
 
     cfg, net, autocast, depths = fp8_model(monkeypatch, recipe)

@@ -205,7 +205,7 @@ BAD_CONTROLLERS = {
 
 @pytest.mark.parametrize("case", list(BAD_CONTROLLERS))
 def test_controller_states_out_of_range(case: str) -> None:
-    from elastic_pretrain.train.schedule import ScheduleConfig, ScheduleController
+    from elastic_pretrain.schedule import ScheduleConfig, ScheduleController
 
     state, words = BAD_CONTROLLERS[case]
     ctl = ScheduleController(ScheduleConfig(), max_loops=4, total_tokens=1000, seed=7)

@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 
 from elastic_pretrain.config import ConfigError
+from elastic_pretrain.schedule import ScheduleConfig, ScheduleController
 from elastic_pretrain.train.depth_sim import layouts, simulate
-from elastic_pretrain.train.schedule import ScheduleConfig, ScheduleController
 
 BALANCED = {"sampler": "independent_rank", "switch_at": 0.0, "balance": "compute"}
 

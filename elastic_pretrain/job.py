@@ -90,7 +90,7 @@ class JobConfig:
             )
         if (self.model.edge_mlp == "moe" and self.parallel.pipeline > 1 and self.parallel.expert > 1
                 and self.schedule.sampler == "telescopic"):
-            # the pipeline computes an extra exit's coda in the chunk of its pass (train/step.py _ChunkForward);
+            # the pipeline computes an extra exit's coda in the chunk of its pass (parallel/pipeline.py _ChunkForward);
             # members of an expert-parallel group draw their own exits, so one member's coda all-to-all would pair
             # with its partner's core-layer call (issue 30, item 4: model/looped.py defers the heads; chunks cannot)
             raise ConfigError(

@@ -45,17 +45,10 @@ from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import write_atomic
 from elastic_pretrain.job import JobConfig
 from elastic_pretrain.parallel.mesh import Mesh
+from elastic_pretrain.parallel.pipeline import MicroBatch, _loss_func, group_loops
 from elastic_pretrain.schedule import ExpertLayout
 from elastic_pretrain.train.session import Session, wsd_decay_steps
-from elastic_pretrain.train.step import (
-    MicroBatch,
-    StepResult,
-    _loss_func,
-    _moe_aux,
-    _reduce_by_loops,
-    group_loops,
-    measured_step,
-)
+from elastic_pretrain.train.step import StepResult, _moe_aux, _reduce_by_loops, measured_step
 
 log = logging.getLogger(__name__)
 

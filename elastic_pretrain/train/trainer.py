@@ -32,6 +32,7 @@ from elastic_pretrain.jsonsafe import count, mapping
 from elastic_pretrain.jsonsafe import loads as json_loads
 from elastic_pretrain.parallel.device import device
 from elastic_pretrain.parallel.mesh import Mesh, describe, every_rank, init_mesh, teardown
+from elastic_pretrain.parallel.pipeline import MicroBatch
 from elastic_pretrain.parallel.strict import enter_strict_devices
 from elastic_pretrain.rundir import RunFiles
 from elastic_pretrain.schedule import ExpertLayout, ScheduleController
@@ -42,7 +43,7 @@ from elastic_pretrain.train.mfu import baseline_flops_per_token, device_peak, st
 from elastic_pretrain.train.profiling import ProfileWindow
 from elastic_pretrain.train.resume import check_steps_left
 from elastic_pretrain.train.session import SchedulerState, Session, schedule_end_note
-from elastic_pretrain.train.step import MicroBatch, StepResult
+from elastic_pretrain.train.step import StepResult
 from elastic_pretrain.train.stragglers import DATA_WAIT_KEY, StragglerReport
 from elastic_pretrain.train.watchdog import HangWatchdog
 

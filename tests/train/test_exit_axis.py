@@ -18,8 +18,8 @@ from elastic_pretrain.job import load_job
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import ParallelConfig
+from elastic_pretrain.parallel.pipeline import _loss_func
 from elastic_pretrain.schedule import DepthPlan, ScheduleConfig, ScheduleController
-from elastic_pretrain.train.step import _loss_func
 from tests.conftest import REPO
 
 PAR = ParallelConfig()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from elastic_pretrain.config import ConfigError
+from elastic_pretrain.config import ConfigError, parse_bytes
 
 
 def _estimate(args: argparse.Namespace) -> int:
@@ -14,7 +14,6 @@ def _estimate(args: argparse.Namespace) -> int:
         check_maxvio,
         estimate_memory,
         largest_micro_batch,
-        parse_bytes,
     )
 
     job = load_job(args.job, list(args.overrides))

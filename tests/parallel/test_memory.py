@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from elastic_pretrain.config import ConfigError
+from elastic_pretrain.config import ConfigError, parse_bytes
 from elastic_pretrain.job import load_job
 from elastic_pretrain.model.config import DeciderConfig
 from elastic_pretrain.parallel.megatron import build_model
@@ -20,7 +20,6 @@ from elastic_pretrain.parallel.memory import (
     NCCL_CHANNELS,
     estimate_memory,
     largest_micro_batch,
-    parse_bytes,
 )
 from tests.conftest import REPO, VENV_BIN
 

@@ -116,7 +116,7 @@ def main() -> None:
     from elastic_pretrain.checkpoint import optim_state, parallel_io
     from elastic_pretrain.checkpoint.manager import load_tensors, save_tensors, start_write_results_queue
     from elastic_pretrain.checkpoint.writer import WriterQueue
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from elastic_pretrain.parallel.megatron import build_model
     from elastic_pretrain.parallel.mesh import init_mesh, teardown
     from elastic_pretrain.parallel.pipeline import MicroBatch

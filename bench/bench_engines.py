@@ -65,7 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from elastic_pretrain.engine import build_session
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from elastic_pretrain.parallel.mesh import expert_layout, init_mesh, teardown
     from elastic_pretrain.parallel.pipeline import MicroBatch
 

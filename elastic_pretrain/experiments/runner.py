@@ -39,7 +39,8 @@ from elastic_pretrain.config import ConfigError, build, flatten, load_yaml, show
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.experiments.stats import MIN_SEEDS, Claim, Metrics
 from elastic_pretrain.files import LIMITS, check_regular, read_json_object
-from elastic_pretrain.job import JobConfig, dump_job, load_job
+from elastic_pretrain.job import JobConfig, dump_job
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.model.params import count_parameters
 from elastic_pretrain.rundir import RunFiles
 

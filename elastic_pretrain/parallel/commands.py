@@ -8,7 +8,7 @@ from elastic_pretrain.config import ConfigError, parse_bytes
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from elastic_pretrain.parallel.memory import (
         RECOMPUTE_MODES,
         check_maxvio,

@@ -539,7 +539,7 @@ def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
         meta = check_resumable(source, job) if source else {}
         if source:  # trainer.json's objects, each by its own check, before anything is built
             check_states(source, meta, STATE_CHECKS)
-        elif job.decider is not None:  # the model shape came from the base's trainer.json (job.py): bound it
+        elif job.decider is not None:  # the model shape came from the base's trainer.json (job_loader.py): bound it
             check_model_fits(Path(job.decider.init_from or ""), job.model)
         check_steps_left(source, meta, job)
         if mesh.rank == 0 and (repaired := repair_latest(store)):  # a crash left it naming an older/missing step

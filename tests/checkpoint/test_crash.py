@@ -20,7 +20,7 @@ import pytest
 from elastic_pretrain.checkpoint.manager import check_resumable, resume_source
 from elastic_pretrain.checkpoint.store import FAULT_ENV, CheckpointStore, verify
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from tests.checkpoint.runs import COMMON, differing, history, tensors, train
 from tests.conftest import REPO
 

@@ -111,7 +111,7 @@ def _fit(job: Any, mesh: Any, *, resume: Path | None = None) -> tuple[list[float
 
 
 def _job(run_dir: Path, *overrides: str) -> Any:
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
 
     return load_job(REPO / "jobs" / "tiny-cpu.yaml",
                     ["parallel=single", "tracking.backend=none", "train.steps=6", "train.warmup_steps=2",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.schedule import ScheduleController
 from elastic_pretrain.train.mfu import DepthCounts, baseline_flops_per_token, step_flops
 from tests.checkpoint.runs import COMMON, differing, history, tensors, train

@@ -17,7 +17,7 @@ from elastic_pretrain.checkpoint.manager import Checkpointer
 from elastic_pretrain.checkpoint.store import RESUME_KEYS, read_trainer_state, saved_run_id
 from elastic_pretrain.checkpoint.tensors import ModelTensors
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.rundir import CheckpointFiles, RunFiles
 from elastic_pretrain.train.session import build_optimizer, wrap_ddp

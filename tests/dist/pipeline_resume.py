@@ -48,7 +48,7 @@ COMMON = [
 def phase(out: Path, name: str, world: int, parallel: str, *overrides: str) -> None:
     import torch.distributed as dist
 
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from elastic_pretrain.train.trainer import train
 
     rank = int(os.environ["RANK"])

@@ -116,7 +116,7 @@ def test_a_weights_only_conversion_evaluates_to_the_same_loss_per_loop(runs: Pat
     # a checkpoint resumes only on the engine that wrote it: one line naming both fixes
     from elastic_pretrain.checkpoint.manager import check_resumable
     from elastic_pretrain.errors import UserError
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from tests.conftest import REPO
 
     ds_job = load_job(REPO / "jobs" / "tiny-cpu.yaml", ["parallel=single", "engine=deepspeed"])

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from elastic_pretrain.config import ConfigError
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from tests.conftest import REPO
 from tests.eval.conftest import cli
 

@@ -17,7 +17,8 @@ import yaml
 from elastic_pretrain.config import ConfigError, load_yaml
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.experiments.runner import base_job, check_processes, fingerprint, job_diff, load_jobs
-from elastic_pretrain.job import JobConfig, dump_job, load_job
+from elastic_pretrain.job import JobConfig, dump_job
+from elastic_pretrain.job_loader import load_job
 from tests.conftest import REPO
 from tests.experiments.quick import quick_workspace, run_python
 

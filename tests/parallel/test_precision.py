@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from elastic_pretrain.config import ConfigError
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.parallel import megatron as pm
 from elastic_pretrain.parallel.mesh import ParallelConfig

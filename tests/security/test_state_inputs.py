@@ -26,7 +26,8 @@ import pytest
 from elastic_pretrain import cli
 from elastic_pretrain.checkpoint.store import CheckpointStore, read_trainer_state, verify
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.job import load_job, public_dict
+from elastic_pretrain.job import public_dict
+from elastic_pretrain.job_loader import load_job
 from tests.conftest import REPO
 from tests.security.test_checkpoint_inputs import QUICK, one_line_error, recommit, run_cli
 

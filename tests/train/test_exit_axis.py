@@ -14,7 +14,7 @@ import torch
 
 from elastic_pretrain.config import ConfigError
 from elastic_pretrain.eval.loss import loss_by_loops, quality_curve
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import ParallelConfig

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.schedule import ScheduleController
 from elastic_pretrain.tracking import names
 from elastic_pretrain.train.memory_peaks import MemoryPeaks

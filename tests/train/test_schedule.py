@@ -67,7 +67,7 @@ def test_the_recipes_called_elr_train_the_fixed_phase_at_one_loop():
     fixed phase at ℓ = 1, as resolved from the file."""
     from pathlib import Path
 
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
 
     root = Path(__file__).resolve().parents[2] / "jobs"
     for name in ("tiny-cpu", "gpu-1node", "gpu-2node", "gpu-16node"):

@@ -321,6 +321,11 @@ def resolve_checkpoint(path: Path) -> Path:
     raise UserError(f"{path}: no committed checkpoint here (give a step_<N> directory or a run directory)")
 
 
+def is_deepspeed(step: Path) -> bool:
+    """A step directory written by ``engine: deepspeed`` (DeepSpeed's model-states files)."""
+    return any((step / MODEL_DIR).glob("*_model_states.pt"))
+
+
 def _rank_written(path: Path) -> bool:
     """Files whose records the writing rank computed itself (``__<rank>_<i>.distcp``, ``rank_<R>.pt``)."""
     return path.suffix == ".distcp" or (path.parent.name == RNG_DIR and path.name.startswith("rank_"))

@@ -154,7 +154,7 @@ class Context:
         """The run's final checkpoint as a one-process model in eval mode (cached)."""
         forget_moe_aux_losses()  # the model asked for may have another number of layers than the last one
         if name not in self._models:
-            from elastic_pretrain.checkpoint.tensors import load_model
+            from elastic_pretrain.engine.restore import load_model
 
             self._models[name] = load_model(self.run(name).run_dir)[1]
         return self._models[name]

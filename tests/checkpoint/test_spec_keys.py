@@ -110,7 +110,7 @@ def test_a_checkpoint_of_one_spec_loads_into_the_other_bitwise(tmp_path: Path, s
     assert got.keys() == want.keys() and TE_KEY in got  # compared under the TE spec's names
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
 
-    # the model-only read of eval, generate, export and convert-checkpoint (checkpoint/tensors.py: load_model)
+    # the model-only read of eval, generate, export and convert-checkpoint (engine/restore.py: load_model)
     bare = build_model_only(loaded_by)
     load_tensors(bare, None, tmp_path, what="model tensors")
     weights = {k: v for k, v in bare.state_dict().items() if not k.endswith("_extra_state")}

@@ -49,7 +49,7 @@ CYCLE = textwrap.dedent(
         # the numbers the report shows, measured here independently from the checkpoints of two seeds
         import torch
         from elastic_pretrain.data.loader import load_validation
-        from elastic_pretrain.checkpoint.tensors import load_model
+        from elastic_pretrain.engine.restore import load_model
         from elastic_pretrain.model.inference import teacher_forced_loss
         from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
         init_mesh(ParallelConfig(), seed=0)

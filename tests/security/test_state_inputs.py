@@ -324,7 +324,7 @@ def _edit_config(ckpt: Path, **model: Any) -> None:
 def test_a_17_gb_model_in_trainer_json_is_refused_before_it_is_built(
     model_ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from elastic_pretrain.checkpoint.tensors import load_model
+    from elastic_pretrain.engine.restore import load_model
 
     _, net = load_model(model_ckpt)  # the good checkpoint loads
     assert sum(p.numel() for p in net.parameters()) == 675_360
@@ -344,7 +344,7 @@ def test_metadata_sizes_beyond_the_data_files_are_refused(model_ckpt: Path, monk
     import torch
     from torch.distributed.checkpoint import FileSystemReader
 
-    from elastic_pretrain.checkpoint.tensors import load_model
+    from elastic_pretrain.engine.restore import load_model
 
     path = model_ckpt / "model_optim"
     meta = FileSystemReader(str(path)).read_metadata()  # our own checkpoint's

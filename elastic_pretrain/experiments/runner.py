@@ -507,6 +507,7 @@ def ensure_trained(path: Path, job: JobConfig, runs_root: Path) -> Run:
     """Reuse a finished run with the same config (:func:`find_reusable`), else train this job here (resuming
     its own unfinished run of the same config; its own run directory holding another config is deleted
     first)."""
+    from elastic_pretrain.engine import build_session
     from elastic_pretrain.train.trainer import train
 
     own = job.run_path
@@ -524,7 +525,7 @@ def ensure_trained(path: Path, job: JobConfig, runs_root: Path) -> Run:
             train_processes(path, job, nproc)
         else:
             forget_moe_aux_losses()
-            if train(job) is None:
+            if train(job, build_session) is None:
                 raise UserError(f"{path.stem}: training stopped before the end; rerun the experiment to continue it")
         where = f" ({nproc} processes)" if nproc > 1 else ""
         print(f"{path.stem}: {status} in {time.perf_counter() - t0:.0f}s{where} -> {own}", flush=True)

@@ -107,9 +107,10 @@ def _train(args: argparse.Namespace) -> int:
         _prepare_run_dir(job.run_path)
         if _finished(job):
             return 0
+    from elastic_pretrain.engine import build_session
     from elastic_pretrain.train.trainer import train
 
-    train(job)
+    train(job, build_session)  # the command picks the engine (job.engine)
     return 0
 
 

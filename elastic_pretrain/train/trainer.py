@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -24,7 +25,6 @@ from elastic_pretrain.checkpoint.preempt import StopRequest, stop_reason
 from elastic_pretrain.checkpoint.store import CheckpointStore
 from elastic_pretrain.checkpoint.tensors import check_model_fits
 from elastic_pretrain.data.loader import TokenBatches
-from elastic_pretrain.engine import build_session  # job.engine: megatron or deepspeed
 from elastic_pretrain.eval.loss import loss_by_loops
 from elastic_pretrain.files import append_text, read_bounded, read_text_or_none, write_atomic
 from elastic_pretrain.job import JobConfig, write_resolved
@@ -505,15 +505,21 @@ def fault_callbacks(job: JobConfig, mesh: Mesh, run_dir: Path, faults: FaultMoni
     ]
 
 
-def train(job: JobConfig) -> dict[int, float] | None:
-    """Run a job in this process (one rank of a torchrun launch, or a single process).
+# Builds the run's session on the job's engine (megatron or DeepSpeed): the caller picks it
+# (``elastic_pretrain.engine.build_session``), so the loop does not import the engines that sit above it.
+SessionBuilder = Callable[[JobConfig, Mesh], Session]
+
+
+def train(job: JobConfig, build_session: SessionBuilder) -> dict[int, float] | None:
+    """Run a job in this process (one rank of a torchrun launch, or a single process), its session built by
+    ``build_session``.
 
     Resumes from the run directory's newest committed checkpoint (or ``checkpoint.resume_from``);
     returns None when a stop signal (or ``checkpoint.stop_at``) ended it after a save — exit code 0,
     no ``FINISHED`` marker, so the sbatch script requeues it. The stop handler is installed first: a
     signal during the setup (seconds to minutes) stops the run at its first step boundary."""
     with StopRequest() as stop:
-        return _train(job, stop)
+        return _train(job, build_session, stop)
 
 
 # The checks of the objects a checkpoint holds (the names in trainer.json; the loop counters, adam_step and the
@@ -522,7 +528,7 @@ STATE_CHECKS = {"scheduler": SchedulerState.check_state, "controller": ScheduleC
                 "data": TokenBatches.check_state, "faults": FaultMonitor.check_state}  # fmt: skip
 
 
-def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
+def _train(job: JobConfig, build_session: SessionBuilder, stop: StopRequest) -> dict[int, float] | None:
     torch.set_num_threads(job.train.threads_per_rank)
     mesh = init_mesh(job.parallel, seed=job.train.seed)
     strict = enter_strict_devices()  # ELASTIC_PRETRAIN_STRICT_DEVICES=1 checks every collective (parallel/strict.py)

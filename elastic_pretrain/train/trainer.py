@@ -20,14 +20,14 @@ import torch
 
 from elastic_pretrain.checkpoint import parallel_io
 from elastic_pretrain.checkpoint.latest import repair_latest
-from elastic_pretrain.checkpoint.manager import Checkpointer, check_resumable, check_states, resume_source
+from elastic_pretrain.checkpoint.manager import Checkpointer, check_states, resume_source
 from elastic_pretrain.checkpoint.preempt import StopRequest, stop_reason
 from elastic_pretrain.checkpoint.store import CheckpointStore
 from elastic_pretrain.checkpoint.tensors import check_model_fits
 from elastic_pretrain.data.loader import TokenBatches
 from elastic_pretrain.eval.loss import loss_by_loops
 from elastic_pretrain.files import append_text, read_bounded, read_text_or_none, write_atomic
-from elastic_pretrain.job import JobConfig, write_resolved
+from elastic_pretrain.job import JobConfig, public_dict, write_resolved
 from elastic_pretrain.jsonsafe import count, mapping
 from elastic_pretrain.jsonsafe import loads as json_loads
 from elastic_pretrain.parallel.device import device
@@ -41,7 +41,7 @@ from elastic_pretrain.train.faults import FaultMonitor
 from elastic_pretrain.train.memory_peaks import MemoryPeaks, gib
 from elastic_pretrain.train.mfu import baseline_flops_per_token, device_peak, step_flops, utilisation
 from elastic_pretrain.train.profiling import ProfileWindow
-from elastic_pretrain.train.resume import check_steps_left
+from elastic_pretrain.train.resume import check_steps_left, resumable
 from elastic_pretrain.train.session import SchedulerState, Session, schedule_end_note
 from elastic_pretrain.train.step import StepResult
 from elastic_pretrain.train.stragglers import DATA_WAIT_KEY, StragglerReport
@@ -407,7 +407,6 @@ class TrackingCallback:
         """Open the MLflow run: the checkpoint's, else (``run_id_file``: resumed from this run directory)
         the one in ``mlflow_run_id`` — MLflow may not have answered before that checkpoint was saved."""
         from elastic_pretrain.config import flatten
-        from elastic_pretrain.job import public_dict
         from elastic_pretrain.tracking.tracker import create_tracker, default_tags
 
         job, mesh = self.job, self.mesh
@@ -542,7 +541,7 @@ def _train(job: JobConfig, build_session: SessionBuilder, stop: StopRequest) -> 
         # refuse a corrupt checkpoint or a changed model shape before building anything
         store = CheckpointStore(files.checkpoints)
         source = resume_source(job, store)
-        meta = check_resumable(source, job) if source else {}
+        meta = resumable(source, job) if source else {}
         if source:  # trainer.json's objects, each by its own check, before anything is built
             check_states(source, meta, STATE_CHECKS)
         elif job.decider is not None:  # the model shape came from the base's trainer.json (job_loader.py): bound it
@@ -556,7 +555,7 @@ def _train(job: JobConfig, build_session: SessionBuilder, stop: StopRequest) -> 
         peaks = MemoryPeaks.on(device())  # peak memory per report window on CUDA (issue 31 item 4)
         state, tracking = TrainState(), TrackingCallback(job, mesh, run_dir, peaks)
         # what a checkpoint holds besides the tensors, by name in trainer.json (docs/checkpoints.md)
-        ckpt = Checkpointer(job, mesh, run_dir, session.tensors(),
+        ckpt = Checkpointer(job.checkpoint, public_dict(job), mesh, run_dir, session.tensors(),
                             {"trainer": state, **session.checkpointed(), "tracker": tracking})  # fmt: skip
         faults = FaultMonitor(job, mesh, session, ckpt)
         ckpt.state["faults"] = faults

@@ -113,14 +113,14 @@ def test_a_weights_only_conversion_evaluates_to_the_same_loss_per_loop(runs: Pat
     assert losses_per_loop(mega) == want
 
     # a checkpoint resumes only on the engine that wrote it: one line naming both fixes
-    from elastic_pretrain.checkpoint.manager import check_resumable
     from elastic_pretrain.errors import UserError
     from elastic_pretrain.job_loader import load_job
+    from elastic_pretrain.train.resume import resumable
     from tests.conftest import REPO
 
     ds_job = load_job(REPO / "jobs" / "tiny-cpu.yaml", ["parallel=single", "engine=deepspeed"])
     with pytest.raises(UserError, match=r"written by engine=megatron.*set engine=megatron, or convert it"):
-        check_resumable(mega, ds_job)
+        resumable(mega, ds_job)
 
     back = convert(mega, tmp_path / "back", zero_stage=1, optimizer=False)
     assert is_deepspeed(back) and (back.parent / "latest").is_file()

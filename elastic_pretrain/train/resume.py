@@ -61,7 +61,7 @@ def check_steps_left(source: Path | None, meta: dict[str, Any], job: JobConfig) 
 def check_before_launch(job: JobConfig) -> str | None:
     """Before any rank starts: the line to print when the run is finished (nothing to train), else None.
     Raises the one-line refusal for a checkpoint past ``train.steps`` or a changed model shape."""
-    source = resume_source(job, CheckpointStore(RunFiles(job.run_path).checkpoints))
+    source = resume_source(job.checkpoint, CheckpointStore(RunFiles(job.run_path).checkpoints))
     step = CheckpointFiles(source).step if source is not None else None
     if source is None or step is None:  # a fresh run, or a --resume-from folder not named step_<N>: the ranks check it
         return None

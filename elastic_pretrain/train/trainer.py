@@ -540,7 +540,7 @@ def _train(job: JobConfig, build_session: SessionBuilder, stop: StopRequest) -> 
             print(f"run {job.name}: {describe(mesh)} -> {run_dir}", flush=True)
         # refuse a corrupt checkpoint or a changed model shape before building anything
         store = CheckpointStore(files.checkpoints)
-        source = resume_source(job, store)
+        source = resume_source(job.checkpoint, store)
         meta = resumable(source, job) if source else {}
         if source:  # trainer.json's objects, each by its own check, before anything is built
             check_states(source, meta, STATE_CHECKS)

@@ -90,5 +90,5 @@ def test_kill_9_at_every_save_point_then_resume(tmp_path: Path) -> None:
     victim.write_bytes(bytes(data))
     job = load_job(REPO / "jobs" / "tiny-cpu.yaml", [f"run_dir={run}", "parallel=single", *COMMON, *RUN])
     with pytest.raises(UserError, match=rf"{victim.name}: corrupt"):
-        resumable(resume_source(job, store), job)
+        resumable(resume_source(job.checkpoint, store), job)
     assert [c.step for c in store.committed()] == [1, 2, 3, 4, 5]

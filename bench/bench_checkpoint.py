@@ -116,12 +116,13 @@ def main() -> None:
     from elastic_pretrain.checkpoint import optim_state, parallel_io
     from elastic_pretrain.checkpoint.manager import load_tensors, save_tensors, start_write_results_queue
     from elastic_pretrain.checkpoint.writer import WriterQueue
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from elastic_pretrain.parallel.megatron import build_model
     from elastic_pretrain.parallel.mesh import init_mesh, teardown
-    from elastic_pretrain.train.schedule import ScheduleController
+    from elastic_pretrain.parallel.pipeline import MicroBatch
+    from elastic_pretrain.schedule import ScheduleController
     from elastic_pretrain.train.session import build_optimizer, wrap_ddp
-    from elastic_pretrain.train.step import MicroBatch, TrainStep
+    from elastic_pretrain.train.step import TrainStep
 
     h = args.hidden
     job = load_job(

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+from elastic_pretrain.schedule import ScheduleConfig
 from elastic_pretrain.train.depth_sim import simulate
-from elastic_pretrain.train.schedule import ScheduleConfig
 
 SAMPLERS = {
     "independent_rank (ELR)": {},

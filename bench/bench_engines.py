@@ -65,9 +65,9 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from elastic_pretrain.engine import build_session
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from elastic_pretrain.parallel.mesh import expert_layout, init_mesh, teardown
-    from elastic_pretrain.train.step import MicroBatch
+    from elastic_pretrain.parallel.pipeline import MicroBatch
 
     repo = Path(__file__).resolve().parent.parent
     base = ["parallel=single", "tracking.backend=none", f"train.steps={args.steps}", "train.warmup_steps=1",

@@ -82,7 +82,7 @@ def _training_tokens_per_s(steps: int = 8) -> float:
     of one 4 x 128 micro-batch, 1 thread) — what the loader has to keep up with per rank."""
     import torch
 
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from elastic_pretrain.parallel.megatron import build_model
     from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 

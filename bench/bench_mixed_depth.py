@@ -42,8 +42,8 @@ def main() -> None:
     from elastic_pretrain.model.config import ModelConfig
     from elastic_pretrain.parallel.megatron import build_model
     from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
+    from elastic_pretrain.schedule import DepthPlan, ExpertLayout, ScheduleConfig, ScheduleController
     from elastic_pretrain.train.mfu import DepthCounts, step_flops
-    from elastic_pretrain.train.schedule import DepthPlan, ExpertLayout, ScheduleConfig, ScheduleController
 
     par = ParallelConfig()
     init_mesh(par, seed=0)

@@ -46,8 +46,9 @@ def main() -> None:
     from elastic_pretrain.parallel.megatron import build_model
     from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
     from elastic_pretrain.parallel.overlap import overlapped_step
-    from elastic_pretrain.train.schedule import DepthPlan
-    from elastic_pretrain.train.step import MicroBatch, _forward_step
+    from elastic_pretrain.parallel.pipeline import MicroBatch
+    from elastic_pretrain.schedule import DepthPlan
+    from elastic_pretrain.train.step import _forward_step
     from tests.dist.equivalence import wrap_ddp_for_test
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

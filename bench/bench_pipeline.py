@@ -76,7 +76,7 @@ class ComputeTimers:
 
 
 def plans(kind: str, micro: int, max_loops: int) -> list[Any]:
-    from elastic_pretrain.train.schedule import DepthPlan
+    from elastic_pretrain.schedule import DepthPlan
 
     if kind == "fixed":
         return [DepthPlan(max_loops, (max_loops,))] * micro
@@ -91,9 +91,9 @@ def run_phase(out: Path, name: str, pipeline: int, args: argparse.Namespace) -> 
     from elastic_pretrain.model.config import ModelConfig
     from elastic_pretrain.parallel.megatron import build_model
     from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
-    from elastic_pretrain.parallel.pipeline import Pipeline
+    from elastic_pretrain.parallel.pipeline import MicroBatch, Pipeline, run_pipeline
     from elastic_pretrain.train.session import wrap_ddp
-    from elastic_pretrain.train.step import MicroBatch, _forward_step, run_pipeline
+    from elastic_pretrain.train.step import _forward_step
 
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", init_method=f"file://{out}/store_{name}", rank=rank, world_size=pipeline)

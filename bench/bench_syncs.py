@@ -48,9 +48,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
+    from elastic_pretrain.parallel.pipeline import MicroBatch
+    from elastic_pretrain.schedule import DepthPlan
     from elastic_pretrain.train.host_syncs import DISPATCHER, count_host_syncs
-    from elastic_pretrain.train.schedule import DepthPlan
-    from elastic_pretrain.train.step import MicroBatch
 
     init_mesh(ParallelConfig(), seed=0)
     print(f"core layers {args.core_layers}, {args.micro_batches} micro-batches per step")

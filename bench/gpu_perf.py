@@ -46,7 +46,7 @@ def measure_activations(net: Any, tokens: torch.Tensor, loops: int, ctx: Ctx) ->
 def section_memory(ctx: Ctx) -> None:
     """Activation memory per pass — the slope (bytes at ℓ=4 − bytes at ℓ=1) / 3, which the model's static
     memory and the allocator's warm-up do not enter — against ``estimate_memory``, for each recompute mode."""
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from elastic_pretrain.parallel.memory import RECOMPUTE_MODES, estimate_memory
 
     d, seq = (64, 32) if ctx.toy else (2048, 4096)

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import difflib
 import math
+import re
 import reprlib
 import types
 import typing
@@ -379,3 +380,14 @@ def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     for k, v in top.items():
         out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '141GB', '80G', '1.5TiB', '12345' → bytes (GB = 10^9, GiB and bare G = 2^30)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B?)\s*", text, flags=re.IGNORECASE)
+    if not m:
+        raise ConfigError(f"--gpu-memory: cannot read {text!r}: write a size such as 80GiB, 141GB or 96G")
+    value, unit, suffix = float(m.group(1)), m.group(2).upper(), m.group(3).lower()
+    power = "KMGT".index(unit) + 1 if unit else 0
+    base = 1000 if suffix == "b" and unit else 1024
+    return int(value * base**power)

@@ -208,7 +208,7 @@ def test_a_missing_private_name_stops_the_model_build_in_one_line(mesh1, fresh_r
     dropped ``TransformerLayer._forward_pre_mlp_layernorm``), naming the version and the fix."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from elastic_pretrain.parallel.megatron import build_model
 
     job = load_job(REPO / "jobs" / "tiny-cpu.yaml", ["parallel=single"])

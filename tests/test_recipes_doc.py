@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.model.params import count_parameters, format_count
 from elastic_pretrain.train.commands import layout_summary
 from tests.conftest import REPO

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from elastic_pretrain.checkpoint import parallel_io, rng
+from elastic_pretrain.checkpoint.config import CheckpointConfig
 from elastic_pretrain.checkpoint.helper_manager import start_helper_manager
 from elastic_pretrain.checkpoint.store import (
     RESUME_KEYS,
@@ -35,7 +36,6 @@ from elastic_pretrain.checkpoint.writer import WriterQueue
 from elastic_pretrain.config import flatten
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import write_atomic
-from elastic_pretrain.job import JobConfig, public_dict, shape_refusal
 from elastic_pretrain.jsonsafe import StateError
 from elastic_pretrain.parallel.mesh import Mesh, describe
 from elastic_pretrain.rundir import CheckpointFiles, RunFiles
@@ -86,23 +86,30 @@ def verify_everywhere(ckpt: Path, timeout_minutes: float = 30.0) -> None:
     parallel_io.verify_spread(ckpt, timeout_minutes)
 
 
-def check_resumable(ckpt: Path, job: JobConfig) -> dict[str, Any]:
-    """Verify ``ckpt`` (rank 0: size + CRC32 of every file), refuse a changed model shape; returns its
-    ``trainer.json``. Collective; runs before the model is built, so a refusal costs no build time."""
+# The job's verdict on resuming from a checkpoint whose saved config is the dict: a one-line refusal (a changed
+# model shape: job.py shape_refusal), or None. Storage knows no JobConfig: the caller hands its rule in.
+Refusal = Callable[[Path, dict[str, Any]], str | None]
+
+
+def check_resumable(ckpt: Path, config: dict[str, Any], refusal: Refusal) -> dict[str, Any]:
+    """Verify ``ckpt`` (rank 0: size + CRC32 of every file), refuse another engine's checkpoint and what
+    ``refusal`` refuses; returns its ``trainer.json``. ``config``: this run's public config (job.py
+    ``public_dict``). Collective; runs before the model is built, so a refusal costs no build time."""
     try:
-        verify_everywhere(ckpt, job.checkpoint.io_timeout_minutes)
+        verify_everywhere(ckpt, config["checkpoint"]["io_timeout_minutes"])
     except UserError as err:
         raise UserError(f"{err}{_previous_hint(ckpt)}") from None
     meta = read_trainer_state(ckpt, require=RESUME_KEYS)
     saved_engine = meta.get("config", {}).get("engine", "megatron")  # engine/: each reads only its own files
-    if saved_engine != job.engine:
+    engine = config["engine"]
+    if saved_engine != engine:
         raise UserError(
-            f"cannot resume from {ckpt}: it was written by engine={saved_engine}, this job runs engine={job.engine}: "
+            f"cannot resume from {ckpt}: it was written by engine={saved_engine}, this job runs engine={engine}: "
             f"set engine={saved_engine}, or convert it: elastic-pretrain convert-checkpoint {ckpt} --out <run dir>"
         )
-    refusal = shape_refusal(ckpt, meta.get("config", {}), job)
-    if refusal:
-        raise UserError(refusal)
+    refused = refusal(ckpt, meta.get("config", {}))
+    if refused:
+        raise UserError(refused)
     return meta
 
 
@@ -138,14 +145,17 @@ def _previous_hint(ckpt: Path) -> str:
 class Checkpointer:
     """Owns ``<run_dir>/checkpoints``: periodic/final/preemption saves (sync or async) and resume.
 
-    ``tensors``: the model and optimizer (sharded). ``state``: name -> :class:`Stateful`, each saved under its
-    name in ``trainer.json`` and loaded back by :meth:`restore`; :attr:`state` may gain entries until the
-    first save (an object built after the checkpointer, e.g. the fault monitor, which needs it)."""
+    ``cfg``: the job's ``checkpoint`` section; ``config``: the job's public config (job.py ``public_dict``),
+    saved in ``trainer.json``. ``tensors``: the model and optimizer (sharded). ``state``: name ->
+    :class:`Stateful`, each saved under its name in ``trainer.json`` and loaded back by :meth:`restore`;
+    :attr:`state` may gain entries until the first save (an object built after the checkpointer, e.g. the
+    fault monitor, which needs it)."""
 
     def __init__(
-        self, job: JobConfig, mesh: Mesh, run_dir: Path, tensors: ModelTensors, state: Mapping[str, Stateful]
+        self, cfg: CheckpointConfig, config: dict[str, Any], mesh: Mesh, run_dir: Path, tensors: ModelTensors,
+        state: Mapping[str, Stateful],
     ) -> None:
-        self.job, self.mesh, self.cfg, self.tensors = job, mesh, job.checkpoint, tensors
+        self.cfg, self.config, self.mesh, self.tensors = cfg, config, mesh, tensors
         self.state: dict[str, Stateful] = dict(state)
         self.store = CheckpointStore(RunFiles(run_dir).checkpoints)
         self.strategy = parallel_io.trainer_saves(self.cfg.io_timeout_minutes)  # checkpoint/snapshot.py
@@ -183,7 +193,7 @@ class Checkpointer:
             self._log_changes(meta.get("config", {}))
 
     def _log_changes(self, saved: dict[str, Any]) -> None:
-        old, new = flatten(saved), flatten(public_dict(self.job))
+        old, new = flatten(saved), flatten(self.config)
         diff = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k) and k != "run_dir")
         if diff:
             log.info("config changed since the checkpoint: %s", ", ".join(f"{k}={new.get(k)!r}" for k in diff))
@@ -227,7 +237,7 @@ class Checkpointer:
             **{name: obj.state_dict() for name, obj in self.state.items()},
             **tensor_state,
             "layout": describe(self.mesh),
-            "config": public_dict(self.job),  # checkpoints are shared: no credentials, no env values
+            "config": self.config,  # the public config (job.py public_dict): no credentials, no env values
         }
 
     def _commit(self, step: int) -> None:

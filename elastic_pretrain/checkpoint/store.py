@@ -52,7 +52,7 @@ from elastic_pretrain.rundir import STEP_DIR as _STEP_DIR
 from elastic_pretrain.rundir import TRAINER_FILE as TRAINER_FILE  # the names of a checkpoint's files: rundir.py
 
 if TYPE_CHECKING:
-    from elastic_pretrain.job import JobConfig
+    from elastic_pretrain.checkpoint.config import CheckpointConfig
 
 log = logging.getLogger(__name__)
 
@@ -291,12 +291,12 @@ class CheckpointStore:
             remove_tree(trash)
 
 
-def resume_source(job: JobConfig, store: CheckpointStore) -> Path | None:
+def resume_source(cfg: CheckpointConfig, store: CheckpointStore) -> Path | None:
     """The checkpoint a run continues from, or None for a fresh start (reads the file system only).
 
     The newest *committed* ``step_<N>`` wins, not ``latest``: a crash between the rename and the
-    ``latest`` update leaves a complete newer checkpoint that ``latest`` does not name yet."""
-    cfg = job.checkpoint
+    ``latest`` update leaves a complete newer checkpoint that ``latest`` does not name yet. ``cfg``: the job's
+    ``checkpoint`` section."""
     if cfg.resume_from:
         return Path(cfg.resume_from)
     newest = store.newest()
@@ -319,6 +319,11 @@ def resolve_checkpoint(path: Path) -> Path:
             if newest is not None:
                 return newest.path
     raise UserError(f"{path}: no committed checkpoint here (give a step_<N> directory or a run directory)")
+
+
+def is_deepspeed(step: Path) -> bool:
+    """A step directory written by ``engine: deepspeed`` (DeepSpeed's model-states files)."""
+    return any((step / MODEL_DIR).glob("*_model_states.pt"))
 
 
 def _rank_written(path: Path) -> bool:

@@ -4,7 +4,8 @@ loads them.
 Saved through megatron-core ``dist_checkpointing`` with layout-independent keys, so a checkpoint loads at
 another TP/EP/DP layout, and into one process (eval, generate, export, experiments). Every load goes
 through :func:`load_tensors`: resume (model + Adam state), a decider job's base model (model minus the
-decider) and :func:`load_model` (model only) differ in what they ask for, not in how it is read.
+decider) and ``engine/restore.py:load_model`` (model only) differ in what they ask for, not in how it is
+read. Storage only: building the model to load into is the caller's (engine/restore.py).
 """
 
 from __future__ import annotations
@@ -95,34 +96,6 @@ class ModelTensors:
         load_tensors(self.net, self.optimizer, path, adam_step=float(state["adam_step"]))
 
 
-def load_model(ckpt: Path) -> tuple[Any, Any]:
-    """(JobConfig, LoopedMoEModel in eval mode) from a committed checkpoint (a ``step_<N>`` directory, or
-    a run directory: its newest committed step), whatever layout saved it; only model tensors are read.
-
-    Needs an initialised one-process mesh (``init_mesh(ParallelConfig(), seed=...)``)."""
-    from elastic_pretrain.checkpoint.store import read_trainer_state, resolve_checkpoint, verify
-    from elastic_pretrain.config import build
-    from elastic_pretrain.job import JobConfig
-    from elastic_pretrain.parallel.config import ParallelConfig
-    from elastic_pretrain.parallel.megatron import build_model
-
-    ckpt = resolve_checkpoint(Path(ckpt))
-    verify(ckpt)
-    meta = read_trainer_state(ckpt)
-    job = build(JobConfig, meta["config"])
-    check_model_fits(ckpt, job.model, job.decider)  # the config is the checkpoint's: bound it before building
-    net = build_model(job.model, ParallelConfig(), decider=job.decider)  # a decider job's decider rides along
-    from elastic_pretrain.engine.weights import is_deepspeed, load_deepspeed_weights
-
-    if is_deepspeed(ckpt):  # engine=deepspeed wrote it (weights-only read; engine/weights.py)
-        load_deepspeed_weights(net, ckpt)
-    else:
-        load_tensors(net, None, CheckpointFiles(ckpt).tensors, what="model tensors")
-    # the ELR conditioning heads are on exactly in the mixed phase (as in the trainer's session)
-    net.conditioning_active = meta.get("controller", {}).get("phase") == "mixed" and net.loop_conditioning is not None
-    return job, net.eval()
-
-
 def check_model_fits(ckpt: Path, model: Any, decider: Any = None) -> None:
     """Refuse, in one line and before anything is allocated, a model config that builds more parameters than
     ``ckpt``'s tensor files hold. eval, generate, export, convert and a decider job build the model from the
@@ -130,7 +103,7 @@ def check_model_fits(ckpt: Path, model: Any, decider: Any = None) -> None:
     then found that no tensor fits (issue 35). The sizes compared are the metadata's (bounded by the data
     files: ``safe_load.declared_tensors``) or, for a DeepSpeed checkpoint, the files' own."""
     from elastic_pretrain.checkpoint.safe_load import declared_tensors
-    from elastic_pretrain.engine.weights import is_deepspeed
+    from elastic_pretrain.checkpoint.store import is_deepspeed
     from elastic_pretrain.model.params import count_parameters, decider_parameters, format_count
 
     need = count_parameters(model).total + (decider_parameters(decider, model) if decider is not None else 0)

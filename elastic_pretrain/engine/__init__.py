@@ -1,6 +1,7 @@
 """Training engines: ``megatron`` (train/session.py, the default) and ``deepspeed`` (engine/deepspeed.py).
 
-:func:`build_session` is the one seam the trainer calls; DeepSpeed is imported only by a deepspeed job.
+:func:`build_session` is the one seam: the commands hand it to the trainer (``train(job, build_session)``), which
+imports no engine; DeepSpeed is imported only by a deepspeed job.
 """
 
 from __future__ import annotations

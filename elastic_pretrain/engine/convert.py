@@ -26,6 +26,7 @@ from elastic_pretrain.checkpoint.store import (
     RNG_DIR,
     TRAINER_FILE,
     CheckpointStore,
+    is_deepspeed,
     read_trainer_state,
     verify,
 )
@@ -36,7 +37,6 @@ from elastic_pretrain.engine.full_state import (
     read_deepspeed,
     read_megatron,
 )
-from elastic_pretrain.engine.weights import is_deepspeed
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import copy_file, is_plain_name, write_atomic
 from elastic_pretrain.rundir import CheckpointFiles
@@ -45,8 +45,8 @@ from elastic_pretrain.rundir import CheckpointFiles
 def convert(step: Path, out_run: Path, *, zero_stage: int = 2, optimizer: bool = True) -> Path:
     """Write ``step`` (either engine) as the other engine's committed checkpoint under ``out_run``; its path.
     ``optimizer``: carry the Adam state over (else the result's optimizer starts fresh)."""
-    from elastic_pretrain.checkpoint.tensors import load_model
     from elastic_pretrain.config import build
+    from elastic_pretrain.engine.restore import load_model
     from elastic_pretrain.job import JobConfig
 
     marker = verify(step)

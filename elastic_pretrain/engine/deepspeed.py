@@ -45,17 +45,10 @@ from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import write_atomic
 from elastic_pretrain.job import JobConfig
 from elastic_pretrain.parallel.mesh import Mesh
-from elastic_pretrain.train.schedule import ExpertLayout
+from elastic_pretrain.parallel.pipeline import MicroBatch, _loss_func, group_loops
+from elastic_pretrain.schedule import ExpertLayout
 from elastic_pretrain.train.session import Session, wsd_decay_steps
-from elastic_pretrain.train.step import (
-    MicroBatch,
-    StepResult,
-    _loss_func,
-    _moe_aux,
-    _reduce_by_loops,
-    group_loops,
-    measured_step,
-)
+from elastic_pretrain.train.step import StepResult, _moe_aux, _reduce_by_loops, measured_step
 
 log = logging.getLogger(__name__)
 
@@ -308,7 +301,7 @@ def build_session(job: JobConfig, mesh: Mesh) -> Any:
     from elastic_pretrain.data.prefetch import prefetched
     from elastic_pretrain.data.tokenizer import load_tokenizer
     from elastic_pretrain.parallel.megatron import build_model
-    from elastic_pretrain.train.schedule import ScheduleController
+    from elastic_pretrain.schedule import ScheduleController
 
     deepspeed = import_deepspeed()
     tokenizer = load_tokenizer(job.data.tokenizer)

@@ -1,5 +1,5 @@
-"""Reading a DeepSpeed-engine checkpoint's model weights (weights-only, engine/safe_load.py): what ``eval``,
-``generate`` and :mod:`elastic_pretrain.engine.convert` share. Low in the layers: imports no command module."""
+"""Reading a DeepSpeed-engine checkpoint's model weights (weights-only, engine/safe_load.py): what ``load_model``
+(engine/restore.py) and :mod:`elastic_pretrain.engine.convert` share. Low in the layers: imports no command module."""
 
 from __future__ import annotations
 
@@ -39,11 +39,6 @@ def import_deepspeed() -> Any:
 
 
 SHM_COMM_OP = "deepspeed_shm_comm"
-
-
-def is_deepspeed(step: Path) -> bool:
-    """A step directory written by ``engine: deepspeed`` (DeepSpeed's model-states files)."""
-    return any((step / MODEL_DIR).glob("*_model_states.pt"))
 
 
 def deepspeed_weights(step: Path) -> dict[str, torch.Tensor]:

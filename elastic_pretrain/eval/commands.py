@@ -23,10 +23,10 @@ DEFAULT_NEW_TOKENS = 128  # generate --max-new-tokens unset (within the model's 
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from elastic_pretrain.checkpoint.tensors import load_model
     from elastic_pretrain.data.difficulty import load_difficulty
     from elastic_pretrain.data.loader import load_validation
     from elastic_pretrain.data.recipes import check_eval_recipe, load_recipe, matching_recipe
+    from elastic_pretrain.engine.restore import load_model
     from elastic_pretrain.eval.adaptive import DEFAULT_THRESHOLDS, adaptive_sweep
     from elastic_pretrain.eval.curves import compare
     from elastic_pretrain.eval.difficulty import by_difficulty
@@ -258,8 +258,8 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     from elastic_pretrain.checkpoint.store import read_trainer_state
-    from elastic_pretrain.checkpoint.tensors import load_model
     from elastic_pretrain.data.tokenizer import load_tokenizer
+    from elastic_pretrain.engine.restore import load_model
     from elastic_pretrain.model.inference import generate
     from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 

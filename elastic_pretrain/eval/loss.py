@@ -21,9 +21,8 @@ from elastic_pretrain.eval.curves import CurvePoint, QualityCurve
 from elastic_pretrain.model.flops import AttentionContext, flops_per_token
 from elastic_pretrain.parallel.device import device, to_device
 from elastic_pretrain.parallel.mesh import all_reduce_sum, pipeline_group
-from elastic_pretrain.parallel.pipeline import Pipeline
-from elastic_pretrain.train.schedule import DepthPlan, ExitAxis
-from elastic_pretrain.train.step import MicroBatch, run_pipeline
+from elastic_pretrain.parallel.pipeline import MicroBatch, Pipeline, run_pipeline
+from elastic_pretrain.schedule import DepthPlan, ExitAxis
 
 Runs = list[tuple[int, tuple[int, ...]]]  # (ℓ of one run, the exits it reports)
 

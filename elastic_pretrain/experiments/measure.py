@@ -35,12 +35,12 @@ def parameters(ctx: Context, run: Run) -> int:
 def training_compute(run: Run) -> tuple[float, float]:
     """(mean passes per training micro-batch, training FLOPs = 3 x forward FLOPs summed over the tokens).
 
-    Replays the run's depth plans (a pure function of seed, step, micro-batch and replica; train/schedule.py)
+    Replays the run's depth plans (a pure function of seed, step, micro-batch and replica; schedule.py)
     for every data-parallel replica of the layout the run trained with (``summary.json``; expert-parallel
     groups of consecutive replicas, as megatron builds them at TP = 1); an extra supervised exit costs one
     more coda + output layer; ``model.kv_training: last_loop`` adds its no-grad forward of the ℓ passes and
     the coda at ℓ > 1 (docs/kv-training.md)."""
-    from elastic_pretrain.train.schedule import ExpertLayout, ScheduleController
+    from elastic_pretrain.schedule import ExpertLayout, ScheduleController
 
     job = run.job
     cfg, seq = job.model, job.data.seq_len

@@ -39,7 +39,8 @@ from elastic_pretrain.config import ConfigError, build, flatten, load_yaml, show
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.experiments.stats import MIN_SEEDS, Claim, Metrics
 from elastic_pretrain.files import LIMITS, check_regular, read_json_object
-from elastic_pretrain.job import JobConfig, dump_job, load_job
+from elastic_pretrain.job import JobConfig, dump_job
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.model.params import count_parameters
 from elastic_pretrain.rundir import RunFiles
 
@@ -153,7 +154,7 @@ class Context:
         """The run's final checkpoint as a one-process model in eval mode (cached)."""
         forget_moe_aux_losses()  # the model asked for may have another number of layers than the last one
         if name not in self._models:
-            from elastic_pretrain.checkpoint.tensors import load_model
+            from elastic_pretrain.engine.restore import load_model
 
             self._models[name] = load_model(self.run(name).run_dir)[1]
         return self._models[name]
@@ -506,6 +507,7 @@ def ensure_trained(path: Path, job: JobConfig, runs_root: Path) -> Run:
     """Reuse a finished run with the same config (:func:`find_reusable`), else train this job here (resuming
     its own unfinished run of the same config; its own run directory holding another config is deleted
     first)."""
+    from elastic_pretrain.engine import build_session
     from elastic_pretrain.train.trainer import train
 
     own = job.run_path
@@ -523,7 +525,7 @@ def ensure_trained(path: Path, job: JobConfig, runs_root: Path) -> Run:
             train_processes(path, job, nproc)
         else:
             forget_moe_aux_losses()
-            if train(job) is None:
+            if train(job, build_session) is None:
                 raise UserError(f"{path.stem}: training stopped before the end; rerun the experiment to continue it")
         where = f" ({nproc} processes)" if nproc > 1 else ""
         print(f"{path.stem}: {status} in {time.perf_counter() - t0:.0f}s{where} -> {own}", flush=True)

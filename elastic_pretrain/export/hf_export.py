@@ -1,6 +1,6 @@
 """Export a trained looped model to a Hugging Face directory (``elastic-pretrain export``).
 
-The checkpoint is loaded into a one-process model (``checkpoint.tensors.load_model``: megatron's
+The checkpoint is loaded into a one-process model (``engine.restore.load_model``: megatron's
 ``dist_checkpointing`` reshards any TP/EP/DP/PP layout, with the restricted unpickling of resume), so
 every layout exports the same files. Written into OUT:
 
@@ -162,7 +162,7 @@ def write_export(
 def export_hf(ckpt: Path, out: Path) -> Path:
     """Export a committed checkpoint (any layout: loaded into one process) into ``out``."""
     from elastic_pretrain.checkpoint.store import read_trainer_state, resolve_checkpoint
-    from elastic_pretrain.checkpoint.tensors import load_model
+    from elastic_pretrain.engine.restore import load_model
     from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 
     ckpt = resolve_checkpoint(Path(ckpt))

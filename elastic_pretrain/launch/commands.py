@@ -72,7 +72,8 @@ class SubmitPlan:
 
 
 def plan_submit(args: argparse.Namespace) -> SubmitPlan:
-    from elastic_pretrain.job import load_job, snapshot_job
+    from elastic_pretrain.job import snapshot_job
+    from elastic_pretrain.job_loader import load_job
 
     job_path: Path = args.job.expanduser().absolute()
     # Validate the whole job here: a config error must not first surface on the compute nodes.

@@ -11,7 +11,7 @@ import dataclasses
 import re
 from typing import Literal
 
-from elastic_pretrain.config import ConfigError, field
+from elastic_pretrain.config import ConfigError, field, parse_bytes
 
 # Signals the trainer handles as "checkpoint at the next step boundary, then exit 0".
 PREEMPT_SIGNALS = ("TERM", "USR1", "USR2")
@@ -226,8 +226,6 @@ class SlurmConfig:
         """``gpu_memory`` in bytes (None when unset)."""
         if self.gpu_memory is None:
             return None
-        from elastic_pretrain.parallel.memory import parse_bytes
-
         try:
             return parse_bytes(str(self.gpu_memory))
         except ConfigError:

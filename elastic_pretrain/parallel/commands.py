@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from elastic_pretrain.config import ConfigError
+from elastic_pretrain.config import ConfigError, parse_bytes
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from elastic_pretrain.parallel.memory import (
         RECOMPUTE_MODES,
         check_maxvio,
         estimate_memory,
         largest_micro_batch,
-        parse_bytes,
     )
 
     job = load_job(args.job, list(args.overrides))

@@ -32,7 +32,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import re
 from typing import TYPE_CHECKING, Literal
 
 from elastic_pretrain.config import ConfigError
@@ -132,17 +131,6 @@ class MemoryEstimate:
 def check_maxvio(maxvio: float, name: str = "maxvio") -> None:
     if not maxvio >= 0:  # NaN too
         raise ConfigError(f"{name}: must be >= 0 (max load / mean load - 1; 0 = perfectly balanced), got {maxvio}")
-
-
-def parse_bytes(text: str) -> int:
-    """'80GiB', '141GB', '80G', '1.5TiB', '12345' → bytes (GB = 10^9, GiB and bare G = 2^30)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?B?)\s*", text, flags=re.IGNORECASE)
-    if not m:
-        raise ConfigError(f"--gpu-memory: cannot read {text!r}: write a size such as 80GiB, 141GB or 96G")
-    value, unit, suffix = float(m.group(1)), m.group(2).upper(), m.group(3).lower()
-    power = "KMGT".index(unit) + 1 if unit else 0
-    base = 1000 if suffix == "b" and unit else 1024
-    return int(value * base**power)
 
 
 # ---------------------------------------------------------------------------------------------------

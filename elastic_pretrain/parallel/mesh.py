@@ -23,7 +23,7 @@ from elastic_pretrain.parallel.config import ParallelConfig  # re-exported (ligh
 from elastic_pretrain.parallel.device import device
 
 if TYPE_CHECKING:
-    from elastic_pretrain.train.schedule import ExpertLayout
+    from elastic_pretrain.schedule import ExpertLayout
 
 log = logging.getLogger(__name__)
 
@@ -154,11 +154,11 @@ def pipeline_group() -> Any:
 
 def expert_layout() -> ExpertLayout:
     """The replicas of this rank's expert-parallel group and each replica's depth-group key
-    (:class:`~elastic_pretrain.train.schedule.ExpertLayout`), from one ``all_gather`` at start-up:
+    (:class:`~elastic_pretrain.schedule.ExpertLayout`), from one ``all_gather`` at start-up:
     after it every rank computes its group's loop counts locally (no collective per micro-batch)."""
     from megatron.core import parallel_state
 
-    from elastic_pretrain.train.schedule import ExpertLayout
+    from elastic_pretrain.schedule import ExpertLayout
 
     replica = parallel_state.get_data_parallel_rank()
     if not dist.is_initialized() or dist.get_world_size() == 1:

@@ -15,7 +15,9 @@ gradients of every pass accumulate in one buffer and are reduced exactly once pe
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -26,6 +28,10 @@ from torch import Tensor
 
 from elastic_pretrain.model.looped import LoopedMoEModel
 from elastic_pretrain.parallel.config import check_micro_batches
+from elastic_pretrain.parallel.device import device
+from elastic_pretrain.parallel.mesh import expert_group_max_each
+from elastic_pretrain.parallel.overlap import overlapped_step
+from elastic_pretrain.schedule import DepthPlan
 
 
 class PassChunk(torch.nn.Module):
@@ -170,3 +176,81 @@ class AttachLoss(torch.autograd.Function):
     def backward(ctx: Any, grad_TBD: Tensor) -> tuple[Tensor, Tensor]:
         (loss,) = ctx.saved_tensors
         return grad_TBD, torch.ones_like(loss)
+
+
+# The micro-batch and the loss of its exits: what the training step (train/step.py, engine/deepspeed.py) and the
+# evaluator (eval/loss.py) run, through one process's forward or through the pipeline (run_pipeline).
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatch:
+    tokens_BT1: torch.Tensor  # [B, T+1]: inputs = [:, :-1], labels = [:, 1:]
+    plan: DepthPlan
+
+
+def _loss_func(plan: DepthPlan, losses_BT: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Objective = Σ over supervised exits of the per-token mean CE (all tokens count; packed data)."""
+    n = next(iter(losses_BT.values())).numel()
+    objective = torch.stack([losses_BT[e].sum() for e in plan.exits]).sum()
+    report = {e: (losses_BT[e].detach().sum(), n) for e in plan.exits}
+    # megatron divides the returned loss by num_tokens and by the number of micro-batches.
+    num_tokens = torch.tensor(n, dtype=torch.int, device=objective.device)
+    return objective, num_tokens, {"by_exit": report, "exits": len(plan.exits)}
+
+
+class _ChunkForward:
+    """``forward_step_func`` of the interleaved pipeline: micro-batch m through chunk j = pass j of this stage.
+
+    Extra exits e < ℓ end on the last stage in chunk e-1: their loss is computed there, attached to the
+    activation for backward (``AttachLoss``) and kept (detached, per micro-batch) for the loss function
+    of the last chunk, which reports every exit as the 1-process step does.
+    """
+
+    def __init__(self, sync_loops: list[int], *, loss_scale: float, training: bool) -> None:
+        self.sync_loops, self.loss_scale, self.training = sync_loops, loss_scale, training
+        self.exit_losses: dict[int, dict[int, torch.Tensor]] = {}
+
+    def __call__(self, data_iterator: Iterator[tuple[int, MicroBatch]], chunk: PassChunk) -> tuple[Any, Any]:
+        with chunk.net.fp8_forward():  # delayed scaling: one FP8 autocast per chunk forward, its head included
+            return self._forward(data_iterator, chunk)
+
+    def _forward(self, data_iterator: Iterator[tuple[int, MicroBatch]], chunk: PassChunk) -> tuple[Any, Any]:
+        m, mb = next(data_iterator)
+        net, j, plan = chunk.net, chunk.pass_idx, mb.plan
+        inputs, labels = mb.tokens_BT1[:, :-1].contiguous(), mb.tokens_BT1[:, 1:].contiguous()
+        h_TBD = net.run_chunk(chunk.input_tensor, inputs, pass_idx=j, loops=plan.loops,
+                              sync_loops=self.sync_loops[m], key=m)
+        if not net.post_process:
+            return h_TBD, None
+        if j + 1 < net.cfg.max_loops:  # not the last chunk: an extra exit may end here
+            if j + 1 in plan.exits and j + 1 < plan.loops:
+                losses_BT = net.head_losses(h_TBD, inputs, labels)
+                self.exit_losses.setdefault(m, {})[j + 1] = losses_BT.detach()
+                if self.training:  # megatron's scaling of the final loss: / tokens / micro-batches, x loss scale
+                    h_TBD = AttachLoss.apply(h_TBD, losses_BT.sum() * (self.loss_scale / losses_BT.numel()))
+            return h_TBD, None
+        losses = {**self.exit_losses.pop(m, {}), plan.loops: net.head_losses(h_TBD, inputs, labels)}
+        return losses, partial(_loss_func, plan)
+
+
+def group_loops(micro_batches: list[MicroBatch]) -> list[int]:
+    """The passes each micro-batch's MoE calls run for (its EP group's max ℓ): computed locally by the
+    schedule controller (``DepthPlan.group_loops``); only hand-built plans agree with one all-reduce."""
+    known = [mb.plan.group_loops for mb in micro_batches]
+    if all(g is not None for g in known):
+        return [int(g) for g in known]  # type: ignore[arg-type]
+    return expert_group_max_each([mb.plan.loops for mb in micro_batches])
+
+
+def run_pipeline(pipeline: Pipeline, micro_batches: list[MicroBatch], *, seq_len: int, training: bool) -> list[dict]:
+    """The interleaved pipeline schedule over one step's micro-batches (forward+backward or forward only)."""
+    sync = group_loops(micro_batches)  # EP-safe mixed depth
+    grad_scale = pipeline.config.grad_scale_func
+    loss_scale = float(grad_scale(torch.ones(1, device=device()))) if grad_scale is not None and training else 1.0
+    forward = _ChunkForward(sync, loss_scale=loss_scale / len(micro_batches), training=training)
+    if not training:
+        return pipeline.run(forward, micro_batches, seq_length=seq_len,
+                            micro_batch_size=micro_batches[0].tokens_BT1.shape[0], forward_only=True)
+    with overlapped_step(pipeline.ddp, forward, len(micro_batches) * len(pipeline.chunks)) as forward_step:
+        return pipeline.run(forward_step, micro_batches, seq_length=seq_len,
+                            micro_batch_size=micro_batches[0].tokens_BT1.shape[0], forward_only=False)

@@ -107,9 +107,10 @@ def _train(args: argparse.Namespace) -> int:
         _prepare_run_dir(job.run_path)
         if _finished(job):
             return 0
+    from elastic_pretrain.engine import build_session
     from elastic_pretrain.train.trainer import train
 
-    train(job)
+    train(job, build_session)  # the command picks the engine (job.engine)
     return 0
 
 
@@ -188,7 +189,7 @@ def job_from_args(args: argparse.Namespace) -> Any:
     Paths from flags are set as strings: as ``key=value`` overrides YAML would read ``#`` as a comment,
     ``: `` as a mapping and ``~`` as null, and the trainer would write elsewhere than the flag (and the
     Slurm batch script watching that directory) says."""
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
 
     paths = path_flags(args)
     values = {"run_dir": paths.get("--run-dir"), "checkpoint.resume_from": paths.get("--resume-from")}
@@ -206,7 +207,8 @@ def path_flags(args: argparse.Namespace) -> dict[str, str]:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from elastic_pretrain.job import dump_job, load_job
+    from elastic_pretrain.job import dump_job
+    from elastic_pretrain.job_loader import load_job
 
     if args.explain or args.reference:
         from elastic_pretrain.config_reference import explain, reference

@@ -33,7 +33,8 @@ from elastic_pretrain.model.decider import (
 from elastic_pretrain.model.looped import LoopedMoEModel
 from elastic_pretrain.parallel.device import device
 from elastic_pretrain.parallel.mesh import data_parallel_group, sequence_shard
-from elastic_pretrain.train.step import MicroBatch, TrainStep, _reduce_by_loops
+from elastic_pretrain.parallel.pipeline import MicroBatch
+from elastic_pretrain.train.step import TrainStep, _reduce_by_loops
 
 # the per-micro-batch sums a decider step reports (reduced over every rank)
 STATS = ("bce_sum", "labels", "continue", "correct", "passes", "tokens")

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any
 
 from elastic_pretrain.config import ConfigError
-from elastic_pretrain.train.schedule import DepthPlan, ExpertLayout, ScheduleConfig, ScheduleController
+from elastic_pretrain.schedule import DepthPlan, ExpertLayout, ScheduleConfig, ScheduleController
 
 
 @dataclasses.dataclass(frozen=True)

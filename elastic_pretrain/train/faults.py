@@ -234,7 +234,7 @@ class FaultMonitor:
     def rollback(self, state: Any) -> None:
         """Reload the newest committed checkpoint, keep the data position (the window since that
         checkpoint is skipped) and the event counts. Collective."""
-        from elastic_pretrain.checkpoint.manager import check_resumable
+        from elastic_pretrain.train.resume import resumable
 
         self.ckpt.wait()  # an async save in flight commits first: it is the newest good state
         newest = self.ckpt.store.newest()
@@ -245,7 +245,7 @@ class FaultMonitor:
             )
         bad_step, data, counts = state.step, self.s.batches.state_dict(), dict(self.counts)
         self.s.scheduler.num_steps = 0  # megatron's scheduler load_state_dict steps on from the current count
-        self.ckpt.restore(newest.path, check_resumable(newest.path, self.job))  # state too: it is checkpointed
+        self.ckpt.restore(newest.path, resumable(newest.path, self.job))  # state too: it is checkpointed
         self.s.batches.load_state_dict(data)
         self.counts = counts | {"rollback": counts["rollback"] + 1}
         if self.mesh.is_logging_rank:

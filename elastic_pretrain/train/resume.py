@@ -21,12 +21,13 @@ Reads only the file system and small JSON files: the launching process stays lig
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
 from elastic_pretrain.checkpoint.store import CheckpointStore, read_trainer_state, resume_source
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.job import JobConfig, shape_refusal
+from elastic_pretrain.job import JobConfig, public_dict, shape_refusal
 from elastic_pretrain.rundir import CheckpointFiles, RunFiles
 
 _NEW_RUN = "for a new run give another name (name=NEW) or --run-dir runs/NEW"
@@ -60,7 +61,7 @@ def check_steps_left(source: Path | None, meta: dict[str, Any], job: JobConfig) 
 def check_before_launch(job: JobConfig) -> str | None:
     """Before any rank starts: the line to print when the run is finished (nothing to train), else None.
     Raises the one-line refusal for a checkpoint past ``train.steps`` or a changed model shape."""
-    source = resume_source(job, CheckpointStore(RunFiles(job.run_path).checkpoints))
+    source = resume_source(job.checkpoint, CheckpointStore(RunFiles(job.run_path).checkpoints))
     step = CheckpointFiles(source).step if source is not None else None
     if source is None or step is None:  # a fresh run, or a --resume-from folder not named step_<N>: the ranks check it
         return None
@@ -76,3 +77,11 @@ def check_before_launch(job: JobConfig) -> str | None:
     finished = RunFiles(job.run_path).finished.exists() and CheckpointFiles(source).run_dir == job.run_path
     # at train.steps without FINISHED (a crash after the last save): the ranks validate and write it
     return finished_message(job, source, step) if step == job.train.steps and finished else None
+
+
+def resumable(ckpt: Path, job: JobConfig) -> dict[str, Any]:
+    """``checkpoint/manager.py:check_resumable`` for ``job`` (its public config, its model-shape rule): ``ckpt``
+    verified and its ``trainer.json``, or one line refusing it. Collective: the ranks call it, not the launcher."""
+    from elastic_pretrain.checkpoint.manager import check_resumable  # torch: imported on the ranks only
+
+    return check_resumable(ckpt, public_dict(job), functools.partial(shape_refusal, job=job))

@@ -23,8 +23,8 @@ from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import Mesh, data_parallel_group, expert_layout
 from elastic_pretrain.parallel.overlap import DepthOverlapDDP, bucket_size_for, settle_param_gather
 from elastic_pretrain.parallel.pipeline import Pipeline, check_micro_batches
+from elastic_pretrain.schedule import ExpertLayout, ScheduleController
 from elastic_pretrain.train.decider import DeciderStep, freeze_backbone
-from elastic_pretrain.train.schedule import ExpertLayout, ScheduleController
 from elastic_pretrain.train.step import TrainStep
 
 log = logging.getLogger(__name__)

@@ -24,22 +24,14 @@ from elastic_pretrain.parallel.mesh import (
     all_reduce_max,
     all_reduce_sum,
     data_parallel_group,
-    expert_group_max_each,
     pipeline_group,
 )
 from elastic_pretrain.parallel.overlap import overlapped_step, start_param_gather
-from elastic_pretrain.parallel.pipeline import AttachLoss, PassChunk, Pipeline
+from elastic_pretrain.parallel.pipeline import MicroBatch, Pipeline, _loss_func, group_loops, run_pipeline
 from elastic_pretrain.tracking import names
 from elastic_pretrain.train.faults import guarded_step
 from elastic_pretrain.train.mfu import DepthCounts, ghost_time_share
-from elastic_pretrain.train.schedule import DepthPlan
 from elastic_pretrain.train.step_timing import StepSpan, open_span
-
-
-@dataclasses.dataclass(frozen=True)
-class MicroBatch:
-    tokens_BT1: torch.Tensor  # [B, T+1]: inputs = [:, :-1], labels = [:, 1:]
-    plan: DepthPlan
 
 
 @dataclasses.dataclass
@@ -55,16 +47,6 @@ class StepResult:
     span: StepSpan | None = None  # CUDA: the step's event pair, read by the straggler report (train/step_timing.py)
 
 
-def _loss_func(plan: DepthPlan, losses_BT: dict[int, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Objective = Σ over supervised exits of the per-token mean CE (all tokens count; packed data)."""
-    n = next(iter(losses_BT.values())).numel()
-    objective = torch.stack([losses_BT[e].sum() for e in plan.exits]).sum()
-    report = {e: (losses_BT[e].detach().sum(), n) for e in plan.exits}
-    # megatron divides the returned loss by num_tokens and by the number of micro-batches.
-    num_tokens = torch.tensor(n, dtype=torch.int, device=objective.device)
-    return objective, num_tokens, {"by_exit": report, "exits": len(plan.exits)}
-
-
 def _forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module) -> tuple[Any, Any]:
     mb = next(data_iterator)
     inputs, labels = mb.tokens_BT1[:, :-1].contiguous(), mb.tokens_BT1[:, 1:].contiguous()
@@ -72,41 +54,6 @@ def _forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module) -
     losses = model(inputs, labels=labels, loops=mb.plan.loops, exits=mb.plan.exits, sync_loops=sync_loops,
                    exit_axis=mb.plan.axis)
     return losses, partial(_loss_func, mb.plan)
-
-
-class _ChunkForward:
-    """``forward_step_func`` of the interleaved pipeline: micro-batch m through chunk j = pass j of this stage.
-
-    Extra exits e < ℓ end on the last stage in chunk e-1: their loss is computed there, attached to the
-    activation for backward (``AttachLoss``) and kept (detached, per micro-batch) for the loss function
-    of the last chunk, which reports every exit as the 1-process step does.
-    """
-
-    def __init__(self, sync_loops: list[int], *, loss_scale: float, training: bool) -> None:
-        self.sync_loops, self.loss_scale, self.training = sync_loops, loss_scale, training
-        self.exit_losses: dict[int, dict[int, torch.Tensor]] = {}
-
-    def __call__(self, data_iterator: Iterator[tuple[int, MicroBatch]], chunk: PassChunk) -> tuple[Any, Any]:
-        with chunk.net.fp8_forward():  # delayed scaling: one FP8 autocast per chunk forward, its head included
-            return self._forward(data_iterator, chunk)
-
-    def _forward(self, data_iterator: Iterator[tuple[int, MicroBatch]], chunk: PassChunk) -> tuple[Any, Any]:
-        m, mb = next(data_iterator)
-        net, j, plan = chunk.net, chunk.pass_idx, mb.plan
-        inputs, labels = mb.tokens_BT1[:, :-1].contiguous(), mb.tokens_BT1[:, 1:].contiguous()
-        h_TBD = net.run_chunk(chunk.input_tensor, inputs, pass_idx=j, loops=plan.loops,
-                              sync_loops=self.sync_loops[m], key=m)
-        if not net.post_process:
-            return h_TBD, None
-        if j + 1 < net.cfg.max_loops:  # not the last chunk: an extra exit may end here
-            if j + 1 in plan.exits and j + 1 < plan.loops:
-                losses_BT = net.head_losses(h_TBD, inputs, labels)
-                self.exit_losses.setdefault(m, {})[j + 1] = losses_BT.detach()
-                if self.training:  # megatron's scaling of the final loss: / tokens / micro-batches, x loss scale
-                    h_TBD = AttachLoss.apply(h_TBD, losses_BT.sum() * (self.loss_scale / losses_BT.numel()))
-            return h_TBD, None
-        losses = {**self.exit_losses.pop(m, {}), plan.loops: net.head_losses(h_TBD, inputs, labels)}
-        return losses, partial(_loss_func, plan)
 
 
 def _reduce_by_loops(reports: list[dict], max_loops: int) -> tuple[float, dict[int, float]]:
@@ -253,26 +200,3 @@ def depth_counts(micro_batches: list[MicroBatch]) -> DepthCounts:
     balance = (packed[0] + packed[2]) / replicas / slowest if slowest else 1.0
     return DepthCounts(loops=packed[0] / packed[3], exits=packed[1] / packed[3], ghost_passes=packed[2] / packed[3],
                        balance=balance)
-
-
-def group_loops(micro_batches: list[MicroBatch]) -> list[int]:
-    """The passes each micro-batch's MoE calls run for (its EP group's max ℓ): computed locally by the
-    schedule controller (``DepthPlan.group_loops``); only hand-built plans agree with one all-reduce."""
-    known = [mb.plan.group_loops for mb in micro_batches]
-    if all(g is not None for g in known):
-        return [int(g) for g in known]  # type: ignore[arg-type]
-    return expert_group_max_each([mb.plan.loops for mb in micro_batches])
-
-
-def run_pipeline(pipeline: Pipeline, micro_batches: list[MicroBatch], *, seq_len: int, training: bool) -> list[dict]:
-    """The interleaved pipeline schedule over one step's micro-batches (forward+backward or forward only)."""
-    sync = group_loops(micro_batches)  # EP-safe mixed depth
-    grad_scale = pipeline.config.grad_scale_func
-    loss_scale = float(grad_scale(torch.ones(1, device=device()))) if grad_scale is not None and training else 1.0
-    forward = _ChunkForward(sync, loss_scale=loss_scale / len(micro_batches), training=training)
-    if not training:
-        return pipeline.run(forward, micro_batches, seq_length=seq_len,
-                            micro_batch_size=micro_batches[0].tokens_BT1.shape[0], forward_only=True)
-    with overlapped_step(pipeline.ddp, forward, len(micro_batches) * len(pipeline.chunks)) as forward_step:
-        return pipeline.run(forward_step, micro_batches, seq_length=seq_len,
-                            micro_batch_size=micro_batches[0].tokens_BT1.shape[0], forward_only=False)

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -19,30 +20,30 @@ import torch
 
 from elastic_pretrain.checkpoint import parallel_io
 from elastic_pretrain.checkpoint.latest import repair_latest
-from elastic_pretrain.checkpoint.manager import Checkpointer, check_resumable, check_states, resume_source
+from elastic_pretrain.checkpoint.manager import Checkpointer, check_states, resume_source
 from elastic_pretrain.checkpoint.preempt import StopRequest, stop_reason
 from elastic_pretrain.checkpoint.store import CheckpointStore
 from elastic_pretrain.checkpoint.tensors import check_model_fits
 from elastic_pretrain.data.loader import TokenBatches
-from elastic_pretrain.engine import build_session  # job.engine: megatron or deepspeed
 from elastic_pretrain.eval.loss import loss_by_loops
 from elastic_pretrain.files import append_text, read_bounded, read_text_or_none, write_atomic
-from elastic_pretrain.job import JobConfig, write_resolved
+from elastic_pretrain.job import JobConfig, public_dict, write_resolved
 from elastic_pretrain.jsonsafe import count, mapping
 from elastic_pretrain.jsonsafe import loads as json_loads
 from elastic_pretrain.parallel.device import device
 from elastic_pretrain.parallel.mesh import Mesh, describe, every_rank, init_mesh, teardown
+from elastic_pretrain.parallel.pipeline import MicroBatch
 from elastic_pretrain.parallel.strict import enter_strict_devices
 from elastic_pretrain.rundir import RunFiles
+from elastic_pretrain.schedule import ExpertLayout, ScheduleController
 from elastic_pretrain.train.decider import load_base
 from elastic_pretrain.train.faults import FaultMonitor
 from elastic_pretrain.train.memory_peaks import MemoryPeaks, gib
 from elastic_pretrain.train.mfu import baseline_flops_per_token, device_peak, step_flops, utilisation
 from elastic_pretrain.train.profiling import ProfileWindow
-from elastic_pretrain.train.resume import check_steps_left
-from elastic_pretrain.train.schedule import ExpertLayout, ScheduleController
+from elastic_pretrain.train.resume import check_steps_left, resumable
 from elastic_pretrain.train.session import SchedulerState, Session, schedule_end_note
-from elastic_pretrain.train.step import MicroBatch, StepResult
+from elastic_pretrain.train.step import StepResult
 from elastic_pretrain.train.stragglers import DATA_WAIT_KEY, StragglerReport
 from elastic_pretrain.train.watchdog import HangWatchdog
 
@@ -106,7 +107,7 @@ class Trainer:
     def fit(self) -> dict[int, float] | None:
         """Train to ``train.steps`` (returns validation loss per ℓ), or save and return None when stopped."""
         job, s, state = self.job, self.s, self.state
-        layout = s.depth_layout()  # once: then every rank computes its group's ℓ locally (train/schedule.py)
+        layout = s.depth_layout()  # once: then every rank computes its group's ℓ locally (schedule.py)
         while state.step < job.train.steps:
             if s.controller.update(step=state.step, tokens_seen=state.tokens):
                 self.ckpt.settle()  # the switch may write parameters (init_unused_passes)
@@ -406,7 +407,6 @@ class TrackingCallback:
         """Open the MLflow run: the checkpoint's, else (``run_id_file``: resumed from this run directory)
         the one in ``mlflow_run_id`` — MLflow may not have answered before that checkpoint was saved."""
         from elastic_pretrain.config import flatten
-        from elastic_pretrain.job import public_dict
         from elastic_pretrain.tracking.tracker import create_tracker, default_tags
 
         job, mesh = self.job, self.mesh
@@ -504,15 +504,21 @@ def fault_callbacks(job: JobConfig, mesh: Mesh, run_dir: Path, faults: FaultMoni
     ]
 
 
-def train(job: JobConfig) -> dict[int, float] | None:
-    """Run a job in this process (one rank of a torchrun launch, or a single process).
+# Builds the run's session on the job's engine (megatron or DeepSpeed): the caller picks it
+# (``elastic_pretrain.engine.build_session``), so the loop does not import the engines that sit above it.
+SessionBuilder = Callable[[JobConfig, Mesh], Session]
+
+
+def train(job: JobConfig, build_session: SessionBuilder) -> dict[int, float] | None:
+    """Run a job in this process (one rank of a torchrun launch, or a single process), its session built by
+    ``build_session``.
 
     Resumes from the run directory's newest committed checkpoint (or ``checkpoint.resume_from``);
     returns None when a stop signal (or ``checkpoint.stop_at``) ended it after a save — exit code 0,
     no ``FINISHED`` marker, so the sbatch script requeues it. The stop handler is installed first: a
     signal during the setup (seconds to minutes) stops the run at its first step boundary."""
     with StopRequest() as stop:
-        return _train(job, stop)
+        return _train(job, build_session, stop)
 
 
 # The checks of the objects a checkpoint holds (the names in trainer.json; the loop counters, adam_step and the
@@ -521,7 +527,7 @@ STATE_CHECKS = {"scheduler": SchedulerState.check_state, "controller": ScheduleC
                 "data": TokenBatches.check_state, "faults": FaultMonitor.check_state}  # fmt: skip
 
 
-def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
+def _train(job: JobConfig, build_session: SessionBuilder, stop: StopRequest) -> dict[int, float] | None:
     torch.set_num_threads(job.train.threads_per_rank)
     mesh = init_mesh(job.parallel, seed=job.train.seed)
     strict = enter_strict_devices()  # ELASTIC_PRETRAIN_STRICT_DEVICES=1 checks every collective (parallel/strict.py)
@@ -534,11 +540,11 @@ def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
             print(f"run {job.name}: {describe(mesh)} -> {run_dir}", flush=True)
         # refuse a corrupt checkpoint or a changed model shape before building anything
         store = CheckpointStore(files.checkpoints)
-        source = resume_source(job, store)
-        meta = check_resumable(source, job) if source else {}
+        source = resume_source(job.checkpoint, store)
+        meta = resumable(source, job) if source else {}
         if source:  # trainer.json's objects, each by its own check, before anything is built
             check_states(source, meta, STATE_CHECKS)
-        elif job.decider is not None:  # the model shape came from the base's trainer.json (job.py): bound it
+        elif job.decider is not None:  # the model shape came from the base's trainer.json (job_loader.py): bound it
             check_model_fits(Path(job.decider.init_from or ""), job.model)
         check_steps_left(source, meta, job)
         if mesh.rank == 0 and (repaired := repair_latest(store)):  # a crash left it naming an older/missing step
@@ -549,7 +555,7 @@ def _train(job: JobConfig, stop: StopRequest) -> dict[int, float] | None:
         peaks = MemoryPeaks.on(device())  # peak memory per report window on CUDA (issue 31 item 4)
         state, tracking = TrainState(), TrackingCallback(job, mesh, run_dir, peaks)
         # what a checkpoint holds besides the tensors, by name in trainer.json (docs/checkpoints.md)
-        ckpt = Checkpointer(job, mesh, run_dir, session.tensors(),
+        ckpt = Checkpointer(job.checkpoint, public_dict(job), mesh, run_dir, session.tensors(),
                             {"trainer": state, **session.checkpointed(), "tracker": tracking})  # fmt: skip
         faults = FaultMonitor(job, mesh, session, ckpt)
         ckpt.state["faults"] = faults

@@ -22,7 +22,7 @@ def prepared() -> None:
 def parts(mesh1, tmp_path: Path):  # type: ignore[no-untyped-def]
     """A real one-process model and optimizer of the tiny job (Adam state filled), async saves on."""
     from elastic_pretrain.checkpoint import optim_state
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from elastic_pretrain.parallel.megatron import build_model
     from elastic_pretrain.train.session import build_optimizer, wrap_ddp
     from tests.dist.ckpt_reshard import owned_slices

@@ -20,6 +20,7 @@ from elastic_pretrain.checkpoint.snapshot import SaveStrategies, is_view
 from elastic_pretrain.checkpoint.store import read_trainer_state
 from elastic_pretrain.checkpoint.tensors import ModelTensors, save_tensors
 from elastic_pretrain.checkpoint.writer import Staging
+from elastic_pretrain.job import public_dict
 from elastic_pretrain.rundir import CheckpointFiles, RunFiles
 from tests.checkpoint.conftest import STATES
 from tests.checkpoint.runs import differing, tensors
@@ -77,7 +78,7 @@ def test_async_checkpoints_hold_the_values_from_before_training_changed_them(par
     """The staging copy runs on a thread, here made slow (0.3 s), so that a change racing it would land in
     the checkpoint: an optimizer step, or anything that calls ``settle()`` first, waits for it."""
     job, mesh, run_dir, net, optimizer = parts
-    ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
+    ckpt = Checkpointer(job.checkpoint, public_dict(job), mesh, run_dir, ModelTensors(net, optimizer), {})
     assert job.checkpoint.async_save and job.checkpoint.async_writer == "persistent"
     trainer_step = TrainALittle(net, optimizer)
     want = {}
@@ -107,7 +108,7 @@ def test_a_change_that_does_not_wait_for_the_staging_copy_reaches_the_checkpoint
     """The control of the test above: the same slow copy, the change made in place without waiting — the
     checkpoint holds changed values (so the test above would see a missing wait)."""
     job, mesh, run_dir, net, optimizer = parts
-    ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
+    ckpt = Checkpointer(job.checkpoint, public_dict(job), mesh, run_dir, ModelTensors(net, optimizer), {})
     want = snapshot(net, optimizer)
     ckpt.save(1)
     train_a_little(net, optimizer, by=5.0)
@@ -118,7 +119,7 @@ def test_a_change_that_does_not_wait_for_the_staging_copy_reaches_the_checkpoint
 
 def test_async_and_sync_checkpoints_of_one_state_are_bitwise_equal(parts, tmp_path: Path) -> None:
     job, mesh, run_dir, net, optimizer = parts
-    ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
+    ckpt = Checkpointer(job.checkpoint, public_dict(job), mesh, run_dir, ModelTensors(net, optimizer), {})
     for step in (1, 2, 3):
         ckpt.save(step)  # async; the third reuses the cached plan
     ckpt.save(4, blocking=True)
@@ -178,7 +179,7 @@ def test_the_commit_takes_the_writers_checksums_instead_of_reading_the_tensors(p
     read: list[Path] = []
     crc32 = store.crc32_file
     monkeypatch.setattr(store, "crc32_file", lambda p, durable=False: read.append(p) or crc32(p, durable))
-    ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
+    ckpt = Checkpointer(job.checkpoint, public_dict(job), mesh, run_dir, ModelTensors(net, optimizer), {})
     ckpt.save(1)
     ckpt.save(2, blocking=True)  # written by this process: a read back would be seen here
     ckpt.close()

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from elastic_pretrain.checkpoint.manager import check_resumable, resume_source
+from elastic_pretrain.checkpoint.manager import resume_source
 from elastic_pretrain.checkpoint.store import FAULT_ENV, CheckpointStore, verify
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
+from elastic_pretrain.train.resume import resumable
 from tests.checkpoint.runs import COMMON, differing, history, tensors, train
 from tests.conftest import REPO
 
@@ -89,5 +90,5 @@ def test_kill_9_at_every_save_point_then_resume(tmp_path: Path) -> None:
     victim.write_bytes(bytes(data))
     job = load_job(REPO / "jobs" / "tiny-cpu.yaml", [f"run_dir={run}", "parallel=single", *COMMON, *RUN])
     with pytest.raises(UserError, match=rf"{victim.name}: corrupt"):
-        check_resumable(resume_source(job, store), job)
+        resumable(resume_source(job.checkpoint, store), job)
     assert [c.step for c in store.committed()] == [1, 2, 3, 4, 5]

@@ -81,6 +81,7 @@ def _fit(job: Any, mesh: Any, *, resume: Path | None = None) -> tuple[list[float
     from elastic_pretrain.checkpoint.manager import Checkpointer
     from elastic_pretrain.checkpoint.preempt import StopRequest
     from elastic_pretrain.checkpoint.store import read_trainer_state
+    from elastic_pretrain.job import public_dict
     from elastic_pretrain.parallel.mesh import seed_everything
     from elastic_pretrain.train.session import build_session
     from elastic_pretrain.train.trainer import Trainer, TrainState
@@ -90,7 +91,8 @@ def _fit(job: Any, mesh: Any, *, resume: Path | None = None) -> tuple[list[float
     tensor_parallel.model_parallel_cuda_manual_seed(job.train.seed)
     session = build_session(job, mesh)
     state = TrainState()
-    ckpt = Checkpointer(job, mesh, job.run_path, session.tensors(), {"trainer": state, **session.checkpointed()})
+    ckpt = Checkpointer(job.checkpoint, public_dict(job), mesh, job.run_path, session.tensors(),
+                        {"trainer": state, **session.checkpointed()})
     if resume is not None:
         ckpt.restore(resume, read_trainer_state(resume))
     losses: list[float] = []
@@ -111,7 +113,7 @@ def _fit(job: Any, mesh: Any, *, resume: Path | None = None) -> tuple[list[float
 
 
 def _job(run_dir: Path, *overrides: str) -> Any:
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
 
     return load_job(REPO / "jobs" / "tiny-cpu.yaml",
                     ["parallel=single", "tracking.backend=none", "train.steps=6", "train.warmup_steps=2",

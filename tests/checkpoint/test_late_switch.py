@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
+from elastic_pretrain.schedule import ScheduleController
 from elastic_pretrain.train.mfu import DepthCounts, baseline_flops_per_token, step_flops
-from elastic_pretrain.train.schedule import ScheduleController
 from tests.checkpoint.runs import COMMON, differing, history, tensors, train
 from tests.conftest import REPO
 

@@ -95,7 +95,7 @@ def test_each_parameters_own_state_in_a_group_mixing_bf16_and_fp32(mesh1, distri
     is rebuilt fp32-first): the first save of such a run crashed, or saved swapped moments where the shapes
     agreed. Every entry's main copy must be its own parameter (equal values) with moments of its size."""
     from elastic_pretrain.checkpoint.optim_state import _entries, _param_index, ensure_state, optimizers
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from elastic_pretrain.parallel.megatron import build_model
     from elastic_pretrain.parallel.mesh import ParallelConfig
     from elastic_pretrain.train.session import build_optimizer, wrap_ddp

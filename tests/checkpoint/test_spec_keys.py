@@ -30,7 +30,7 @@ TE_KEY, LOCAL_KEY = "core.0.passes.0.pre_mlp_layernorm.weight", "core.0.passes.0
 
 def _parts(spec: str) -> tuple[Any, Any]:
     """The tiny job's model (MoE edge layers, LayerNorm: weight and bias) under ``spec``, with its optimizer."""
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from elastic_pretrain.train.session import build_optimizer, wrap_ddp
 
     job = load_job(REPO / "jobs" / "tiny-cpu.yaml", ["parallel=single", "tracking.backend=none",
@@ -88,7 +88,7 @@ def test_the_two_specs_name_only_the_moe_pre_mlp_norm_differently() -> None:
 
 
 def build_model_only(spec: str) -> Any:
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
 
     job = load_job(REPO / "jobs" / "tiny-cpu.yaml", ["model.edge_mlp=moe", "model.normalization=LayerNorm"])
     return build(job.model, spec)
@@ -110,7 +110,7 @@ def test_a_checkpoint_of_one_spec_loads_into_the_other_bitwise(tmp_path: Path, s
     assert got.keys() == want.keys() and TE_KEY in got  # compared under the TE spec's names
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
 
-    # the model-only read of eval, generate, export and convert-checkpoint (checkpoint/tensors.py: load_model)
+    # the model-only read of eval, generate, export and convert-checkpoint (engine/restore.py: load_model)
     bare = build_model_only(loaded_by)
     load_tensors(bare, None, tmp_path, what="model tensors")
     weights = {k: v for k, v in bare.state_dict().items() if not k.endswith("_extra_state")}

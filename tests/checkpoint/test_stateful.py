@@ -17,7 +17,8 @@ from elastic_pretrain.checkpoint.manager import Checkpointer
 from elastic_pretrain.checkpoint.store import RESUME_KEYS, read_trainer_state, saved_run_id
 from elastic_pretrain.checkpoint.tensors import ModelTensors
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job import public_dict
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.rundir import CheckpointFiles, RunFiles
 from elastic_pretrain.train.session import build_optimizer, wrap_ddp
@@ -57,7 +58,7 @@ def test_every_named_object_round_trips_and_a_new_one_starts_fresh(parts) -> Non
     job, mesh, run_dir, tensors, scheduler = parts
     scheduler.step(increment=7)
     saved = {"scheduler": scheduler, "counter": Counter(5, "saved")}
-    ckpt = Checkpointer(job, mesh, run_dir, tensors, saved)
+    ckpt = Checkpointer(job.checkpoint, public_dict(job), mesh, run_dir, tensors, saved)
     ckpt.save(3, blocking=True)
     ckpt.close()
     meta = json.loads(RunFiles(run_dir).step_dir(3).joinpath("trainer.json").read_text())
@@ -69,7 +70,8 @@ def test_every_named_object_round_trips_and_a_new_one_starts_fresh(parts) -> Non
         _param(tensors).add_(1.0)
     scheduler.num_steps = 0  # megatron's scheduler steps on from its current count when it loads
     counter, added = Counter(), Counter(9, "added after the save")
-    again = Checkpointer(job, mesh, run_dir, tensors, {"scheduler": scheduler, "counter": counter, "added": added})
+    again = Checkpointer(job.checkpoint, public_dict(job), mesh, run_dir, tensors,
+                         {"scheduler": scheduler, "counter": counter, "added": added})
     again.restore(RunFiles(run_dir).step_dir(3), read_trainer_state(RunFiles(run_dir).step_dir(3)))
     assert (counter.n, counter.label) == (5, "saved")
     assert (added.n, added.label) == (9, "added after the save")  # no state in the checkpoint: kept fresh
@@ -80,7 +82,7 @@ def test_every_named_object_round_trips_and_a_new_one_starts_fresh(parts) -> Non
 
 def test_a_name_of_the_checkpointer_is_refused(parts) -> None:
     job, mesh, run_dir, tensors, _ = parts
-    ckpt = Checkpointer(job, mesh, run_dir, tensors, {"config": Counter()})
+    ckpt = Checkpointer(job.checkpoint, public_dict(job), mesh, run_dir, tensors, {"config": Counter()})
     with pytest.raises(ValueError, match="may not be named config"):
         ckpt.save(1, blocking=True)
     ckpt.close()

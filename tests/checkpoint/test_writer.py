@@ -26,6 +26,7 @@ from elastic_pretrain.checkpoint.store import CheckpointStore, crc32_file, verif
 from elastic_pretrain.checkpoint.tensors import ModelTensors, save_tensors
 from elastic_pretrain.checkpoint.writer import Staging
 from elastic_pretrain.checkpoint.writer_main import staged_tensor
+from elastic_pretrain.job import public_dict
 from elastic_pretrain.rundir import RunFiles
 from tests.checkpoint.runs import differing
 from tests.checkpoint.test_async_snapshot import restore_step, snapshot, train_a_little
@@ -39,7 +40,7 @@ def test_saves_fork_nothing_and_one_writer_process_writes_every_async_save(parts
     """megatron forks a writer per async save and one more process per file in every save; here neither. The
     writer has the stop signals blocked (a signal forwarded to the job step must not end it mid-save)."""
     job, mesh, run_dir, net, optimizer = parts
-    ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
+    ckpt = Checkpointer(job.checkpoint, public_dict(job), mesh, run_dir, ModelTensors(net, optimizer), {})
     monkeypatch.setattr(os, "fork", _no_fork)  # the writer is spawned (fork + exec in C), the rest in-process
     pids = []
     for step in (1, 2, 3):
@@ -64,7 +65,7 @@ def test_inline_staging_copies_before_the_save_returns(parts) -> None:
     ``background=False``: the copy is done when the save returns — no thread, no optimizer hook — so a
     change made right after it, without waiting, never reaches the checkpoint."""
     job, mesh, run_dir, net, optimizer = parts
-    ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
+    ckpt = Checkpointer(job.checkpoint, public_dict(job), mesh, run_dir, ModelTensors(net, optimizer), {})
     assert ckpt.queue is not None and ckpt.queue.writer is not None
     ckpt.queue.writer.background = False
     want = snapshot(net, optimizer)
@@ -82,7 +83,7 @@ def test_the_fork_writer_still_snapshots(parts) -> None:
 
     job, mesh, run_dir, net, optimizer = parts
     job = dataclasses.replace(job, checkpoint=dataclasses.replace(job.checkpoint, async_writer="fork"))
-    ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
+    ckpt = Checkpointer(job.checkpoint, public_dict(job), mesh, run_dir, ModelTensors(net, optimizer), {})
     assert ckpt.queue.writer is None
     want = snapshot(net, optimizer)
     ckpt.save(1)
@@ -94,7 +95,7 @@ def test_the_fork_writer_still_snapshots(parts) -> None:
 
 def test_a_dead_writer_fails_its_save_and_the_next_save_starts_another(parts) -> None:
     job, mesh, run_dir, net, optimizer = parts
-    ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
+    ckpt = Checkpointer(job.checkpoint, public_dict(job), mesh, run_dir, ModelTensors(net, optimizer), {})
     ckpt.save(1)  # the writer was just spawned: still starting up when it is killed
     os.kill(ckpt.queue.writer.process.pid, signal.SIGKILL)
     with pytest.raises(CheckpointException, match=r"writer process died \(exit code -9\)"):
@@ -110,7 +111,7 @@ def test_a_failed_staging_copy_fails_its_save_and_the_next_save_commits(parts, m
     """The staging copy runs on a thread: an error there fails that save on every rank (as a failed write),
     and the writer, which never got the request, writes the next one."""
     job, mesh, run_dir, net, optimizer = parts
-    ckpt = Checkpointer(job, mesh, run_dir, ModelTensors(net, optimizer), {})
+    ckpt = Checkpointer(job.checkpoint, public_dict(job), mesh, run_dir, ModelTensors(net, optimizer), {})
     copy = Staging.copy
 
     def broken(self: Staging, live: list[torch.Tensor]) -> None:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from elastic_pretrain.checkpoint.manager import load_tensors, save_tensors
 from elastic_pretrain.checkpoint.optim_state import ensure_state, optimizers, owned_states
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import Mesh, ParallelConfig, init_mesh, teardown
 from elastic_pretrain.train.session import build_optimizer, wrap_ddp

@@ -12,8 +12,9 @@ import sys
 import torch.distributed as dist
 
 from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
-from elastic_pretrain.train.schedule import DepthPlan
-from elastic_pretrain.train.step import MicroBatch, depth_counts
+from elastic_pretrain.parallel.pipeline import MicroBatch
+from elastic_pretrain.schedule import DepthPlan
+from elastic_pretrain.train.step import depth_counts
 
 # replica r's micro-batches: (ℓ, supervised exits)
 PLANS = {0: [(1, (1,)), (3, (2, 3))], 1: [(4, (4,)), (2, (1, 2))]}

@@ -22,8 +22,9 @@ import torch.distributed as dist
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
-from elastic_pretrain.train.schedule import DepthPlan
-from elastic_pretrain.train.step import MicroBatch, _forward_step, _reduce_by_loops
+from elastic_pretrain.parallel.pipeline import MicroBatch
+from elastic_pretrain.schedule import DepthPlan
+from elastic_pretrain.train.step import _forward_step, _reduce_by_loops
 from tests.dist.equivalence import global_name, wrap_ddp_for_test
 
 # the plans of replica 0 and 1 (one expert-parallel group): (loops, exits)

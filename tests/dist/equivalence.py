@@ -15,9 +15,10 @@ import torch
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
-from elastic_pretrain.train.schedule import DepthPlan
+from elastic_pretrain.parallel.pipeline import MicroBatch
+from elastic_pretrain.schedule import DepthPlan
 from elastic_pretrain.train.session import wrap_ddp
-from elastic_pretrain.train.step import MicroBatch, _forward_step, _reduce_by_loops
+from elastic_pretrain.train.step import _forward_step, _reduce_by_loops
 
 MODEL = ModelConfig(hidden_size=32, num_heads=4, ffn_hidden_size=64, prelude_layers=1, coda_layers=1, core_layers=2,
                     num_experts=4, loops=2, moe_top_k=2, moe_ffn_hidden_size=32, flatten=1, moe_z_loss_coeff=1e-3,

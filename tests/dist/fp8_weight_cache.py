@@ -31,10 +31,10 @@ import torch.nn.functional as F
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import ParallelConfig
-from elastic_pretrain.parallel.pipeline import Pipeline
+from elastic_pretrain.parallel.pipeline import MicroBatch, Pipeline
+from elastic_pretrain.schedule import DepthPlan
 from elastic_pretrain.train.config import TrainConfig
-from elastic_pretrain.train.schedule import DepthPlan
-from elastic_pretrain.train.step import MicroBatch, TrainStep
+from elastic_pretrain.train.step import TrainStep
 
 MODEL = ModelConfig(hidden_size=32, num_heads=4, ffn_hidden_size=64, prelude_layers=1, coda_layers=1, core_layers=2,
                     num_experts=4, loops=2, flatten=1, moe_top_k=2, moe_ffn_hidden_size=32, moe_aux_loss_coeff=0.0)

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 
 from elastic_pretrain.parallel.mesh import ParallelConfig, expert_group_max_each, expert_layout, init_mesh, teardown
-from elastic_pretrain.train.schedule import ScheduleConfig, ScheduleController
-from elastic_pretrain.train.step import MicroBatch, depth_counts
+from elastic_pretrain.parallel.pipeline import MicroBatch
+from elastic_pretrain.schedule import ScheduleConfig, ScheduleController
+from elastic_pretrain.train.step import depth_counts
 
 SETTINGS = {"draw": {}, "deep_first": {"order": "deep_first"}, "expert_group": {"depth_group": "expert_group"}}
 

@@ -37,11 +37,11 @@ from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
 from elastic_pretrain.parallel.overlap import DepthOverlapDDP, settle_param_gather
-from elastic_pretrain.parallel.pipeline import Pipeline
+from elastic_pretrain.parallel.pipeline import MicroBatch, Pipeline
+from elastic_pretrain.schedule import DepthPlan
 from elastic_pretrain.train.config import TrainConfig
-from elastic_pretrain.train.schedule import DepthPlan
 from elastic_pretrain.train.session import build_optimizer
-from elastic_pretrain.train.step import MicroBatch, TrainStep
+from elastic_pretrain.train.step import TrainStep
 from tests.dist.equivalence import wrap_ddp_for_test
 
 MODEL = ModelConfig(hidden_size=32, num_heads=4, ffn_hidden_size=64, prelude_layers=1, coda_layers=1, core_layers=2,

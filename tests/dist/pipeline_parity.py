@@ -35,9 +35,9 @@ import torch.distributed as dist
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import Mesh, ParallelConfig, init_mesh, teardown
-from elastic_pretrain.parallel.pipeline import Pipeline
-from elastic_pretrain.train.schedule import DepthPlan
-from elastic_pretrain.train.step import MicroBatch, _forward_step, _reduce_by_loops, run_pipeline
+from elastic_pretrain.parallel.pipeline import MicroBatch, Pipeline, run_pipeline
+from elastic_pretrain.schedule import DepthPlan
+from elastic_pretrain.train.step import _forward_step, _reduce_by_loops
 from tests.dist.equivalence import global_name, local_view, wrap_ddp_for_test
 
 MODEL = ModelConfig(

@@ -48,7 +48,8 @@ COMMON = [
 def phase(out: Path, name: str, world: int, parallel: str, *overrides: str) -> None:
     import torch.distributed as dist
 
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.engine import build_session
+    from elastic_pretrain.job_loader import load_job
     from elastic_pretrain.train.trainer import train
 
     rank = int(os.environ["RANK"])
@@ -56,7 +57,7 @@ def phase(out: Path, name: str, world: int, parallel: str, *overrides: str) -> N
     job = load_job(
         REPO / "jobs" / "tiny-cpu.yaml", [*COMMON, f"parallel={parallel}", f"run_dir={out / name}", *overrides]
     )
-    train(job)  # tears the process group down at the end
+    train(job, build_session)  # tears the process group down at the end
     gc.collect()
 
 

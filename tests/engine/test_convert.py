@@ -29,8 +29,8 @@ TOLERANCE = 1e-5
 
 
 def losses_per_loop(step: Path) -> dict[int, float]:
-    from elastic_pretrain.checkpoint.tensors import load_model
     from elastic_pretrain.data.loader import load_validation
+    from elastic_pretrain.engine.restore import load_model
     from elastic_pretrain.eval.loss import loss_by_loops
 
     job, net = load_model(step)
@@ -41,8 +41,8 @@ def losses_per_loop(step: Path) -> dict[int, float]:
 def megatron_state(step: Path) -> Any:
     """The full state (engine/full_state.py) of a megatron-engine checkpoint, read through megatron's optimizer."""
     from elastic_pretrain.checkpoint.store import read_trainer_state
-    from elastic_pretrain.checkpoint.tensors import load_model
     from elastic_pretrain.engine.convert import _read_state
+    from elastic_pretrain.engine.restore import load_model
 
     job, net = load_model(step)
     return _read_state(step, "megatron", job, net, float(read_trainer_state(step)["adam_step"]))
@@ -76,9 +76,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_a_converted_checkpoint_resumes_on_the_other_engine(runs: Path, tmp_path: Path, mesh1: Any) -> None:
+    from elastic_pretrain.checkpoint.store import is_deepspeed
     from elastic_pretrain.engine.convert import convert
     from elastic_pretrain.engine.full_state import read_deepspeed
-    from elastic_pretrain.engine.weights import is_deepspeed
 
     ds2, mega2 = (runs / run / "checkpoints" / "step_2" for run in ("ds", "mega"))
 
@@ -100,9 +100,8 @@ def test_a_converted_checkpoint_resumes_on_the_other_engine(runs: Path, tmp_path
 
 def test_a_weights_only_conversion_evaluates_to_the_same_loss_per_loop(runs: Path, tmp_path: Path,
                                                                        mesh1: Any) -> None:
-    from elastic_pretrain.checkpoint.store import CheckpointStore
+    from elastic_pretrain.checkpoint.store import CheckpointStore, is_deepspeed
     from elastic_pretrain.engine.convert import convert
-    from elastic_pretrain.engine.weights import is_deepspeed
 
     step = CheckpointStore(runs / "ds" / "checkpoints").newest().path
     assert is_deepspeed(step)
@@ -114,14 +113,14 @@ def test_a_weights_only_conversion_evaluates_to_the_same_loss_per_loop(runs: Pat
     assert losses_per_loop(mega) == want
 
     # a checkpoint resumes only on the engine that wrote it: one line naming both fixes
-    from elastic_pretrain.checkpoint.manager import check_resumable
     from elastic_pretrain.errors import UserError
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
+    from elastic_pretrain.train.resume import resumable
     from tests.conftest import REPO
 
     ds_job = load_job(REPO / "jobs" / "tiny-cpu.yaml", ["parallel=single", "engine=deepspeed"])
     with pytest.raises(UserError, match=r"written by engine=megatron.*set engine=megatron, or convert it"):
-        check_resumable(mega, ds_job)
+        resumable(mega, ds_job)
 
     back = convert(mega, tmp_path / "back", zero_stage=1, optimizer=False)
     assert is_deepspeed(back) and (back.parent / "latest").is_file()

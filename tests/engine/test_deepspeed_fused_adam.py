@@ -75,7 +75,7 @@ def _engine(device_type: str, stage: int, seed: int) -> Any:
 
     from elastic_pretrain.engine.config import ds_config
     from elastic_pretrain.engine.weights import import_deepspeed
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
 
     deepspeed = import_deepspeed()
     os.environ.setdefault("LOCAL_RANK", "0")

@@ -10,7 +10,7 @@ import pytest
 
 from elastic_pretrain.config import ConfigError
 from elastic_pretrain.engine.config import ds_config
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from tests.conftest import REPO, VENV_BIN
 
 JOB = REPO / "jobs" / "tiny-cpu.yaml"

@@ -46,8 +46,8 @@ BALANCED = ["schedule.sampler=independent_rank", "schedule.switch_at=0.0", "sche
 def test_compute_balanced_depth_gives_the_same_losses_on_both_engines(tmp_path: Path) -> None:
     """Per-token weighting across replicas with unequal micro-batch counts, as megatron's calculate_per_token_loss:
     the same per-step losses within the parity tolerance, and the deal really was unequal on some step."""
-    from elastic_pretrain.job import load_job
-    from elastic_pretrain.train.schedule import ScheduleController
+    from elastic_pretrain.job_loader import load_job
+    from elastic_pretrain.schedule import ScheduleController
     from tests.conftest import REPO
 
     runs = {}

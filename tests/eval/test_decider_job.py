@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from elastic_pretrain.config import ConfigError
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from tests.conftest import REPO
 from tests.eval.conftest import cli
 
@@ -51,8 +51,8 @@ def test_decider_job_trains_resumes_and_drives_eval_and_generate(run_dir: Path, 
     assert len(json.loads((run / "summary.json").read_text())["history"]) == 3
 
     # what eval --adaptive and generate --loops auto run, with the decider inside the checkpoint
-    from elastic_pretrain.checkpoint.tensors import load_model
     from elastic_pretrain.data.loader import load_validation
+    from elastic_pretrain.engine.restore import load_model
     from elastic_pretrain.eval.adaptive import adaptive_sweep, plot_sweep
     from elastic_pretrain.eval.commands import pick_decider
     from elastic_pretrain.model.inference import generate

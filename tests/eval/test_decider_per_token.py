@@ -121,7 +121,7 @@ def test_per_token_refuses_per_pass_recompute(model, tmp_path):
     """``train.recompute: pass`` would recompute a pass without the K/V state carried into it: a clear one-line
     error, from the job before it starts and from the model."""
     from elastic_pretrain.config import to_dict
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
 
     base = tmp_path / "step_2"  # a stand-in base checkpoint: load_job reads only its trainer.json
     base.mkdir()

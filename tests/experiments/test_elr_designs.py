@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from elastic_pretrain.experiments.runner import job_diff, job_fingerprint
-from elastic_pretrain.job import load_job
-from elastic_pretrain.train.schedule import ScheduleController
+from elastic_pretrain.job_loader import load_job
+from elastic_pretrain.schedule import ScheduleController
 from tests.conftest import REPO
 
 SETS = ("late-switch", "flattening", "kv-cache", "route-replay")

@@ -17,7 +17,8 @@ import yaml
 from elastic_pretrain.config import ConfigError, load_yaml
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.experiments.runner import base_job, check_processes, fingerprint, job_diff, load_jobs
-from elastic_pretrain.job import JobConfig, dump_job, load_job
+from elastic_pretrain.job import JobConfig, dump_job
+from elastic_pretrain.job_loader import load_job
 from tests.conftest import REPO
 from tests.experiments.quick import quick_workspace, run_python
 
@@ -48,7 +49,7 @@ CYCLE = textwrap.dedent(
         # the numbers the report shows, measured here independently from the checkpoints of two seeds
         import torch
         from elastic_pretrain.data.loader import load_validation
-        from elastic_pretrain.checkpoint.tensors import load_model
+        from elastic_pretrain.engine.restore import load_model
         from elastic_pretrain.model.inference import teacher_forced_loss
         from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
         init_mesh(ParallelConfig(), seed=0)

@@ -25,7 +25,7 @@ from elastic_pretrain.experiments.analyses.kv_cache import (
 from elastic_pretrain.experiments.registry import EXPERIMENTS
 from elastic_pretrain.experiments.runner import job_diff
 from elastic_pretrain.experiments.stats import evaluate
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import ParallelConfig

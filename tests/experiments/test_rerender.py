@@ -20,7 +20,7 @@ from elastic_pretrain.experiments.report import Outcome, write_report
 from elastic_pretrain.experiments.rerender import note, rerender
 from elastic_pretrain.experiments.runner import Context, Experiment, Findings, Run
 from elastic_pretrain.experiments.stats import Claim, Metrics, evaluate, paired
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from tests.conftest import REPO
 
 SET = REPO / "jobs/experiments/route-replay"

@@ -71,8 +71,8 @@ def test_export_equals_the_checkpoint(exported, layout: str, mesh1, tmp_path: Pa
     from safetensors.torch import load_file
 
     from elastic_pretrain.checkpoint.store import resolve_checkpoint
-    from elastic_pretrain.checkpoint.tensors import load_model
     from elastic_pretrain.data.loader import load_validation
+    from elastic_pretrain.engine.restore import load_model
 
     run, hf_dir = exported[layout]
     assert sorted(p.name for p in hf_dir.iterdir()) == sorted(p.name for p in exported["single"][1].iterdir())
@@ -122,7 +122,7 @@ def test_lm_eval_command_on_a_checkpoint(exported, mesh1, tmp_path: Path) -> Non
     one table; its acc equals the project model's own choice of the most likely continuation."""
     pytest.importorskip("lm_eval")
     from elastic_pretrain.checkpoint.store import resolve_checkpoint
-    from elastic_pretrain.checkpoint.tensors import load_model
+    from elastic_pretrain.engine.restore import load_model
     from tests.export.test_lm_eval import accuracies, direct_loglikelihoods
 
     run, _ = exported["single"]

@@ -98,10 +98,10 @@ def test_guarded_step_updates_exactly_as_megatrons_optimizer_step(mesh1, prepare
     from megatron.core import tensor_parallel
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from elastic_pretrain.parallel.mesh import seed_everything
+    from elastic_pretrain.parallel.pipeline import MicroBatch
     from elastic_pretrain.train.session import build_session
-    from elastic_pretrain.train.step import MicroBatch
     from tests.conftest import REPO
 
     # megatron keeps the aux-loss scale in a class attribute; an earlier test in this process may have left

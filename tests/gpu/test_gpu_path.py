@@ -72,7 +72,7 @@ def test_recompute_pass_gives_the_same_gradients_on_the_te_model(mesh):
 
 
 def test_memory_estimate_per_pass_growth_matches_the_measured_peak(mesh):
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from elastic_pretrain.parallel.memory import estimate_memory
     from tests.conftest import REPO
 

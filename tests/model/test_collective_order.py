@@ -109,7 +109,7 @@ def test_pipeline_with_moe_edge_layers_refuses_telescopic_exits_under_expert_par
     """The pipeline computes an extra exit's coda in the chunk of its pass, which members of an expert-parallel
     group with different telescopic exits reach at different points: refused in one line, naming the fixes."""
     from elastic_pretrain.config import ConfigError
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from tests.conftest import REPO
 
     job = REPO / "jobs" / "tiny-cpu.yaml"

@@ -140,7 +140,7 @@ def test_what_the_mode_cannot_express_is_refused(mesh1):
 @pytest.mark.parametrize("override", ["schedule.sampler=telescopic",
                                       "schedule.sampler=fixed_exits;schedule.exits=[1,2]"])
 def test_a_job_the_mode_cannot_run_is_refused_before_it_starts(override):
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from tests.conftest import REPO
 
     load_job(REPO / "jobs" / "tiny-cpu.yaml", ["model.kv_training=last_loop"])  # the mode itself is accepted

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from elastic_pretrain.config import ConfigError
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.model.params import count_parameters, expert_params
 from elastic_pretrain.parallel.megatron import build_model

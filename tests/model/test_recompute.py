@@ -130,7 +130,7 @@ def test_saved_bytes_grow_linearly_in_loops_without_recompute_and_stay_flat_with
 
 def test_a_training_session_builds_the_model_with_train_recompute(monkeypatch):
     """The trainer hands ``train.recompute`` to the model (stopped right at model construction)."""
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from elastic_pretrain.train import session
     from tests.conftest import REPO
 

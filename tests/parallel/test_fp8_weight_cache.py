@@ -30,8 +30,9 @@ def main_grads(params: dict[str, torch.Tensor], config: dict[str, bool]) -> dict
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from elastic_pretrain.train.schedule import DepthPlan
-    from elastic_pretrain.train.step import MicroBatch, _forward_step
+    from elastic_pretrain.parallel.pipeline import MicroBatch
+    from elastic_pretrain.schedule import DepthPlan
+    from elastic_pretrain.train.step import _forward_step
     from tests.dist.equivalence import wrap_ddp_for_test
 
     MoEAuxLossAutoScaler.main_loss_backward_scale = None  # see tests/dist/fp8_weight_cache.py run()

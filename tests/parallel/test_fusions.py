@@ -147,7 +147,7 @@ def test_without_apex_the_output_layer_builds_from_its_own_config(mesh1):
 
 def test_the_trainer_builds_its_model_for_megatron_ddp(monkeypatch):
     """The trainer's model gets main_grad buffers (megatron DDP), so it asks for the fused accumulation."""
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from elastic_pretrain.train import session
 
     seen: dict[str, Any] = {}

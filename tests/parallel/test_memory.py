@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from elastic_pretrain.config import ConfigError
-from elastic_pretrain.job import load_job
+from elastic_pretrain.config import ConfigError, parse_bytes
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.model.config import DeciderConfig
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.memory import (
@@ -20,7 +20,6 @@ from elastic_pretrain.parallel.memory import (
     NCCL_CHANNELS,
     estimate_memory,
     largest_micro_batch,
-    parse_bytes,
 )
 from tests.conftest import REPO, VENV_BIN
 
@@ -32,8 +31,9 @@ def job_1rank(*overrides: str):
 
 
 def test_estimate_imports_no_torch():
-    code = ("import sys; from elastic_pretrain.job import load_job; from elastic_pretrain.parallel.memory import "
-            "estimate_memory; estimate_memory(load_job('jobs/tiny-cpu.yaml', []), 2).lines(); "
+    code = ("import sys; from elastic_pretrain.job_loader import load_job; "
+            "from elastic_pretrain.parallel.memory import estimate_memory; "
+            "estimate_memory(load_job('jobs/tiny-cpu.yaml', []), 2).lines(); "
             "heavy = [m for m in ('torch', 'megatron') if m in sys.modules]; assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 

@@ -17,13 +17,14 @@ from megatron.core.distributed import DistributedDataParallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from elastic_pretrain.config import ConfigError
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import ParallelConfig
 from elastic_pretrain.parallel.overlap import DepthOverlapDDP, bucket_size_for, overlapped_step
-from elastic_pretrain.train.schedule import DepthPlan
+from elastic_pretrain.parallel.pipeline import MicroBatch
+from elastic_pretrain.schedule import DepthPlan
 from elastic_pretrain.train.session import wrap_ddp
-from elastic_pretrain.train.step import MicroBatch, _forward_step
+from elastic_pretrain.train.step import _forward_step
 from tests.conftest import REPO
 from tests.dist.equivalence import wrap_ddp_for_test
 from tests.dist.overlap_grads import MODEL

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from elastic_pretrain.config import ConfigError
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.parallel import megatron as pm
 from elastic_pretrain.parallel.mesh import ParallelConfig
@@ -189,11 +189,11 @@ def test_delayed_scaling_enters_the_autocast_once_per_forward(mesh1, monkeypatch
 @pytest.mark.parametrize(("recipe", "want"), [("delayed", [-1]), ("tensorwise", [CORE, CODA])])
 def test_a_pipeline_chunk_with_its_head_is_one_forward(mesh1, monkeypatch, recipe, want):
     """The interleaved schedule's forward step runs a chunk and, on the last one, the head: under delayed
-    scaling one autocast around both, as megatron's model chunk (train/step.py ``_ChunkForward``)."""
+    scaling one autocast around both, as megatron's model chunk (parallel/pipeline.py ``_ChunkForward``)."""
     from types import SimpleNamespace
 
-    from elastic_pretrain.train.schedule import DepthPlan
-    from elastic_pretrain.train.step import MicroBatch, _ChunkForward
+    from elastic_pretrain.parallel.pipeline import MicroBatch, _ChunkForward
+    from elastic_pretrain.schedule import DepthPlan
 
     cfg, net, autocast, depths = fp8_model(monkeypatch, recipe)
     tokens = torch.randint(0, cfg.vocab_size, (2, 17))

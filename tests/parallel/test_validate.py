@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from elastic_pretrain.config import ConfigError, load_yaml, to_dict
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.parallel.memory import estimate_memory
 from elastic_pretrain.parallel.validate import check_layout, check_memory
 from tests.conftest import REPO

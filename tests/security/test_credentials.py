@@ -19,7 +19,8 @@ import pytest
 from elastic_pretrain import cli
 from elastic_pretrain.config import flatten
 from elastic_pretrain.eval.curves import CurvePoint, QualityCurve
-from elastic_pretrain.job import load_job, write_resolved
+from elastic_pretrain.job import write_resolved
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.tracking.config import local_store_dir, local_store_uri
 
 REPO = Path(__file__).resolve().parents[2]

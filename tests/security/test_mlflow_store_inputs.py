@@ -171,7 +171,7 @@ def test_eval_refuses_the_store_before_evaluating(
 ) -> None:
     """``eval`` checks the run directory's store before it computes anything (eval_tracking), and logs nothing."""
     from elastic_pretrain.eval.commands import eval_tracking
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
 
     evil, requests = recorder
     run, _ = _run_dir(tmp_path, template)
@@ -406,7 +406,7 @@ def test_eval_of_a_bare_step_folder_creates_no_store(
     a run directory (no config.yaml beside its checkpoints/) is not logged unless a URI is given."""
     from elastic_pretrain.eval.commands import track_eval
     from elastic_pretrain.eval.curves import CurvePoint, QualityCurve
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
 
     downloads = tmp_path / "downloads"
     ckpt = downloads / "step_2" if layout == "bare" else downloads / "checkpoints" / "step_2"

@@ -26,7 +26,8 @@ import pytest
 from elastic_pretrain import cli
 from elastic_pretrain.checkpoint.store import CheckpointStore, read_trainer_state, verify
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.job import load_job, public_dict
+from elastic_pretrain.job import public_dict
+from elastic_pretrain.job_loader import load_job
 from tests.conftest import REPO
 from tests.security.test_checkpoint_inputs import QUICK, one_line_error, recommit, run_cli
 
@@ -205,7 +206,7 @@ BAD_CONTROLLERS = {
 
 @pytest.mark.parametrize("case", list(BAD_CONTROLLERS))
 def test_controller_states_out_of_range(case: str) -> None:
-    from elastic_pretrain.train.schedule import ScheduleConfig, ScheduleController
+    from elastic_pretrain.schedule import ScheduleConfig, ScheduleController
 
     state, words = BAD_CONTROLLERS[case]
     ctl = ScheduleController(ScheduleConfig(), max_loops=4, total_tokens=1000, seed=7)
@@ -323,7 +324,7 @@ def _edit_config(ckpt: Path, **model: Any) -> None:
 def test_a_17_gb_model_in_trainer_json_is_refused_before_it_is_built(
     model_ckpt: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from elastic_pretrain.checkpoint.tensors import load_model
+    from elastic_pretrain.engine.restore import load_model
 
     _, net = load_model(model_ckpt)  # the good checkpoint loads
     assert sum(p.numel() for p in net.parameters()) == 675_360
@@ -343,7 +344,7 @@ def test_metadata_sizes_beyond_the_data_files_are_refused(model_ckpt: Path, monk
     import torch
     from torch.distributed.checkpoint import FileSystemReader
 
-    from elastic_pretrain.checkpoint.tensors import load_model
+    from elastic_pretrain.engine.restore import load_model
 
     path = model_ckpt / "model_optim"
     meta = FileSystemReader(str(path)).read_metadata()  # our own checkpoint's

@@ -19,7 +19,7 @@ import pytest
 
 from elastic_pretrain.cli import main
 from elastic_pretrain.config import ConfigError
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.launch.commands import trainer_command
 from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.launch.environment import NCCL_PRESET, job_environment, with_run_defaults

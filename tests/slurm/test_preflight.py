@@ -21,7 +21,8 @@ from slurm_helpers import tiny_data
 from elastic_pretrain import cli
 from elastic_pretrain.checkpoint.store import CheckpointStore
 from elastic_pretrain.config import ConfigError
-from elastic_pretrain.job import load_job, to_dict
+from elastic_pretrain.job import to_dict
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.launch.render import LaunchSpec, render
 from elastic_pretrain.rundir import RunFiles

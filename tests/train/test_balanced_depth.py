@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 
 from elastic_pretrain.config import ConfigError
+from elastic_pretrain.schedule import ScheduleConfig, ScheduleController
 from elastic_pretrain.train.depth_sim import layouts, simulate
-from elastic_pretrain.train.schedule import ScheduleConfig, ScheduleController
 
 BALANCED = {"sampler": "independent_rank", "switch_at": 0.0, "balance": "compute"}
 
@@ -98,7 +98,7 @@ def test_balanced_mixed_depth_reaches_the_target(ranks, ep):
 def test_balance_is_refused_for_other_samplers_and_pipelines():
     with pytest.raises(ConfigError, match="applies to sampler independent_rank only"):
         ScheduleConfig(sampler="per_step", switch_at=0.0, balance="compute")
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from tests.conftest import REPO
 
     with pytest.raises(ConfigError, match=r"use parallel\.pipeline: 1 or schedule\.balance: off"):

@@ -11,7 +11,8 @@ import pytest
 
 from elastic_pretrain.config import ConfigError, build, load_yaml, to_dict
 from elastic_pretrain.data.config import DataConfig
-from elastic_pretrain.job import dump_job, load_job
+from elastic_pretrain.job import dump_job
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.parallel.mesh import ParallelConfig
 from tests.conftest import REPO, VENV_BIN
 
@@ -114,7 +115,7 @@ def test_job_validation_does_not_import_torch() -> None:
     """The CLI validates a job before it starts torchrun: that must stay cheap (no torch, no megatron),
     or every launch and every one-line config error pays seconds of imports."""
     code = (
-        "import sys; from elastic_pretrain.cli import main; from elastic_pretrain.job import load_job; "
+        "import sys; from elastic_pretrain.cli import main; from elastic_pretrain.job_loader import load_job; "
         "load_job('jobs/tiny-cpu.yaml', []); "
         "heavy = [m for m in ('torch', 'megatron') if m in sys.modules]; assert not heavy, heavy"
     )

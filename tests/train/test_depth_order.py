@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from elastic_pretrain.parallel.megatron import build_model
-from elastic_pretrain.train.schedule import ExpertLayout, ScheduleConfig, ScheduleController
+from elastic_pretrain.schedule import ExpertLayout, ScheduleConfig, ScheduleController
 from tests.model.test_elastic import PAR, batch, tiny
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from elastic_pretrain.config import ConfigError
+from elastic_pretrain.schedule import ScheduleConfig
 from elastic_pretrain.train.depth_sim import layouts, simulate
-from elastic_pretrain.train.schedule import ScheduleConfig
 
 ELR = {"sampler": "independent_rank", "switch_at": 0.0}
 

@@ -14,12 +14,12 @@ import torch
 
 from elastic_pretrain.config import ConfigError
 from elastic_pretrain.eval.loss import loss_by_loops, quality_curve
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import ParallelConfig
-from elastic_pretrain.train.schedule import DepthPlan, ScheduleConfig, ScheduleController
-from elastic_pretrain.train.step import _loss_func
+from elastic_pretrain.parallel.pipeline import _loss_func
+from elastic_pretrain.schedule import DepthPlan, ScheduleConfig, ScheduleController
 from tests.conftest import REPO
 
 PAR = ParallelConfig()
@@ -245,7 +245,7 @@ def test_exit_schedule_jobs_are_matched_in_training_flops():
     # the density dial moves where the draw lands, not how many: the one-draw job's FLOPs, and only its exits
     assert flops["telescopic-dial"] == flops["telescopic-one-draw"]
     from elastic_pretrain.experiments.analyses.exit_schedules import DIAL_EXITS
-    from elastic_pretrain.train.schedule import ScheduleController
+    from elastic_pretrain.schedule import ScheduleController
 
     dial = load_job(SET / "telescopic-dial.yaml")
     ctl = ScheduleController(dial.schedule, max_loops=1, total_tokens=10**6, seed=1, layers=8)

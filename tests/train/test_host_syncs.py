@@ -21,11 +21,12 @@ import torch
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import ParallelConfig
+from elastic_pretrain.parallel.pipeline import MicroBatch
+from elastic_pretrain.schedule import DepthPlan
 from elastic_pretrain.train.config import TrainConfig
 from elastic_pretrain.train.host_syncs import DISPATCHER, count_host_syncs
-from elastic_pretrain.train.schedule import DepthPlan
 from elastic_pretrain.train.session import build_optimizer
-from elastic_pretrain.train.step import MicroBatch, TrainStep
+from elastic_pretrain.train.step import TrainStep
 from tests.dist.equivalence import wrap_ddp_for_test
 
 MODEL = ModelConfig(hidden_size=32, num_heads=4, ffn_hidden_size=64, prelude_layers=1, coda_layers=1, core_layers=1,

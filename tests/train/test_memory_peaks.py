@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
+from elastic_pretrain.schedule import ScheduleController
 from elastic_pretrain.tracking import names
 from elastic_pretrain.train.memory_peaks import MemoryPeaks
-from elastic_pretrain.train.schedule import ScheduleController
 from elastic_pretrain.train.step import StepResult
 from elastic_pretrain.train.step_timing import BusyClock
 from elastic_pretrain.train.stragglers import StragglerReport

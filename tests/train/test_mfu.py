@@ -9,7 +9,7 @@ import json
 import pytest
 
 from elastic_pretrain.config import ConfigError
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.model.flops import flops_per_token, moe_mlp_flops
 from elastic_pretrain.train.config import TrainConfig

@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 
 from elastic_pretrain.config import ConfigError
-from elastic_pretrain.train.schedule import DepthPlan, ScheduleConfig, ScheduleController
+from elastic_pretrain.schedule import DepthPlan, ScheduleConfig, ScheduleController
 
 TOTAL = 1000
 
@@ -67,7 +67,7 @@ def test_the_recipes_called_elr_train_the_fixed_phase_at_one_loop():
     fixed phase at ℓ = 1, as resolved from the file."""
     from pathlib import Path
 
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
 
     root = Path(__file__).resolve().parents[2] / "jobs"
     for name in ("tiny-cpu", "gpu-1node", "gpu-2node", "gpu-16node"):
@@ -172,7 +172,7 @@ def test_bad_schedules_are_clear_errors(kw, message):
 # --- step plans: the EP group's ℓ computed locally, orders, draws per EP group (issue 19) ---------------
 
 def _layout(group, key=None):
-    from elastic_pretrain.train.schedule import ExpertLayout
+    from elastic_pretrain.schedule import ExpertLayout
 
     return ExpertLayout(group=tuple(group), key=key or {r: r for r in group})
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from elastic_pretrain.config import ConfigError
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from tests.conftest import REPO, VENV_BIN
 
 

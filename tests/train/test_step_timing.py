@@ -19,11 +19,12 @@ import torch
 from elastic_pretrain.model.config import ModelConfig
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.parallel.mesh import ParallelConfig
+from elastic_pretrain.parallel.pipeline import MicroBatch
+from elastic_pretrain.schedule import DepthPlan
 from elastic_pretrain.train import step as step_module
 from elastic_pretrain.train.config import TrainConfig
-from elastic_pretrain.train.schedule import DepthPlan
 from elastic_pretrain.train.session import build_optimizer
-from elastic_pretrain.train.step import MicroBatch, TrainStep
+from elastic_pretrain.train.step import TrainStep
 from elastic_pretrain.train.step_timing import BusyClock, StepSpan, open_span
 from elastic_pretrain.train.stragglers import StragglerReport
 from tests.dist.equivalence import wrap_ddp_for_test

@@ -54,7 +54,7 @@ def test_tiny_job_trains_and_reports_every_loop_count(tmp_path, monkeypatch):
     assert run.data.metrics["depth_efficiency"] == pytest.approx(1 - run.data.metrics["ghost_pass_fraction"])
     assert "mixed depth eff " in proc.stdout and "loss (mixed ℓ)" in proc.stdout
     # issue 33: the banner gives the shape as the job file states it and as flattened, and one parameter line
-    from elastic_pretrain.job import load_job
+    from elastic_pretrain.job_loader import load_job
     from elastic_pretrain.model.params import count_parameters, format_count
 
     counts = count_parameters(load_job(REPO / "jobs" / "tiny-cpu.yaml").model)

@@ -18,10 +18,11 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from elastic_pretrain import cli
 from elastic_pretrain.checkpoint.store import CheckpointStore
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.job import load_job, to_dict
+from elastic_pretrain.job import to_dict
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.rundir import RunFiles
+from elastic_pretrain.schedule import ScheduleConfig, ScheduleController
 from elastic_pretrain.train.resume import check_before_launch, check_steps_left
-from elastic_pretrain.train.schedule import ScheduleConfig, ScheduleController
 from elastic_pretrain.train.session import SchedulerState, schedule_end_note, wsd_decay_steps
 from tests.conftest import REPO
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic_pretrain.job import load_job
+from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.train.session import build_optimizer, copy_to_main_params, wrap_ddp
 from tests.conftest import REPO

@@ -42,8 +42,8 @@ FAR_ABOVE = 5.0
 def planned_training_flops(job: JobConfig, steps: int | None = None) -> float:
     """Model training FLOPs of ``job`` (forward + backward, every replica), from its depth plans replayed
     (pure functions of seed, step and micro-batch) through the trainer's per-step formula."""
+    from elastic_pretrain.schedule import ScheduleController
     from elastic_pretrain.train.mfu import DepthCounts, step_flops
-    from elastic_pretrain.train.schedule import ScheduleController
 
     steps = job.train.steps if steps is None else steps
     cfg, seq = job.model, job.data.seq_len

@@ -105,11 +105,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--hidden", type=int, default=384)
-    parser.add_argument("--writer", choices=("persistent", "fork"), default="persistent",
-                        help="the async save's writer (checkpoint.async_writer)")
-    parser.add_argument("--staging", choices=("background", "inline"), default="background",
-                        help="the persistent writer's staging copy: on a thread beside the next step (the default) "
-                             "or on the training thread before the save returns")
+    parser.add_argument(
+        "--writer",
+        choices=("persistent", "fork"),
+        default="persistent",
+        help="the async save's writer (checkpoint.async_writer)",
+    )
+    parser.add_argument(
+        "--staging",
+        choices=("background", "inline"),
+        default="background",
+        help="the persistent writer's staging copy: on a thread beside the next step (the default) "
+        "or on the training thread before the save returns",
+    )
     parser.add_argument("--json", type=Path, help="also write every round's timings here (to pool several runs)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -280,8 +288,12 @@ def main() -> None:
     teardown()
 
     if args.json:
-        args.json.write_text(json.dumps({"nbytes": nbytes, "writer": args.writer, "load": os.getloadavg(),
-                                         "first": first, "rounds": rounds}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"nbytes": nbytes, "writer": args.writer, "load": os.getloadavg(), "first": first, "rounds": rounds},
+                indent=1,
+            )
+        )
     report(rounds, first, nbytes, len(tensors), h, args.writer)
 
 
@@ -291,28 +303,43 @@ def report(rounds: list[dict[str, Any]], first: dict[str, float], nbytes: int, c
     col = {k: [row[k] for row in rounds] for k in keys}
     stall = [row["async"]["stall"] for row in rounds]
     after = [row["async"]["cow"] - row["async"]["touch"] for row in rounds]
-    print(f"model + Adam state: {nbytes / 2**20:.1f} MiB in {count} tensors (hidden {h}); async writer: {kind}; "
-          f"min / median / max of {len(rounds)} interleaved rounds; load average now {os.getloadavg()[0]:.1f}")
-    for label, k in (("raw torch.save", "raw"), ("  without record CRC32s", "raw_nocrc"),
-                     ("raw torch.save + fsync", "raw_fsync"), ("sync save", "sync"),
-                     ("raw torch.load", "raw_in"), ("load (load_tensors)", "sync_in")):
+    print(
+        f"model + Adam state: {nbytes / 2**20:.1f} MiB in {count} tensors (hidden {h}); async writer: {kind}; "
+        f"min / median / max of {len(rounds)} interleaved rounds; load average now {os.getloadavg()[0]:.1f}"
+    )
+    for label, k in (
+        ("raw torch.save", "raw"),
+        ("  without record CRC32s", "raw_nocrc"),
+        ("raw torch.save + fsync", "raw_fsync"),
+        ("sync save", "sync"),
+        ("raw torch.load", "raw_in"),
+        ("load (load_tensors)", "sync_in"),
+    ):
         print(f"  {label:26s}{spread(col[k])} s   {statistics.median(col[k]) / gib:.2f} s/GiB")
-    print(f"  async save, then at once a write to every saved tensor (no step between): blocked {spread(stall)} s "
-          f"(the call {spread([r['async']['call'] for r in rounds])}, waiting for the staging copy "
-          f"{spread([r['async']['waited'] for r in rounds])})")
+    print(
+        f"  async save, then at once a write to every saved tensor (no step between): blocked {spread(stall)} s "
+        f"(the call {spread([r['async']['call'] for r in rounds])}, waiting for the staging copy "
+        f"{spread([r['async']['waited'] for r in rounds])})"
+    )
     stall_cpu, sync_cpu = [row["async"]["stall_cpu"] for row in rounds], [row["sync_cpu"] for row in rounds]
-    print(f"  the call, CPU time        {spread(stall_cpu)} s   (sync save, CPU time with its writer: "
-          f"{spread(sync_cpu)} s; torch.save + fsync: {spread([row['raw_fsync_cpu'] for row in rounds])} s)")
+    print(
+        f"  the call, CPU time        {spread(stall_cpu)} s   (sync save, CPU time with its writer: "
+        f"{spread(sync_cpu)} s; torch.save + fsync: {spread([row['raw_fsync_cpu'] for row in rounds])} s)"
+    )
     print(f"  async save until written  {spread([row['async']['written'] for row in rounds])} s")
     print(f"  first writes after the save, extra over no writer alive: {spread([a * 1e3 for a in after], '{:.1f}')} ms")
     nxt = [row["async_step"] for row in rounds]
     step_stall = [a["call"] + a["waited"] for a in nxt]
     delta = [a["next step"] - row["step"] for a, row in zip(nxt, rounds)]
     print(f"an async save, then a training step (a plain step: {spread(col['step'])} s):")
-    print(f"  the call {spread([a['call'] * 1e3 for a in nxt], '{:.1f}')} ms; the optimizer step waited for the "
-          f"staging copy {spread([a['waited'] * 1e3 for a in nxt], '{:.1f}')} ms")
-    print(f"  the step after it minus a plain step: {spread([d * 1e3 for d in delta], '{:.1f}')} ms (contention "
-          "with the copy and the writer; step-to-step noise included)")
+    print(
+        f"  the call {spread([a['call'] * 1e3 for a in nxt], '{:.1f}')} ms; the optimizer step waited for the "
+        f"staging copy {spread([a['waited'] * 1e3 for a in nxt], '{:.1f}')} ms"
+    )
+    print(
+        f"  the step after it minus a plain step: {spread([d * 1e3 for d in delta], '{:.1f}')} ms (contention "
+        "with the copy and the writer; step-to-step noise included)"
+    )
     print("ratios, per round (min / median / max)")
 
     def ratio(label: str, xs: list[float], ys: list[float], fmt: str = "{:.2f}") -> None:
@@ -324,13 +351,18 @@ def report(rounds: list[dict[str, Any]], first: dict[str, float], nbytes: int, c
     ratio("load throughput vs torch.load", col["raw_in"], col["sync_in"])
     ratio("async stall (the call + the optimizer step's wait) vs sync save", step_stall, col["sync"], "{:.3f}")
     ratio("the same, with a write to every tensor at once (no step)", stall, col["sync"], "{:.3f}")
-    ratio("the call + (the next step - a plain step), vs sync save", [a["call"] + d for a, d in zip(nxt, delta)],
-          col["sync"], "{:.3f}")
+    ratio(
+        "the call + (the next step - a plain step), vs sync save",
+        [a["call"] + d for a, d in zip(nxt, delta)],
+        col["sync"],
+        "{:.3f}",
+    )
     ratio("the call's CPU time vs sync save's", stall_cpu, sync_cpu, "{:.3f}")
     with_after = [s + a for s, a in zip(stall, after)]
     ratio("async stall + first writes after it, vs sync save", with_after, col["sync"], "{:.3f}")
-    print("the async save's call by phase, ms (min / median / max); the first save of a structure: "
-          f"{first['call']:.3f} s")
+    print(
+        f"the async save's call by phase, ms (min / median / max); the first save of a structure: {first['call']:.3f} s"
+    )
     skip = ("stall", "stall_cpu", "written", "cow", "touch", "call", "waited", "next step")
     labels = [k for k in rounds[0]["async"] if k not in skip]
     for k in labels:  # (the write buckets are part of planning, the staging copy part of the hand-off)

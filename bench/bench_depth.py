@@ -51,8 +51,19 @@ def main() -> None:
 
     par = ParallelConfig()
     init_mesh(par, seed=0)
-    shape = dict(hidden_size=96, num_heads=4, ffn_hidden_size=256, prelude_layers=1, coda_layers=1, core_layers=2,
-                 num_experts=4, loops=2, flatten=2, moe_top_k=2, moe_ffn_hidden_size=96)
+    shape = dict(
+        hidden_size=96,
+        num_heads=4,
+        ffn_hidden_size=256,
+        prelude_layers=1,
+        coda_layers=1,
+        core_layers=2,
+        num_experts=4,
+        loops=2,
+        flatten=2,
+        moe_top_k=2,
+        moe_ffn_hidden_size=96,
+    )
     tokens = torch.randint(0, 257, (4, 129))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
@@ -62,6 +73,7 @@ def main() -> None:
             out = model(inputs, labels=labels, **kw)
             loss = out[max(out)] if isinstance(out, dict) else out
             loss.mean().backward()
+
         return run
 
     print("route replay (fwd+bwd, median s)")
@@ -79,13 +91,24 @@ def main() -> None:
     unrolled = cfg.prelude_layers + cfg.core_layers_built * cfg.max_loops + cfg.coda_layers
     # the GPTModel's layers = its prelude + core + coda: core = the unrolled passes only (an earlier
     # version set core_layers = unrolled and so timed 8 MoE layers against the looped model's 6)
-    gcfg = ModelConfig(**{**shape, "flatten": 1, "core_layers": unrolled - cfg.prelude_layers - cfg.coda_layers,
-                          "num_experts": cfg.experts_built})
+    gcfg = ModelConfig(
+        **{
+            **shape,
+            "flatten": 1,
+            "core_layers": unrolled - cfg.prelude_layers - cfg.coda_layers,
+            "num_experts": cfg.experts_built,
+        }
+    )
     tconf = transformer_config(gcfg, par)
     if tconf.num_layers != unrolled:
         raise SystemExit(f"baseline has {tconf.num_layers} layers, the looped model executes {unrolled}")
-    gpt = GPTModel(config=tconf, transformer_layer_spec=layer_specs(gcfg).moe,
-                   vocab_size=padded_vocab_size(257, 1), max_sequence_length=128, position_embedding_type="rope")
+    gpt = GPTModel(
+        config=tconf,
+        transformer_layer_spec=layer_specs(gcfg).moe,
+        vocab_size=padded_vocab_size(257, 1),
+        max_sequence_length=128,
+        position_embedding_type="rope",
+    )
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     def gpt_step() -> None:
@@ -100,8 +123,10 @@ def main() -> None:
     t_loop, t_gpt = timed_pair(loop_step, gpt_step, args.repeats)
     n_loop = sum(p.numel() for p in looped.parameters())
     n_gpt = sum(p.numel() for p in gpt.parameters())
-    print(f"\nlooped (L_max={cfg.max_loops}, {unrolled} MoE layers executed, {n_loop / 1e6:.2f}M params) vs GPTModel"
-          f" MoE with {tconf.num_layers} layers ({n_gpt / 1e6:.2f}M params), fwd+bwd median s, interleaved")
+    print(
+        f"\nlooped (L_max={cfg.max_loops}, {unrolled} MoE layers executed, {n_loop / 1e6:.2f}M params) vs GPTModel"
+        f" MoE with {tconf.num_layers} layers ({n_gpt / 1e6:.2f}M params), fwd+bwd median s, interleaved"
+    )
     print(f"  looped {t_loop:.4f}  gpt {t_gpt:.4f}  looped/gpt {t_loop / t_gpt:.3f}")
     teardown()
 

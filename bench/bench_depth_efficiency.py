@@ -40,8 +40,9 @@ def main() -> None:
         for r in ranks:
             ep = r if args.ep == "all" else min(int(args.ep), r)
             cfg = ScheduleConfig(sampler="independent_rank", switch_at=0.0, **kw)
-            e = simulate(cfg, max_loops=args.max_loops, replicas=r, ep_size=ep, micro_batches=args.micro,
-                         steps=args.steps)
+            e = simulate(
+                cfg, max_loops=args.max_loops, replicas=r, ep_size=ep, micro_batches=args.micro, steps=args.steps
+            )
             cells.append(f"{e.mean:.3f} / {e.step_balance:.2f}")
         print(f"  {name:<32}" + "".join(f"{c:>14}" for c in cells))
 

@@ -51,8 +51,12 @@ def state_bytes(*roots: Any) -> int:
             stack.extend(obj.values())
         elif isinstance(obj, (list, tuple, set, frozenset)):
             stack.extend(obj)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, type) and type(obj).__module__.split(".")[0] in (
-            "torch", "megatron", "deepspeed", "elastic_pretrain", "collections"):
+        elif (
+            hasattr(obj, "__dict__")
+            and not isinstance(obj, type)
+            and type(obj).__module__.split(".")[0]
+            in ("torch", "megatron", "deepspeed", "elastic_pretrain", "collections")
+        ):
             stack.extend(vars(obj).values())
     return sum(storages.values())
 
@@ -70,8 +74,15 @@ def main() -> None:
     from elastic_pretrain.parallel.pipeline import MicroBatch
 
     repo = Path(__file__).resolve().parent.parent
-    base = ["parallel=single", "tracking.backend=none", f"train.steps={args.steps}", "train.warmup_steps=1",
-            f"run_dir=/tmp/bench_engines-{os.getpid()}", f"deepspeed.zero_stage={args.zero_stage}", *args.overrides]
+    base = [
+        "parallel=single",
+        "tracking.backend=none",
+        f"train.steps={args.steps}",
+        "train.warmup_steps=1",
+        f"run_dir=/tmp/bench_engines-{os.getpid()}",
+        f"deepspeed.zero_stage={args.zero_stage}",
+        *args.overrides,
+    ]
     if args.zero_stage == 3:
         base += ["schedule.sampler=fixed", "schedule.switch_at=1.0"]
     jobs = {e: load_job(repo / "jobs" / "tiny-cpu.yaml", [*base, f"engine={e}"]) for e in ("megatron", "deepspeed")}
@@ -91,8 +102,9 @@ def main() -> None:
             for engine, s in sessions.items():
                 if s.controller.update(step=step, tokens_seen=step * jobs[engine].tokens_per_step):
                     s.on_switch_to_mixed(step)
-                plans = s.controller.step_plans(step=step, micro_batches=len(tokens), replica=mesh.replica,
-                                                layout=layout)
+                plans = s.controller.step_plans(
+                    step=step, micro_batches=len(tokens), replica=mesh.replica, layout=layout
+                )
                 if cuda:
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
@@ -106,8 +118,10 @@ def main() -> None:
         held = {e: state_bytes(s.model, s.optimizer, s.net) for e, s in sessions.items()}
         med = {e: statistics.median(t[1:] or t) for e, t in times.items()}
         if mesh.rank == 0:
-            print(f"engines on {jobs['megatron'].name}: world size {mesh.world_size}, ZeRO-{args.zero_stage}, "
-                  f"{args.steps} interleaved steps (first is warm-up)")
+            print(
+                f"engines on {jobs['megatron'].name}: world size {mesh.world_size}, ZeRO-{args.zero_stage}, "
+                f"{args.steps} interleaved steps (first is warm-up)"
+            )
             for e in sessions:
                 print(f"  {e:>9}: median step {med[e]:.3f}s")
             print(f"  ratio deepspeed / megatron step time: {med['deepspeed'] / med['megatron']:.2f}")

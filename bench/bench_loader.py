@@ -140,8 +140,10 @@ def main() -> None:
         train = _training_tokens_per_s()
         print(f"\ntiny training step (1 process): {train:,.0f} tok/s")
         for fmt, wall in walls.items():
-            print(f"  loader {fmt} / training consumption: {wall / train:,.0f}x (the loader is not the bottleneck"
-                  f" while this is >> 1)")
+            print(
+                f"  loader {fmt} / training consumption: {wall / train:,.0f}x (the loader is not the bottleneck"
+                f" while this is >> 1)"
+            )
 
 
 if __name__ == "__main__":

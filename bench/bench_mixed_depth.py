@@ -47,16 +47,31 @@ def main() -> None:
 
     par = ParallelConfig()
     init_mesh(par, seed=0)
-    cfg = ModelConfig(hidden_size=96, num_heads=4, ffn_hidden_size=256, prelude_layers=1, coda_layers=1,
-                      core_layers=2, num_experts=4, loops=2, flatten=2, moe_top_k=2, moe_ffn_hidden_size=96)
+    cfg = ModelConfig(
+        hidden_size=96,
+        num_heads=4,
+        ffn_hidden_size=256,
+        prelude_layers=1,
+        coda_layers=1,
+        core_layers=2,
+        num_experts=4,
+        loops=2,
+        flatten=2,
+        moe_top_k=2,
+        moe_ffn_hidden_size=96,
+    )
     model = build_model(cfg, par)
     tokens = torch.randint(0, 257, (4, 129))
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    ctl = ScheduleController(ScheduleConfig(sampler="independent_rank", switch_at=0.0), max_loops=cfg.max_loops,
-                             total_tokens=1, seed=0)
+    ctl = ScheduleController(
+        ScheduleConfig(sampler="independent_rank", switch_at=0.0), max_loops=cfg.max_loops, total_tokens=1, seed=0
+    )
     pair = ExpertLayout(group=(0, 1), key={0: 0, 1: 1})
-    ghosted = [p for s in range(args.steps) for _, p in ctl.step_plans(step=s, micro_batches=args.micro, replica=0,
-                                                                        layout=pair)]
+    ghosted = [
+        p
+        for s in range(args.steps)
+        for _, p in ctl.step_plans(step=s, micro_batches=args.micro, replica=0, layout=pair)
+    ]
     variants = {
         "fixed": [DepthPlan(cfg.max_loops, (cfg.max_loops,))] * len(ghosted),
         "mixed": [DepthPlan(p.loops, p.exits) for p in ghosted],
@@ -80,16 +95,22 @@ def main() -> None:
             times[name].append(time.perf_counter() - t0)
 
     def flops(loops: float) -> float:
-        return step_flops(cfg, DepthCounts(loops=loops, exits=1, ghost_passes=0), seq_len=128,
-                          micro_batch_tokens=512).model
+        return step_flops(
+            cfg, DepthCounts(loops=loops, exits=1, ghost_passes=0), seq_len=128, micro_batch_tokens=512
+        ).model
 
     mean_useful = statistics.mean(p.loops for p in ghosted)
     mean_executed = statistics.mean(p.group_loops or p.loops for p in ghosted)
-    predicted = {"fixed": 1.0, "mixed": flops(mean_useful) / flops(cfg.max_loops),
-                 "mixed+ghosts": flops(mean_executed) / flops(cfg.max_loops)}
+    predicted = {
+        "fixed": 1.0,
+        "mixed": flops(mean_useful) / flops(cfg.max_loops),
+        "mixed+ghosts": flops(mean_executed) / flops(cfg.max_loops),
+    }
     base = statistics.median(times["fixed"])
-    print(f"{args.steps} steps x {args.micro} micro-batches, mean ℓ {mean_useful:.2f} useful, {mean_executed:.2f} "
-          f"executed with an EP=2 peer (depth efficiency {mean_useful / mean_executed:.3f}); median of {args.repeats}")
+    print(
+        f"{args.steps} steps x {args.micro} micro-batches, mean ℓ {mean_useful:.2f} useful, {mean_executed:.2f} "
+        f"executed with an EP=2 peer (depth efficiency {mean_useful / mean_executed:.3f}); median of {args.repeats}"
+    )
     print(f"  {'variant':>13} {'s/step':>8} {'measured/fixed':>15} {'predicted: useful':>18} {'executed':>9}")
     for name in variants:
         t = statistics.median(times[name]) / args.steps

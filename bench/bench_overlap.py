@@ -26,8 +26,20 @@ import torch.distributed as dist
 
 warnings.filterwarnings("ignore")
 
-SHAPE = dict(hidden_size=128, num_heads=4, ffn_hidden_size=256, prelude_layers=1, coda_layers=1, core_layers=2,
-             num_experts=4, loops=2, flatten=2, moe_top_k=2, moe_ffn_hidden_size=128, moe_aux_loss_coeff=0.0)
+SHAPE = dict(
+    hidden_size=128,
+    num_heads=4,
+    ffn_hidden_size=256,
+    prelude_layers=1,
+    coda_layers=1,
+    core_layers=2,
+    num_experts=4,
+    loops=2,
+    flatten=2,
+    moe_top_k=2,
+    moe_ffn_hidden_size=128,
+    moe_aux_loss_coeff=0.0,
+)
 ROWS, SEQ = 4, 64
 
 
@@ -67,13 +79,19 @@ def main() -> None:
     draw = torch.Generator().manual_seed(1)
     n_steps = args.steps + 2
     ells = torch.randint(1, cfg.max_loops + 1, (n_steps, world, args.micro), generator=draw)
-    tokens = torch.randint(0, cfg.vocab_size, (n_steps, args.micro, ROWS, SEQ + 1),
-                           generator=torch.Generator().manual_seed(rank))
+    tokens = torch.randint(
+        0, cfg.vocab_size, (n_steps, args.micro, ROWS, SEQ + 1), generator=torch.Generator().manual_seed(rank)
+    )
     times: dict[str, list[float]] = {k: [] for k in models}
     for s in range(n_steps):
         group = ells[s].max(dim=0).values if args.layout == "ep2" else ells[s, mesh.dp_rank]
-        micro = [MicroBatch(tokens[s, i], DepthPlan(int(ells[s, mesh.dp_rank, i]), (int(ells[s, mesh.dp_rank, i]),),
-                                                    group_loops=int(group[i]))) for i in range(args.micro)]
+        micro = [
+            MicroBatch(
+                tokens[s, i],
+                DepthPlan(int(ells[s, mesh.dp_rank, i]), (int(ells[s, mesh.dp_rank, i]),), group_loops=int(group[i])),
+            )
+            for i in range(args.micro)
+        ]
         order = list(models) if s % 2 == 0 else list(reversed(models))
         for kind in order:
             model = models[kind]
@@ -81,17 +99,25 @@ def main() -> None:
             dist.barrier()
             t0 = time.perf_counter()
             with overlapped_step(model, _forward_step, len(micro)) as forward_step:
-                get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro), model=[model],
-                                            num_microbatches=len(micro), seq_length=SEQ, micro_batch_size=ROWS,
-                                            forward_only=False)
+                get_forward_backward_func()(
+                    forward_step_func=forward_step,
+                    data_iterator=iter(micro),
+                    model=[model],
+                    num_microbatches=len(micro),
+                    seq_length=SEQ,
+                    micro_batch_size=ROWS,
+                    forward_only=False,
+                )
             if s >= 2:
                 times[kind].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     buckets = sum(len(lane) for lane in models["overlap"].ledger.lanes)
     if rank == 0:
-        print(f"{args.layout}, 2 gloo CPU processes x 1 thread; hidden {SHAPE['hidden_size']}, {cfg.max_loops} passes, "
-              f"{args.micro} micro-batches of {ROWS} x {SEQ}, ℓ uniform 1..{cfg.max_loops}; {buckets} buckets; "
-              f"median of {args.steps} interleaved steps")
+        print(
+            f"{args.layout}, 2 gloo CPU processes x 1 thread; hidden {SHAPE['hidden_size']}, {cfg.max_loops} passes, "
+            f"{args.micro} micro-batches of {ROWS} x {SEQ}, ℓ uniform 1..{cfg.max_loops}; {buckets} buckets; "
+            f"median of {args.steps} interleaved steps"
+        )
         for k, v in med.items():
             print(f"  {k:<15} {v * 1e3:8.1f} ms")
         print(f"  overlap / after_backward = {med['overlap'] / med['after_backward']:.3f} (CPU: indicative only)")

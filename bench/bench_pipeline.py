@@ -102,9 +102,14 @@ def run_phase(out: Path, name: str, pipeline: int, args: argparse.Namespace) -> 
     torch.set_num_threads(1)
     cfg = ModelConfig(**SHAPE)
     net = build_model(cfg, par)
-    model = wrap_ddp(SimpleNamespace(train=SimpleNamespace(distributed_optimizer=False),
-                               schedule=SimpleNamespace(balance="off"),
-                               parallel=SimpleNamespace(grad_reduce="after_backward")), net)
+    model = wrap_ddp(
+        SimpleNamespace(
+            train=SimpleNamespace(distributed_optimizer=False),
+            schedule=SimpleNamespace(balance="off"),
+            parallel=SimpleNamespace(grad_reduce="after_backward"),
+        ),
+        net,
+    )
     pipe = Pipeline(model, net, pipeline) if pipeline > 1 else None
     config = pipe.config if pipe else net.config
     tokens = torch.randint(0, cfg.vocab_size, (args.micro, ROWS, SEQ + 1), generator=torch.Generator().manual_seed(0))

@@ -29,8 +29,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512, help="tokens per micro-batch (4 rows)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--recompute", choices=["none", "pass"], default="none")
-    parser.add_argument("--moe-only", action="store_true",
-                        help="time one MoE call (fwd+bwd): fresh routing vs a dispatch replay vs a RouterReplay replay")
+    parser.add_argument(
+        "--moe-only",
+        action="store_true",
+        help="time one MoE call (fwd+bwd): fresh routing vs a dispatch replay vs a RouterReplay replay",
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     from elastic_pretrain.model.config import ModelConfig
@@ -40,10 +43,24 @@ def main() -> None:
 
     par = ParallelConfig()
     init_mesh(par, seed=0)
-    shape = dict(hidden_size=96, num_heads=4, ffn_hidden_size=256, prelude_layers=1, coda_layers=1, core_layers=2,
-                 num_experts=args.experts, loops=args.loops, flatten=2, moe_top_k=2, moe_ffn_hidden_size=96)
-    variants = {"off": dict(route_replay=False), "dispatch": dict(route_replay=True, route_replay_impl="dispatch"),
-                "router": dict(route_replay=True, route_replay_impl="router")}
+    shape = dict(
+        hidden_size=96,
+        num_heads=4,
+        ffn_hidden_size=256,
+        prelude_layers=1,
+        coda_layers=1,
+        core_layers=2,
+        num_experts=args.experts,
+        loops=args.loops,
+        flatten=2,
+        moe_top_k=2,
+        moe_ffn_hidden_size=96,
+    )
+    variants = {
+        "off": dict(route_replay=False),
+        "dispatch": dict(route_replay=True, route_replay_impl="dispatch"),
+        "router": dict(route_replay=True, route_replay_impl="router"),
+    }
     nets = {}
     for name, kw in variants.items():
         torch.manual_seed(0)
@@ -65,6 +82,7 @@ def main() -> None:
             net(inputs, labels=labels, loops=ell)[ell].mean().backward()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
+
         return run
 
     fns = {(ell, name): fwd_bwd(net, ell) for ell in ells for name, net in nets.items()}
@@ -76,8 +94,10 @@ def main() -> None:
             t0 = time.perf_counter()
             fn()
             samples[key].append(time.perf_counter() - t0)
-    print(f"route replay, fwd+bwd, {inputs.numel()} tokens, {args.experts} experts top-2, recompute "
-          f"{args.recompute}, median of {args.repeats} interleaved repeats ({device()})")
+    print(
+        f"route replay, fwd+bwd, {inputs.numel()} tokens, {args.experts} experts top-2, recompute "
+        f"{args.recompute}, median of {args.repeats} interleaved repeats ({device()})"
+    )
     print("| ℓ | off ms | dispatch ms | router ms | dispatch/off | router/off | dispatch/router |")
     print("|---|---|---|---|---|---|---|")
     for ell in ells:
@@ -87,8 +107,10 @@ def main() -> None:
         def paired(a: str, b: str, s=s) -> float:
             return statistics.median(x / y for x, y in zip(s[a], s[b], strict=True))
 
-        print(f"| {ell} | {med['off']:.1f} | {med['dispatch']:.1f} | {med['router']:.1f} | "
-              f"{paired('dispatch', 'off'):.3f} | {paired('router', 'off'):.3f} | {paired('dispatch', 'router'):.3f} |")
+        print(
+            f"| {ell} | {med['off']:.1f} | {med['dispatch']:.1f} | {med['router']:.1f} | "
+            f"{paired('dispatch', 'off'):.3f} | {paired('router', 'off'):.3f} | {paired('dispatch', 'router'):.3f} |"
+        )
     teardown()
 
 
@@ -134,8 +156,10 @@ def moe_only(net, tokens: int, repeats: int) -> None:
     print(f"one MoE call, fwd+bwd, {tokens} tokens, median of {repeats} interleaved repeats")
     print("| fresh ms | dispatch replay ms | router replay ms | dispatch/fresh | router/fresh | dispatch/router |")
     print("|---|---|---|---|---|---|")
-    print(f"| {med['fresh']:.2f} | {med['dispatch']:.2f} | {med['router']:.2f} | {paired('dispatch', 'fresh'):.3f} | "
-          f"{paired('router', 'fresh'):.3f} | {paired('dispatch', 'router'):.3f} |")
+    print(
+        f"| {med['fresh']:.2f} | {med['dispatch']:.2f} | {med['router']:.2f} | {paired('dispatch', 'fresh'):.3f} | "
+        f"{paired('router', 'fresh'):.3f} | {paired('dispatch', 'router'):.3f} |"
+    )
 
 
 if __name__ == "__main__":

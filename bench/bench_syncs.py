@@ -28,13 +28,27 @@ def build_step(core_layers: int, replay: bool, loops: int) -> tuple:
     from elastic_pretrain.train.session import build_optimizer, wrap_ddp
     from elastic_pretrain.train.step import TrainStep
 
-    cfg = ModelConfig(hidden_size=32, num_heads=4, ffn_hidden_size=64, prelude_layers=1, coda_layers=1,
-                      core_layers=core_layers, num_experts=4, loops=loops, flatten=1, moe_top_k=2,
-                      moe_ffn_hidden_size=32, route_replay=replay)
+    cfg = ModelConfig(
+        hidden_size=32,
+        num_heads=4,
+        ffn_hidden_size=64,
+        prelude_layers=1,
+        coda_layers=1,
+        core_layers=core_layers,
+        num_experts=4,
+        loops=loops,
+        flatten=1,
+        moe_top_k=2,
+        moe_ffn_hidden_size=32,
+        route_replay=replay,
+    )
     net = build_model(cfg, ParallelConfig(), recompute="none")
-    job = SimpleNamespace(model=cfg, train=TrainConfig(steps=9, warmup_steps=0, lr=1e-3, distributed_optimizer=False),
-                          schedule=SimpleNamespace(balance="off"),
-                          parallel=SimpleNamespace(grad_reduce="after_backward"))
+    job = SimpleNamespace(
+        model=cfg,
+        train=TrainConfig(steps=9, warmup_steps=0, lr=1e-3, distributed_optimizer=False),
+        schedule=SimpleNamespace(balance="off"),
+        parallel=SimpleNamespace(grad_reduce="after_backward"),
+    )
     model = wrap_ddp(job, net)
     optimizer, scheduler = build_optimizer(job, model)  # type: ignore[arg-type]
     return cfg, TrainStep(model, optimizer, scheduler, seq_len=16, micro_batch_size=2, max_loops=cfg.max_loops)
@@ -58,14 +72,18 @@ def main() -> None:
     for replay in (False, True):
         cfg, step = build_step(args.core_layers, replay, loops=4)
         for ell in (1, 1, 2, 4):  # the first step builds the optimizer state
-            micro = [MicroBatch(torch.randint(0, cfg.vocab_size, (2, 17)), DepthPlan(ell, (ell,), group_loops=ell))
-                     for _ in range(args.micro_batches)]
+            micro = [
+                MicroBatch(torch.randint(0, cfg.vocab_size, (2, 17)), DepthPlan(ell, (ell,), group_loops=ell))
+                for _ in range(args.micro_batches)
+            ]
             with count_host_syncs() as counter:
                 step(micro)
             syncs = counter.device_syncs()
             dispatcher = syncs.pop(DISPATCHER, 0)
-            print(f"{'on' if replay else 'off':>7} {ell:>2} {dispatcher:>10} {sum(syncs.values()):>6} "
-                  f"{dispatcher + sum(syncs.values()):>6}")
+            print(
+                f"{'on' if replay else 'off':>7} {ell:>2} {dispatcher:>10} {sum(syncs.values()):>6} "
+                f"{dispatcher + sum(syncs.values()):>6}"
+            )
             if args.sites and ell == 4:
                 for site, n in sorted(syncs.items()):
                     print(f"        {n:>3} {site}")

@@ -51,28 +51,73 @@ class Section:
 
 
 PLAN: tuple[Section, ...] = (
-    Section("env", 10, "bench.gpu_common:section_env", False,
-            "versions, device, layer spec, TF32 state; which sections are skipped"),
-    Section("trainer", 90, "bench.gpu_trainer:section_trainer", False,
-            "`train` (tiny job, bf16, strict device mode): 30 steps vs save at 15, kill, resume"),
-    Section("trainer_fp8", 70, "bench.gpu_trainer:section_trainer_fp8", True,
-            "the same with model.fp8=delayed (amax histories in the checkpoint)"),
-    Section("parity", 35, "bench.gpu_numerics:section_parity", True,
-            "TE vs local spec, fp32 logits at every ℓ (TF32 off, route replay off); 30 bf16 steps"),
-    Section("replay_fused", 20, "bench.gpu_numerics:section_replay_fused", True,
-            "route replay through TE's fused permute vs the unfused one: losses and gradients"),
-    Section("replay_size", 45, "bench.gpu_numerics:section_replay_size", False,
-            "route replay at hidden 1024, 16k tokens: dispatch and router losses equal; step time vs off"),
-    Section("fp8", 50, "bench.gpu_numerics:section_fp8", True,
-            "bf16 vs tensorwise vs delayed, 100 steps at hidden 1024; GEMMs inside the FP8 autocast"),
-    Section("memory", 40, "bench.gpu_perf:section_memory", False,
-            "activation bytes per pass vs parallel/memory.py, recompute none/selective/pass"),
-    Section("mfu", 30, "bench.gpu_perf:section_mfu", False,
-            "looped ℓ=4 vs GPTModel with the same layers: tokens/s and MFU (train/mfu.py)"),
-    Section("grouped", 15, "bench.gpu_perf:section_grouped", True,
-            "MoE MLP fwd+bwd: TE grouped GEMM vs the per-expert loop"),
-    Section("pytest_gpu", 50, "bench.gpu_perf:section_pytest_gpu", False,
-            "pytest -m gpu tests/gpu"),
+    Section(
+        "env",
+        10,
+        "bench.gpu_common:section_env",
+        False,
+        "versions, device, layer spec, TF32 state; which sections are skipped",
+    ),
+    Section(
+        "trainer",
+        90,
+        "bench.gpu_trainer:section_trainer",
+        False,
+        "`train` (tiny job, bf16, strict device mode): 30 steps vs save at 15, kill, resume",
+    ),
+    Section(
+        "trainer_fp8",
+        70,
+        "bench.gpu_trainer:section_trainer_fp8",
+        True,
+        "the same with model.fp8=delayed (amax histories in the checkpoint)",
+    ),
+    Section(
+        "parity",
+        35,
+        "bench.gpu_numerics:section_parity",
+        True,
+        "TE vs local spec, fp32 logits at every ℓ (TF32 off, route replay off); 30 bf16 steps",
+    ),
+    Section(
+        "replay_fused",
+        20,
+        "bench.gpu_numerics:section_replay_fused",
+        True,
+        "route replay through TE's fused permute vs the unfused one: losses and gradients",
+    ),
+    Section(
+        "replay_size",
+        45,
+        "bench.gpu_numerics:section_replay_size",
+        False,
+        "route replay at hidden 1024, 16k tokens: dispatch and router losses equal; step time vs off",
+    ),
+    Section(
+        "fp8",
+        50,
+        "bench.gpu_numerics:section_fp8",
+        True,
+        "bf16 vs tensorwise vs delayed, 100 steps at hidden 1024; GEMMs inside the FP8 autocast",
+    ),
+    Section(
+        "memory",
+        40,
+        "bench.gpu_perf:section_memory",
+        False,
+        "activation bytes per pass vs parallel/memory.py, recompute none/selective/pass",
+    ),
+    Section(
+        "mfu",
+        30,
+        "bench.gpu_perf:section_mfu",
+        False,
+        "looped ℓ=4 vs GPTModel with the same layers: tokens/s and MFU (train/mfu.py)",
+    ),
+    Section(
+        "grouped", 15, "bench.gpu_perf:section_grouped", True, "MoE MLP fwd+bwd: TE grouped GEMM vs the per-expert loop"
+    ),
+    Section("pytest_gpu", 50, "bench.gpu_perf:section_pytest_gpu", False, "pytest -m gpu tests/gpu"),
 )
 SECTIONS = tuple(s.name for s in PLAN)
 
@@ -96,8 +141,10 @@ def plan_for(only: list[str] | None) -> list[Section]:
 
 def format_plan(sections: list[Section], *, scale: int = 1) -> str:
     total = SETUP_S + sum(s.budget_s for s in sections)
-    lines = [f"gpu_check plan: {len(sections)} sections, budgets summing to {total * scale} s "
-             f"(limit {TOTAL_BUDGET_S * scale} s; setup {SETUP_S * scale} s)"]
+    lines = [
+        f"gpu_check plan: {len(sections)} sections, budgets summing to {total * scale} s "
+        f"(limit {TOTAL_BUDGET_S * scale} s; setup {SETUP_S * scale} s)"
+    ]
     lines.append(f"  {'#':>2}  {'section':<13} {'budget':>7}  {'TE':<3} what")
     lines.append(f"  {0:>2}  {'setup':<13} {SETUP_S * scale:>5} s  {'':<3} wheels, nvidia-smi, imports")
     for i, s in enumerate(sections, 1):
@@ -127,9 +174,15 @@ def resolve(target: str) -> Callable[[Any], None]:
     return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
 
 
-def run_sections(sections: list[Section], ctx: Any, *, deadline: float, scale: int = 1,
-                 out: Callable[[str], None] = print, record: Callable[[Result], None] = lambda r: None,
-                 ) -> list[Result]:
+def run_sections(
+    sections: list[Section],
+    ctx: Any,
+    *,
+    deadline: float,
+    scale: int = 1,
+    out: Callable[[str], None] = print,
+    record: Callable[[Result], None] = lambda r: None,
+) -> list[Result]:
     """Run ``sections`` in order, each within min(its budget × ``scale``, the time left to ``deadline``)."""
     results: list[Result] = []
     for s in sections:
@@ -180,10 +233,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="print the plan with its budgets and exit")
     parser.add_argument("--toy", action="store_true", help="toy sizes on this machine, budgets x6 (CPU test)")
-    parser.add_argument("--only", nargs="+", choices=SECTIONS, metavar="SECTION",
-                        help=f"run these sections only (of: {', '.join(SECTIONS)})")
-    parser.add_argument("--budget", type=float, default=None,
-                        help=f"seconds for all sections (default: {TOTAL_BUDGET_S} - setup {SETUP_S}, x6 with --toy)")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=SECTIONS,
+        metavar="SECTION",
+        help=f"run these sections only (of: {', '.join(SECTIONS)})",
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help=f"seconds for all sections (default: {TOTAL_BUDGET_S} - setup {SETUP_S}, x6 with --toy)",
+    )
     return parser.parse_args(argv)
 
 

@@ -101,10 +101,14 @@ def section_env(ctx: Ctx) -> None:
 
         te = transformer_engine.__version__
     dev = torch.cuda.get_device_name() if ctx.cuda else "cpu"
-    print(f"  torch {torch.__version__} (CUDA {torch.version.cuda}) | megatron-core {megatron.core.__version__} | "
-          f"transformer-engine {te} | device {dev} | spec {'te' if ctx.te else 'local'}")
-    print(f"  TF32: torch matmul {torch.backends.cuda.matmul.allow_tf32}, cudnn {torch.backends.cudnn.allow_tf32}, "
-          f"NVIDIA_TF32_OVERRIDE={os.environ.get('NVIDIA_TF32_OVERRIDE', '(unset)')}")
+    print(
+        f"  torch {torch.__version__} (CUDA {torch.version.cuda}) | megatron-core {megatron.core.__version__} | "
+        f"transformer-engine {te} | device {dev} | spec {'te' if ctx.te else 'local'}"
+    )
+    print(
+        f"  TF32: torch matmul {torch.backends.cuda.matmul.allow_tf32}, cudnn {torch.backends.cudnn.allow_tf32}, "
+        f"NVIDIA_TF32_OVERRIDE={os.environ.get('NVIDIA_TF32_OVERRIDE', '(unset)')}"
+    )
     if ctx.skip_te:
         print("  CUDA without Transformer Engine: the TE sections are skipped, the others run on the local spec")
 
@@ -160,8 +164,10 @@ def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> tuple[list[str],
     into its QKV projection (``linear_qkv.layer_norm_weight``) and a dense layer's pre-MLP norm into fc1.
     Returns (destination weights with no source, source weights not used)."""
     src_state = {k: v for k, v in src.state_dict().items() if not k.endswith("_extra_state")}
-    renames = (("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
-               ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."))
+    renames = (
+        ("self_attention.linear_qkv.layer_norm_", "input_layernorm."),
+        ("mlp.linear_fc1.layer_norm_", "pre_mlp_layernorm."),
+    )
     missing, used = [], set()
     with torch.no_grad():
         for name, tensor in dst.state_dict().items():
@@ -187,11 +193,25 @@ def megatron_optimizer(net: Any, lr: float) -> tuple[Any, Any]:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     bf16 = net.cfg.dtype == "bf16"
-    ddp = DistributedDataParallel(config=net.config, module=net, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=True))
-    opt = get_megatron_optimizer(OptimizerConfig(
-        optimizer="adam", lr=lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, clip_grad=1.0, bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=True), [ddp])
+    ddp = DistributedDataParallel(
+        config=net.config,
+        module=net,
+        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True),
+    )
+    opt = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=lr,
+            weight_decay=0.1,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            clip_grad=1.0,
+            bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            use_distributed_optimizer=True,
+        ),
+        [ddp],
+    )
     return ddp, opt
 
 
@@ -209,7 +229,7 @@ def train(net: Any, data: torch.Tensor, *, steps: int, mbs: int, loops: int, ctx
     net.train()
     losses = []
     for step in range(steps):
-        batch = data[(step * mbs) % len(data):][:mbs].to(ctx.device)
+        batch = data[(step * mbs) % len(data) :][:mbs].to(ctx.device)
         ddp.zero_grad_buffer()
         opt.zero_grad()
         net.set_is_first_microbatch()
@@ -241,6 +261,7 @@ def fwd_bwd(model: Any, tokens: torch.Tensor, **kw: Any) -> Callable[[], None]:
         model.zero_grad(set_to_none=True)
         out = model(tokens[:, :-1], labels=tokens[:, 1:], **kw)
         (out[max(out)] if isinstance(out, dict) else out).float().mean().backward()
+
     return run
 
 

@@ -23,8 +23,14 @@ REPO = Path(__file__).resolve().parent.parent
 WHEELS = REPO / "bench" / "gpu_wheels.txt"
 IMAGE = REPO / "bench" / "gpu_image.txt"
 PYTHON = "3.12"  # the GPU image's python3 (KINDS.md)
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64"]
+PLATFORMS = [
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_24_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+]
 
 # requirements deliberately not carried -> why the GPU check (and a training run) does without them
 NOT_CARRIED = {
@@ -76,7 +82,7 @@ def project_requirements() -> list[str]:
 def declared(dist: str) -> list[str]:
     """A distribution's own requirements, without extras and other-platform markers (from this machine's metadata)."""
     reqs = md.requires(dist) or []
-    return [r for r in reqs if "extra ==" not in r and "sys_platform == \"win32\"" not in r]
+    return [r for r in reqs if "extra ==" not in r and 'sys_platform == "win32"' not in r]
 
 
 def uncovered() -> dict[str, str]:
@@ -104,8 +110,19 @@ def uncovered() -> dict[str, str]:
 def pip_args(dest: str) -> list[str]:
     """``pip download`` arguments for every listed wheel, built for the GPU machine's Python and platform."""
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
-    return ["download", "--no-deps", "--only-binary=:all:", "--python-version", PYTHON, "--implementation", "cp",
-            *platforms, "-d", dest, *wheel_list().values()]
+    return [
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        PYTHON,
+        "--implementation",
+        "cp",
+        *platforms,
+        "-d",
+        dest,
+        *wheel_list().values(),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- image-only
@@ -136,8 +153,10 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["check"]:
         missing = uncovered()
         for name, by in sorted(missing.items()):
-            print(f"gpu_deps: {name} (required by {by}) is neither on the GPU image nor in {WHEELS.name}: add "
-                  f"{name}==VERSION there, or to NOT_CARRIED in bench/gpu_deps.py with the reason")
+            print(
+                f"gpu_deps: {name} (required by {by}) is neither on the GPU image nor in {WHEELS.name}: add "
+                f"{name}==VERSION there, or to NOT_CARRIED in bench/gpu_deps.py with the reason"
+            )
         if not missing:
             print(f"gpu_deps: {len(wheel_list())} wheels cover what the GPU image lacks")
         return 1 if missing else 0

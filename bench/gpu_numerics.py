@@ -27,9 +27,20 @@ GRAD_TOL = 1e-4
 
 def small(ctx: Ctx, **kw: Any) -> ModelConfig:
     d = 64 if ctx.toy else 256
-    base = dict(hidden_size=d, num_heads=4 if ctx.toy else 8, ffn_hidden_size=2 * d, prelude_layers=1, coda_layers=1,
-                core_layers=2, num_experts=4, loops=2, flatten=2, moe_ffn_hidden_size=d, moe_aux_loss_coeff=0.0,
-                moe_z_loss_coeff=0.0)
+    base = dict(
+        hidden_size=d,
+        num_heads=4 if ctx.toy else 8,
+        ffn_hidden_size=2 * d,
+        prelude_layers=1,
+        coda_layers=1,
+        core_layers=2,
+        num_experts=4,
+        loops=2,
+        flatten=2,
+        moe_ffn_hidden_size=d,
+        moe_aux_loss_coeff=0.0,
+        moe_z_loss_coeff=0.0,
+    )
     return ModelConfig(**{**base, **kw})
 
 
@@ -41,8 +52,11 @@ def section_parity(ctx: Ctx) -> None:
     if not ctx.te:
         print("  no Transformer Engine here: local spec vs local spec (the code path only)")
     missing, unused = copy_weights(local, te)
-    ctx.check("every TE-spec weight has a local-spec source, every local weight is used (final norm included)",
-              not missing and not unused, f"without source: {missing or 'none'}; unused: {unused or 'none'}")
+    ctx.check(
+        "every TE-spec weight has a local-spec source, every local weight is used (final norm included)",
+        not missing and not unused,
+        f"without source: {missing or 'none'}; unused: {unused or 'none'}",
+    )
     tokens = stdlib_tokens(2, 64 if ctx.toy else 256).to(ctx.device)
     worst = 0.0
     with torch.no_grad():
@@ -60,8 +74,10 @@ def section_parity(ctx: Ctx) -> None:
     marks = sorted({0, steps // 2, steps - 1})
     for name, curve in curves.items():
         print(f"  {name:>5} bf16: " + "  ".join(f"step {i + 1}: {curve[i]:.4f}" for i in marks))
-    print(f"  max |loss TE - loss local| over {steps} bf16 steps: "
-          f"{max(abs(a - b) for a, b in zip(*curves.values())):.4f} (bf16 rounding; informative)")
+    print(
+        f"  max |loss TE - loss local| over {steps} bf16 steps: "
+        f"{max(abs(a - b) for a, b in zip(*curves.values())):.4f} (bf16 rounding; informative)"
+    )
 
 
 def grads_of(net: Any, tokens: torch.Tensor, *, loops: int, exits: tuple[int, ...]) -> tuple[dict[int, float], dict]:
@@ -80,8 +96,11 @@ def compare(ctx: Ctx, what: str, a: tuple[dict, dict], b: tuple[dict, dict]) -> 
     grad_err = max(rel_diff(a[1][n], b[1][n]) for n in b[1].keys() & a[1].keys())
     ctx.check(f"{what}: losses at every exit (≤ {LOSS_TOL:g})", loss_err <= LOSS_TOL, f"{loss_err:.2e}")
     ctx.check(f"{what}: every gradient (≤ {GRAD_TOL:g} of its largest entry)", grad_err <= GRAD_TOL, f"{grad_err:.2e}")
-    ctx.check(f"{what}: the same parameters get gradients", a[1].keys() == b[1].keys(),
-              str(sorted(a[1].keys() ^ b[1].keys())[:4]))
+    ctx.check(
+        f"{what}: the same parameters get gradients",
+        a[1].keys() == b[1].keys(),
+        str(sorted(a[1].keys() ^ b[1].keys())[:4]),
+    )
 
 
 def section_replay_fused(ctx: Ctx) -> None:
@@ -107,9 +126,21 @@ def section_replay_size(ctx: Ctx) -> None:
     ``router`` implementations replay the same routes, so with aux/z losses off their losses and gradients are
     equal (fp32); then the step time of each against replay off (bf16, interleaved; ELR reports -11.7 %)."""
     d, seq, rows = (64, 64, 2) if ctx.toy else (1024, 4096, 4)
-    shape = dict(hidden_size=d, num_heads=4 if ctx.toy else 16, ffn_hidden_size=4 * d, prelude_layers=1,
-                 coda_layers=1, core_layers=2, num_experts=8, loops=4, flatten=1, moe_top_k=2,
-                 moe_ffn_hidden_size=d, moe_aux_loss_coeff=0.0, moe_z_loss_coeff=0.0)
+    shape = dict(
+        hidden_size=d,
+        num_heads=4 if ctx.toy else 16,
+        ffn_hidden_size=4 * d,
+        prelude_layers=1,
+        coda_layers=1,
+        core_layers=2,
+        num_experts=8,
+        loops=4,
+        flatten=1,
+        moe_top_k=2,
+        moe_ffn_hidden_size=d,
+        moe_aux_loss_coeff=0.0,
+        moe_z_loss_coeff=0.0,
+    )
     tokens = stdlib_tokens(rows, seq, seed=6).to(ctx.device)
     print(f"  hidden {d}, {rows} x {seq} = {rows * seq} tokens, 8 experts top-2, ℓ=4")
     results = {}
@@ -122,12 +153,17 @@ def section_replay_size(ctx: Ctx) -> None:
     del results
     if ctx.cuda:
         torch.cuda.empty_cache()
-    variants = {"off": dict(route_replay=False), "dispatch": dict(route_replay=True, route_replay_impl="dispatch"),
-                "router": dict(route_replay=True, route_replay_impl="router")}
+    variants = {
+        "off": dict(route_replay=False),
+        "dispatch": dict(route_replay=True, route_replay_impl="dispatch"),
+        "router": dict(route_replay=True, route_replay_impl="router"),
+    }
     nets = {k: build(ModelConfig(**shape, **kw, dtype="bf16"), ctx).train() for k, kw in variants.items()}
     ratios = interleaved(ctx, nets, tokens, repeats=2 if ctx.toy else 7)
-    print("  step time (bf16, fwd+bwd, ℓ=4), median of paired ratios: "
-          + ", ".join(f"{k}/off {v:.3f}" for k, v in ratios.items()))
+    print(
+        "  step time (bf16, fwd+bwd, ℓ=4), median of paired ratios: "
+        + ", ".join(f"{k}/off {v:.3f}" for k, v in ratios.items())
+    )
 
 
 def interleaved(ctx: Ctx, nets: dict[str, Any], tokens: torch.Tensor, *, repeats: int) -> dict[str, float]:
@@ -161,18 +197,32 @@ def fp8_probe(net: torch.nn.Module) -> tuple[dict[str, int], list[Any]]:
     def hook(module: Any, args: Any) -> None:
         counts["fp8" if FP8GlobalStateManager.is_fp8_enabled() else "other"] += 1
 
-    handles = [m.register_forward_pre_hook(hook) for m in net.modules()
-               if type(m).__module__.startswith(("transformer_engine", "megatron.core.extensions"))
-               and "Linear" in type(m).__name__]
+    handles = [
+        m.register_forward_pre_hook(hook)
+        for m in net.modules()
+        if type(m).__module__.startswith(("transformer_engine", "megatron.core.extensions"))
+        and "Linear" in type(m).__name__
+    ]
     return counts, handles
 
 
 def section_fp8(ctx: Ctx) -> None:
     """bf16 vs FP8 (tensorwise, delayed) over 100 steps at hidden 1024 from the same initialisation."""
     d = 128 if ctx.toy else 1024
-    cfg = ModelConfig(hidden_size=d, num_heads=8 if ctx.toy else 16, ffn_hidden_size=4 * d, prelude_layers=1,
-                      coda_layers=1, core_layers=2, num_experts=8, loops=2, flatten=1, moe_top_k=2,
-                      moe_ffn_hidden_size=d // 2, dtype="bf16")
+    cfg = ModelConfig(
+        hidden_size=d,
+        num_heads=8 if ctx.toy else 16,
+        ffn_hidden_size=4 * d,
+        prelude_layers=1,
+        coda_layers=1,
+        core_layers=2,
+        num_experts=8,
+        loops=2,
+        flatten=1,
+        moe_top_k=2,
+        moe_ffn_hidden_size=d // 2,
+        dtype="bf16",
+    )
     steps, seq, mbs = (3, 64, 2) if ctx.toy else (100, 1024, 4)
     data = stdlib_tokens(steps * mbs, seq, seed=2)
     results = {"bf16": train(build(cfg, ctx), data, steps=steps, mbs=mbs, loops=cfg.max_loops, ctx=ctx)}
@@ -186,8 +236,11 @@ def section_fp8(ctx: Ctx) -> None:
         results[recipe] = train(net, data, steps=steps, mbs=mbs, loops=cfg.max_loops, ctx=ctx)
         for h in handles:
             h.remove()
-        ctx.check(f"fp8={recipe}: every TE GEMM call ran inside the FP8 autocast",
-                  counts["fp8"] > 0 and counts["other"] == 0, f"{counts['fp8']} inside, {counts['other']} outside")
+        ctx.check(
+            f"fp8={recipe}: every TE GEMM call ran inside the FP8 autocast",
+            counts["fp8"] > 0 and counts["other"] == 0,
+            f"{counts['fp8']} inside, {counts['other']} outside",
+        )
     window = max(1, steps // 10)
     bf16_last = statistics.mean(results["bf16"][-window:])
     for name, curve in results.items():
@@ -196,5 +249,8 @@ def section_fp8(ctx: Ctx) -> None:
         if name != "bf16":
             # a loose bound: FP8 weights frozen at their step-1 quantization (issue 30 item 2) keep the loss
             # tenths of a nat above bf16's; FP8's own rounding moves it by hundredths
-            ctx.check(f"fp8={name} tracks bf16 (final loss within 0.1 nats)", abs(last - bf16_last) <= 0.1,
-                      f"{last - bf16_last:+.4f}")
+            ctx.check(
+                f"fp8={name} tracks bf16 (final loss within 0.1 nats)",
+                abs(last - bf16_last) <= 0.1,
+                f"{last - bf16_last:+.4f}",
+            )

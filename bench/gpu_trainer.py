@@ -31,8 +31,10 @@ from typing import Any
 from bench.gpu_common import REPO, Ctx
 
 # the `train` command with deterministic kernels requested first (the CLI itself leaves torch's default)
-ENTRY = ("import sys, torch; torch.use_deterministic_algorithms(True, warn_only=True); "
-         "from elastic_pretrain.cli import main; sys.exit(main(sys.argv[1:]))")
+ENTRY = (
+    "import sys, torch; torch.use_deterministic_algorithms(True, warn_only=True); "
+    "from elastic_pretrain.cli import main; sys.exit(main(sys.argv[1:]))"
+)
 COMMON = ["parallel=single", "train.eval_sequences=4", "train.eval_interval=0", "tracking.backend=none"]
 TIMING_KEYS = ("ghost_time_s",)  # history values measured with a clock (tests/checkpoint/runs.py)
 NOISE_FACTOR = 4.0
@@ -47,15 +49,31 @@ def train_argv(ctx: Ctx, run_dir: Path, steps: int, overrides: list[str]) -> lis
     """The tiny job in bf16 on a GPU (what a cluster runs); in fp32 at toy sizes on CPU, the code path only."""
     log = max(1, steps // 6)
     dtype = "bf16" if ctx.cuda or any(o.startswith("model.fp8=") for o in overrides) else "fp32"
-    return [sys.executable, "-c", ENTRY, "train", "jobs/tiny-cpu.yaml", "--run-dir", str(run_dir), *COMMON,
-            f"model.dtype={dtype}", f"train.steps={steps}", f"train.warmup_steps={max(1, steps // 10)}",
-            f"train.log_interval={log}", *overrides]
+    return [
+        sys.executable,
+        "-c",
+        ENTRY,
+        "train",
+        "jobs/tiny-cpu.yaml",
+        "--run-dir",
+        str(run_dir),
+        *COMMON,
+        f"model.dtype={dtype}",
+        f"train.steps={steps}",
+        f"train.warmup_steps={max(1, steps // 10)}",
+        f"train.log_interval={log}",
+        *overrides,
+    ]
 
 
 def launch(ctx: Ctx, argv: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    full_env = {**os.environ, "ELASTIC_PRETRAIN_STRICT_DEVICES": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
-                "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-                **(env or {})}
+    full_env = {
+        **os.environ,
+        "ELASTIC_PRETRAIN_STRICT_DEVICES": "1",
+        "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        **(env or {}),
+    }
     return subprocess.run(argv, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=ctx.remaining())
 
 
@@ -90,8 +108,11 @@ def max_diff(a: dict[tuple[int, str], float], b: dict[tuple[int, str], float]) -
     return max((abs(a[k] - b[k]) for k in a), default=0.0)
 
 
-def verdict(full: list[dict[str, Any]], resumed: list[dict[str, Any]], noise: list[dict[str, Any]] | None,
-            ) -> tuple[bool, str]:
+def verdict(
+    full: list[dict[str, Any]],
+    resumed: list[dict[str, Any]],
+    noise: list[dict[str, Any]] | None,
+) -> tuple[bool, str]:
     """(ok, detail): bitwise equal, or — given a repeat of the uninterrupted run — every loss within
     NOISE_FACTOR × the largest difference between the two uninterrupted runs."""
     if full == resumed:
@@ -100,8 +121,9 @@ def verdict(full: list[dict[str, Any]], resumed: list[dict[str, Any]], noise: li
     if noise is None or diff == float("inf"):
         return False, f"max |Δloss| {diff:.3g}" + ("" if noise else ", no repeat run")
     floor = max_diff(losses(full), losses(noise))
-    return diff <= NOISE_FACTOR * floor, (f"not bitwise: max |Δloss| {diff:.3g} vs {floor:.3g} between two "
-                                          f"uninterrupted runs (allowed {NOISE_FACTOR:g}x)")
+    return diff <= NOISE_FACTOR * floor, (
+        f"not bitwise: max |Δloss| {diff:.3g} vs {floor:.3g} between two uninterrupted runs (allowed {NOISE_FACTOR:g}x)"
+    )
 
 
 def resume_check(ctx: Ctx, tag: str, overrides: list[str]) -> None:
@@ -112,36 +134,42 @@ def resume_check(ctx: Ctx, tag: str, overrides: list[str]) -> None:
     full, split, again = root / "full", root / "split", root / "again"
     times = {}
 
-    def run(name: str, run_dir: Path, extra: list[str], env: dict[str, str] | None = None,
-            expect_ok: bool = True) -> subprocess.CompletedProcess[str]:
+    def run(
+        name: str, run_dir: Path, extra: list[str], env: dict[str, str] | None = None, expect_ok: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         t0 = time.monotonic()
         proc = launch(ctx, train_argv(ctx, run_dir, steps, [*overrides, *extra]), env)
         times[name] = time.monotonic() - t0
         if expect_ok and proc.returncode != 0:
-            raise RuntimeError(f"{tag} {name} run failed ({proc.returncode}):\n{proc.stdout[-1500:]}\n"
-                               f"{proc.stderr[-3000:]}")
+            raise RuntimeError(
+                f"{tag} {name} run failed ({proc.returncode}):\n{proc.stdout[-1500:]}\n{proc.stderr[-3000:]}"
+            )
         return proc
 
     first = run("full", full, [])
-    spec = next((line.split(": ", 1)[-1] for line in (first.stdout + first.stderr).splitlines()
-                 if "layer spec" in line), "?")
+    spec = next(
+        (line.split(": ", 1)[-1] for line in (first.stdout + first.stderr).splitlines() if "layer spec" in line), "?"
+    )
     print(f"  spec: {spec}")
     last_step = next((line for line in reversed(first.stdout.splitlines()) if line.startswith("step ")), "")
     print(f"  full:    {steps} steps in {times['full']:.1f} s | {last_step.strip()}")
-    killed = run("killed", split, [f"checkpoint.interval={save_at}"], {FAULT_ENV: f"before_tensors:0:{steps}"},
-                 expect_ok=False)
+    killed = run(
+        "killed", split, [f"checkpoint.interval={save_at}"], {FAULT_ENV: f"before_tensors:0:{steps}"}, expect_ok=False
+    )
     marker = split / "checkpoints" / "latest"
     latest = marker.read_text().strip() if marker.exists() else ""
-    ctx.check(f"{tag}: the run died at its step-{steps} save (SIGKILL) with step_{save_at} committed",
-              killed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) and latest == f"step_{save_at}",
-              f"exit {killed.returncode}, latest {latest or 'none'}")
+    ctx.check(
+        f"{tag}: the run died at its step-{steps} save (SIGKILL) with step_{save_at} committed",
+        killed.returncode in (-signal.SIGKILL, 128 + signal.SIGKILL) and latest == f"step_{save_at}",
+        f"exit {killed.returncode}, latest {latest or 'none'}",
+    )
     resumed = run("resumed", split, [f"checkpoint.interval={save_at}"])
     print(f"  killed at step {steps} in {times['killed']:.1f} s; resumed in {times['resumed']:.1f} s")
-    ctx.check(f"{tag}: the resumed run started from step_{save_at}",
-              f"step_{save_at} (step {save_at}" in resumed.stdout)
+    ctx.check(
+        f"{tag}: the resumed run started from step_{save_at}", f"step_{save_at} (step {save_at}" in resumed.stdout
+    )
     a, b = history(full), history(split)
-    ctx.check(f"{tag}: the resumed history holds steps 1..{steps}",
-              [h["step"] for h in b] == list(range(1, steps + 1)))
+    ctx.check(f"{tag}: the resumed history holds steps 1..{steps}", [h["step"] for h in b] == list(range(1, steps + 1)))
     noise = None
     if a != b:
         run("again", again, [])

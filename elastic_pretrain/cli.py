@@ -65,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # key=value overrides may follow flags (train job.yaml --nproc-per-node 2 train.steps=5)
-    if extra and isinstance(getattr(args, "overrides", None), list) and all(
-        "=" in e and not e.startswith("-") for e in extra
+    if (
+        extra
+        and isinstance(getattr(args, "overrides", None), list)
+        and all("=" in e and not e.startswith("-") for e in extra)
     ):
         args.overrides += extra
     elif extra:

@@ -126,4 +126,4 @@ def splice(page: str) -> str:
     start, end = page.find(BEGIN), page.find(END)
     if start == -1 or end == -1:
         return page.rstrip("\n") + "\n\n" + reference()
-    return page[:start] + reference() + page[end + len(END) + 1:]
+    return page[:start] + reference() + page[end + len(END) + 1 :]

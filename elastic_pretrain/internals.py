@@ -62,76 +62,105 @@ PRIVATE: tuple[Private, ...] = (
     # checkpoint/snapshot.py, checkpoint/manager.py: megatron's async checkpoint writer
     Private(f"{_FS_ASYNC}:_get_write_results_queue", "()", renamed="get_write_results_queue"),
     Private(f"{_FS_ASYNC}:_results_queue"),
-    Private(f"{_FS_ASYNC}:_split_by_size_and_type",
-            "(bins: int, items: List[torch.distributed.checkpoint.planner.WriteItem]) -> "
-            "List[List[torch.distributed.checkpoint.planner.WriteItem]]"),
-    Private(f"{_FS_ASYNC}:_split_by_separation_hint",
-            "(buckets: List[List[torch.distributed.checkpoint.planner.WriteItem]], separation_hint: Optional[str]"
-            " = None) -> Dict[str, List[List[torch.distributed.checkpoint.planner.WriteItem]]]"),
-    Private("megatron.core.dist_checkpointing.strategies.state_dict_saver:_DistWrapper",
-            "(group: torch.distributed.distributed_c10d.ProcessGroup | None, use_dist: bool, coordinator_rank: "
-            "int)"),
+    Private(
+        f"{_FS_ASYNC}:_split_by_size_and_type",
+        "(bins: int, items: List[torch.distributed.checkpoint.planner.WriteItem]) -> "
+        "List[List[torch.distributed.checkpoint.planner.WriteItem]]",
+    ),
+    Private(
+        f"{_FS_ASYNC}:_split_by_separation_hint",
+        "(buckets: List[List[torch.distributed.checkpoint.planner.WriteItem]], separation_hint: Optional[str]"
+        " = None) -> Dict[str, List[List[torch.distributed.checkpoint.planner.WriteItem]]]",
+    ),
+    Private(
+        "megatron.core.dist_checkpointing.strategies.state_dict_saver:_DistWrapper",
+        "(group: torch.distributed.distributed_c10d.ProcessGroup | None, use_dist: bool, coordinator_rank: int)",
+    ),
     # parallel/overlap.py: the bucket groups started by the depth ledger
-    Private("megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup",
-            "(buckets: List[megatron.core.distributed.param_and_grad_buffer._ParamAndGradBucket], ddp_config: "
-            "megatron.core.distributed.distributed_data_parallel_config.DistributedDataParallelConfig, "
-            "collective_group: torch.distributed.distributed_c10d.ProcessGroup, collective_group_size: int)"),
+    Private(
+        "megatron.core.distributed.param_and_grad_buffer:_ParamAndGradBucketGroup",
+        "(buckets: List[megatron.core.distributed.param_and_grad_buffer._ParamAndGradBucket], ddp_config: "
+        "megatron.core.distributed.distributed_data_parallel_config.DistributedDataParallelConfig, "
+        "collective_group: torch.distributed.distributed_c10d.ProcessGroup, collective_group_size: int)",
+    ),
     # parallel/cpu_compat.py: megatron's CUDA RNG tracker, replaced on CPU
     Private(f"{_RANDOM}:_CUDA_RNG_STATE_TRACKER"),
     Private(f"{_RANDOM}:_CUDA_RNG_STATE_TRACKER_INITIALIZED"),
     Private(f"{_RANDOM}:_MODEL_PARALLEL_RNG_TRACKER_NAME"),
-    Private(f"{_RANDOM}:_get_cuda_rng_state",
-            "(device: Union[int, str, torch.device] = 'cuda', clone: bool = False, graph_safe: bool = False) -> "
-            "torch.Tensor"),
+    Private(
+        f"{_RANDOM}:_get_cuda_rng_state",
+        "(device: Union[int, str, torch.device] = 'cuda', clone: bool = False, graph_safe: bool = False) -> "
+        "torch.Tensor",
+    ),
     Private(f"{_RANDOM}:_set_cuda_rng_state", "(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False)"),
     # model/looped.py, model/inference.py: a layer's halves, called pass by pass
-    Private(f"{_LAYER}._forward_attention",
-            "(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, context: "
-            "Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None, rotary_pos_emb: "
-            "Optional[torch.Tensor] = None, rotary_pos_cos: Optional[torch.Tensor] = None, rotary_pos_sin: "
-            "Optional[torch.Tensor] = None, rotary_pos_cos_sin: Optional[torch.Tensor] = None, attention_bias: "
-            "Optional[torch.Tensor] = None, inference_context: Optional[Any] = None, packed_seq_params: "
-            "Optional[megatron.core.packed_seq_params.PackedSeqParams] = None, sequence_len_offset: "
-            "Optional[torch.Tensor] = None, padding_mask: Optional[torch.Tensor] = None, *, inference_params: "
-            "Optional[Any] = None)"),
+    Private(
+        f"{_LAYER}._forward_attention",
+        "(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, context: "
+        "Optional[torch.Tensor] = None, context_mask: Optional[torch.Tensor] = None, rotary_pos_emb: "
+        "Optional[torch.Tensor] = None, rotary_pos_cos: Optional[torch.Tensor] = None, rotary_pos_sin: "
+        "Optional[torch.Tensor] = None, rotary_pos_cos_sin: Optional[torch.Tensor] = None, attention_bias: "
+        "Optional[torch.Tensor] = None, inference_context: Optional[Any] = None, packed_seq_params: "
+        "Optional[megatron.core.packed_seq_params.PackedSeqParams] = None, sequence_len_offset: "
+        "Optional[torch.Tensor] = None, padding_mask: Optional[torch.Tensor] = None, *, inference_params: "
+        "Optional[Any] = None)",
+    ),
     Private(f"{_LAYER}._forward_pre_mlp_layernorm", "(self, hidden_states)"),
     Private(f"{_LAYER}._forward_mlp", "(self, hidden_states, inference_context=None, padding_mask=None)"),
     Private(f"{_LAYER}._forward_post_mlp", "(self, mlp_output_with_bias, residual)"),
     # model/replay_dispatch.py: the router's aux losses on replayed routes
-    Private(f"{_ROUTER}._apply_aux_loss",
-            "(self, probs: torch.Tensor, scores_for_aux_loss: torch.Tensor, routing_map: torch.Tensor, "
-            "with_padding_mask: bool = False)"),
-    Private(f"{_ROUTER}._apply_seq_aux_loss",
-            "(self, probs: torch.Tensor, scores_for_aux_loss: torch.Tensor, routing_map: torch.Tensor, "
-            "seq_length: int, bsz: int, with_padding_mask: bool = False)"),
-    Private(f"{_ROUTER}._apply_global_aux_loss",
-            "(self, probs: torch.Tensor, scores_for_aux_loss: torch.Tensor, routing_map: torch.Tensor, "
-            "with_padding_mask: bool = False)"),
-    Private(f"{_DISPATCHER}._maybe_dtoh_and_synchronize",
-            "(self, point: str, tokens_per_expert: Optional[torch.Tensor] = None) -> torch.Tensor"),
+    Private(
+        f"{_ROUTER}._apply_aux_loss",
+        "(self, probs: torch.Tensor, scores_for_aux_loss: torch.Tensor, routing_map: torch.Tensor, "
+        "with_padding_mask: bool = False)",
+    ),
+    Private(
+        f"{_ROUTER}._apply_seq_aux_loss",
+        "(self, probs: torch.Tensor, scores_for_aux_loss: torch.Tensor, routing_map: torch.Tensor, "
+        "seq_length: int, bsz: int, with_padding_mask: bool = False)",
+    ),
+    Private(
+        f"{_ROUTER}._apply_global_aux_loss",
+        "(self, probs: torch.Tensor, scores_for_aux_loss: torch.Tensor, routing_map: torch.Tensor, "
+        "with_padding_mask: bool = False)",
+    ),
+    Private(
+        f"{_DISPATCHER}._maybe_dtoh_and_synchronize",
+        "(self, point: str, tokens_per_expert: Optional[torch.Tensor] = None) -> torch.Tensor",
+    ),
     # checkpoint/optim_state.py, train/session.py: the distributed optimizer's shard of each parameter
     Private(f"{_DIST_OPT}._get_model_param_range_map", "(self, param: torch.nn.parameter.Parameter)"),
     # torch
     Private("torch._C:_current_graph_task_id"),  # parallel/overlap.py: inside a backward?
-    Private(f"{_DCP_FS}:_StorageInfo",
-            "(relative_path: str, offset: int, length: int, transform_descriptors: collections.abc.Sequence[str] "
-            "| None = None) -> None"),
-    Private(f"{_DCP_FS}:_write_item",
-            "(transforms: torch.distributed.checkpoint.filesystem._StorageWriterTransforms, stream: io.IOBase, "
-            "data: _io.BytesIO | torch.Tensor, write_item: torch.distributed.checkpoint.planner.WriteItem, "
-            "storage_key: str, serialization_format: torch.distributed.checkpoint.filesystem.SerializationFormat)"
-            " -> torch.distributed.checkpoint.storage.WriteResult"),
-    Private("torch.utils._pytree:tree_flatten",
-            "(tree: Any, is_leaf: collections.abc.Callable[[typing.Any], bool] | None = None) -> "
-            "tuple[list[typing.Any], torch.utils._pytree.TreeSpec]"),
+    Private(
+        f"{_DCP_FS}:_StorageInfo",
+        "(relative_path: str, offset: int, length: int, transform_descriptors: collections.abc.Sequence[str] "
+        "| None = None) -> None",
+    ),
+    Private(
+        f"{_DCP_FS}:_write_item",
+        "(transforms: torch.distributed.checkpoint.filesystem._StorageWriterTransforms, stream: io.IOBase, "
+        "data: _io.BytesIO | torch.Tensor, write_item: torch.distributed.checkpoint.planner.WriteItem, "
+        "storage_key: str, serialization_format: torch.distributed.checkpoint.filesystem.SerializationFormat)"
+        " -> torch.distributed.checkpoint.storage.WriteResult",
+    ),
+    Private(
+        "torch.utils._pytree:tree_flatten",
+        "(tree: Any, is_leaf: collections.abc.Callable[[typing.Any], bool] | None = None) -> "
+        "tuple[list[typing.Any], torch.utils._pytree.TreeSpec]",
+    ),
     Private("torch.nn.modules.module:Module._forward_hooks", instance=True),  # model/replay_dispatch.py
     Private("torch.nn.modules.module:Module._forward_pre_hooks", instance=True),
     Private("torch:Tensor._base"),  # checkpoint/optim_state.py: is a view of the probe?
     # DeepSpeed (engine/)
-    Private(f"{_ZERO_TO_FP32}:_zero2_merge_trainable_params",
-            "(state_dict, world_size, fp32_flat_groups, zero_model_states, param_alignment_paddings=None)"),
-    Private(f"{_ZERO_TO_FP32}:_zero3_merge_trainable_params",
-            "(state_dict, world_size, fp32_flat_groups, zero_model_states)"),
+    Private(
+        f"{_ZERO_TO_FP32}:_zero2_merge_trainable_params",
+        "(state_dict, world_size, fp32_flat_groups, zero_model_states, param_alignment_paddings=None)",
+    ),
+    Private(
+        f"{_ZERO_TO_FP32}:_zero3_merge_trainable_params",
+        "(state_dict, world_size, fp32_flat_groups, zero_model_states)",
+    ),
     Private(f"{_ENGINE}._backward_prologue", "(self)"),
     Private(f"{_ENGINE}._backward_prologue_per_tensor", "(self, grad)"),
     Private(f"{_ZERO}._lazy_init_hp_params_optimizer_state", "(self)"),

@@ -57,11 +57,14 @@ class JobConfig:
         check_engine(self)  # first: under engine=deepspeed a model-parallel mesh is the mistake to name
         if self.engine != "megatron" and self.parallel.grad_reduce == "overlap":
             also = " parallel.param_gather=after_step" if self.parallel.param_gather == "overlap" else ""
-            raise ConfigError(f"parallel.grad_reduce=overlap drives megatron's gradient buckets: use engine=megatron "
-                              f"or parallel.grad_reduce=after_backward{also} "
-                              f"(engine={self.engine} has its own overlap)")
-        self.schedule.validate_for(self.model.max_loops, loop_conditioning=self.model.loop_conditioning,
-                                   layers=self.model.core_layers_built)
+            raise ConfigError(
+                f"parallel.grad_reduce=overlap drives megatron's gradient buckets: use engine=megatron "
+                f"or parallel.grad_reduce=after_backward{also} "
+                f"(engine={self.engine} has its own overlap)"
+            )
+        self.schedule.validate_for(
+            self.model.max_loops, loop_conditioning=self.model.loop_conditioning, layers=self.model.core_layers_built
+        )
         if self.schedule.exit_axis == "layer":
             self._check_layer_axis()
         self.model.check_pipeline(self.parallel.pipeline)  # before any process starts (the CLI validates jobs)
@@ -75,8 +78,12 @@ class JobConfig:
                 "parallel.pipeline=1, no decider, a sampler other than telescopic/fixed_exits, "
                 "or model.kv_training=same_pass"
             )
-        if (self.model.edge_mlp == "moe" and self.parallel.pipeline > 1 and self.parallel.expert > 1
-                and self.schedule.sampler == "telescopic"):
+        if (
+            self.model.edge_mlp == "moe"
+            and self.parallel.pipeline > 1
+            and self.parallel.expert > 1
+            and self.schedule.sampler == "telescopic"
+        ):
             # the pipeline computes an extra exit's coda in the chunk of its pass (parallel/pipeline.py _ChunkForward);
             # members of an expert-parallel group draw their own exits, so one member's coda all-to-all would pair
             # with its partner's core-layer call (issue 30, item 4: model/looped.py defers the heads; chunks cannot)
@@ -116,13 +123,17 @@ class JobConfig:
         fixes = {
             "parallel.pipeline": (self.parallel.pipeline > 1, "parallel.pipeline=1"),
             "train.recompute": (self.train.recompute == "pass", "train.recompute=selective (or none)"),
-            "model.kv_training": (self.model.kv_training == "last_loop", "model.kv_training=same_pass (the same "
-                                  "thing with one loop)"),
+            "model.kv_training": (
+                self.model.kv_training == "last_loop",
+                "model.kv_training=same_pass (the same thing with one loop)",
+            ),
         }
         for key, (bad, fix) in fixes.items():
             if bad:
-                raise ConfigError(f"{key}={_get(self, key)} does not run with schedule.exit_axis=layer "
-                                  f"(every layer exit is read out of one pass): set {fix}, or exit_axis=loop")
+                raise ConfigError(
+                    f"{key}={_get(self, key)} does not run with schedule.exit_axis=layer "
+                    f"(every layer exit is read out of one pass): set {fix}, or exit_axis=loop"
+                )
 
     @property
     def exit_depths(self) -> int:
@@ -188,8 +199,10 @@ def shape_refusal(ckpt: Path, saved: dict[str, Any], job: JobConfig) -> str | No
     changes = shape_changes(saved, job) + decider_changes(saved, job)
     if not changes:
         return None
-    return (f"cannot resume from {ckpt}: the model shape changed ({'; '.join(changes)}); restore those values, "
-            "or start a new run: another name (name=NEW) or --run-dir runs/NEW")
+    return (
+        f"cannot resume from {ckpt}: the model shape changed ({'; '.join(changes)}); restore those values, "
+        "or start a new run: another name (name=NEW) or --run-dir runs/NEW"
+    )
 
 
 def decider_changes(saved: dict[str, Any], job: JobConfig) -> list[str]:

@@ -105,14 +105,20 @@ class ScheduleConfig:
         if self.telescopic_weights and len(self.telescopic_weights) != len(self.telescopic_depths):
             raise ConfigError("telescopic_weights: give one weight per entry of telescopic_depths")
         if self.telescopic_draws < 1 or (self.telescopic_draws != 1 and self.sampler != "telescopic"):
-            raise ConfigError(f"schedule.telescopic_draws: {self.telescopic_draws} must be >= 1 and applies to "
-                              "sampler telescopic only: remove it or set sampler: telescopic")
+            raise ConfigError(
+                f"schedule.telescopic_draws: {self.telescopic_draws} must be >= 1 and applies to "
+                "sampler telescopic only: remove it or set sampler: telescopic"
+            )
         if self.depth_group != "replica" and self.sampler != "independent_rank":
-            raise ConfigError(f"schedule.depth_group: {self.depth_group} applies to sampler independent_rank only "
-                              f"(got {self.sampler}); remove depth_group or set sampler: independent_rank")
+            raise ConfigError(
+                f"schedule.depth_group: {self.depth_group} applies to sampler independent_rank only "
+                f"(got {self.sampler}); remove depth_group or set sampler: independent_rank"
+            )
         if self.balance != "off" and self.sampler != "independent_rank":
-            raise ConfigError(f"schedule.balance: {self.balance} applies to sampler independent_rank only "
-                              f"(got {self.sampler}); remove balance or set sampler: independent_rank")
+            raise ConfigError(
+                f"schedule.balance: {self.balance} applies to sampler independent_rank only "
+                f"(got {self.sampler}); remove balance or set sampler: independent_rank"
+            )
         if self.sampler == "fixed_exits" and not self.exits:
             raise ConfigError("exits: fixed_exits needs the list of supervised exits, e.g. exits: [1, 2, 4]")
         if self.fixed_loops is None and self.sampler in MIXED_SAMPLERS and 0.0 < self.switch_at < 1.0:
@@ -148,8 +154,10 @@ class ScheduleConfig:
         top, unit = (layers or 0, "core layers") if self.exit_axis == "layer" else (max_loops, "loop counts")
         bad = [d for d in self.telescopic_depths + self.exits if not 1 <= d <= top]
         if bad:
-            raise ConfigError(f"schedule: exit/depth {bad[0]} is outside [1, {top}] (exit_axis: {self.exit_axis} "
-                              f"counts {unit}): pick exits in that range")
+            raise ConfigError(
+                f"schedule: exit/depth {bad[0]} is outside [1, {top}] (exit_axis: {self.exit_axis} "
+                f"counts {unit}): pick exits in that range"
+            )
         if self.sampler == "telescopic":
             anchor = top if self.exit_axis == "layer" else (self.loops or max_loops)
             have = len(self.telescopic_candidates(anchor))
@@ -228,8 +236,9 @@ class ExpertLayout:
 class ScheduleController:
     """Owns depth: phase, switch, per-micro-batch plans. Checkpointable via ``state_dict``."""
 
-    def __init__(self, cfg: ScheduleConfig, *, max_loops: int, total_tokens: int, seed: int,
-                 layers: int | None = None) -> None:
+    def __init__(
+        self, cfg: ScheduleConfig, *, max_loops: int, total_tokens: int, seed: int, layers: int | None = None
+    ) -> None:
         cfg.validate_for(max_loops, layers=layers)
         self.cfg = cfg
         self.max_loops = max_loops
@@ -298,8 +307,9 @@ class ScheduleController:
             exits = tuple(sorted(set(self.cfg.exits)))
         return DepthPlan(1, exits, group_loops=1, axis="layer")
 
-    def step_plans(self, *, step: int, micro_batches: int, replica: int,
-                   layout: ExpertLayout | None = None) -> list[tuple[int, DepthPlan]]:
+    def step_plans(
+        self, *, step: int, micro_batches: int, replica: int, layout: ExpertLayout | None = None
+    ) -> list[tuple[int, DepthPlan]]:
         """This replica's (micro-batch index, plan) pairs of ``step``, in the order to run them.
 
         Each plan carries ``group_loops``, the EP group's maximum ℓ, computed here from the other
@@ -330,8 +340,9 @@ class ScheduleController:
         """Compute-balanced mixed depth: replicas run :meth:`balanced_plans` (slots of the global batch)."""
         return self.cfg.balance == "compute"
 
-    def balanced_plans(self, *, step: int, micro_batches: int, replica: int, replicas: int,
-                       layout: ExpertLayout | None = None) -> list[tuple[int, DepthPlan]]:
+    def balanced_plans(
+        self, *, step: int, micro_batches: int, replica: int, replicas: int, layout: ExpertLayout | None = None
+    ) -> list[tuple[int, DepthPlan]]:
         """Compute-balanced mixed depth: this replica's (global micro-batch slot, plan) pairs of ``step``.
 
         The step's global batch is ``micro_batches × replicas`` micro-batches ("slots", the data loader's
@@ -397,8 +408,12 @@ class ScheduleController:
 
     # --- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        return {"phase": self.phase, "switch_step": self.switch_step, "seed": self.seed,
-                "total_tokens": self.total_tokens}
+        return {
+            "phase": self.phase,
+            "switch_step": self.switch_step,
+            "seed": self.seed,
+            "total_tokens": self.total_tokens,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """The checkpoint's phase, and its ``total_tokens``: the switch point (``switch_at`` of them) belongs to
@@ -416,8 +431,11 @@ class ScheduleController:
         state = mapping(state, "controller")
         phase: Literal["fixed", "mixed"] = choice(state, "phase", "controller", ("fixed", "mixed"))
         # fixed: the switch has not happened yet
-        switch = choice(state, "switch_step", "controller", (None,)) if phase == "fixed" else count(
-            state, "switch_step", "controller")
+        switch = (
+            choice(state, "switch_step", "controller", (None,))
+            if phase == "fixed"
+            else count(state, "switch_step", "controller")
+        )
         seed = count(state, "seed", "controller", high=INT_LIMIT)  # numpy's SeedSequence: non-negative
         # the run's token horizon (the switch point's base); absent in checkpoints written before issue 33
         total = count(state, "total_tokens", "controller", low=1) if "total_tokens" in state else None

@@ -74,14 +74,28 @@ def mesh1():
     teardown()
 
 
-def torchrun(script: Path, *args: str, nproc: int = 2, timeout: int = 300, env: dict[str, str] | None = None,
-             cwd: Path = REPO) -> subprocess.CompletedProcess[str]:
+def torchrun(
+    script: Path, *args: str, nproc: int = 2, timeout: int = 300, env: dict[str, str] | None = None, cwd: Path = REPO
+) -> subprocess.CompletedProcess[str]:
     """Run ``script`` under torchrun with ``nproc`` CPU ranks; raise with the output if it fails."""
-    cmd = [str(VENV_BIN / "torchrun"), "--nproc-per-node", str(nproc), "--master-port", "0",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", str(script), *args]
+    cmd = [
+        str(VENV_BIN / "torchrun"),
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        "0",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:0",
+        str(script),
+        *args,
+    ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise AssertionError(f"torchrun {script.name} {' '.join(args)} failed ({proc.returncode}):\n"
-                             f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"torchrun {script.name} {' '.join(args)} failed ({proc.returncode}):\n"
+            f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+        )
     return proc

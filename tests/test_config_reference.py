@@ -19,7 +19,7 @@ def test_the_page_holds_the_generated_reference():
     assert splice(page) == page, (
         "docs/configuration.md's reference is stale: regenerate it with "
         "`python -c 'from pathlib import Path; from elastic_pretrain.config_reference import splice; "
-        "p = Path(\"docs/configuration.md\"); p.write_text(splice(p.read_text()))'`"
+        'p = Path("docs/configuration.md"); p.write_text(splice(p.read_text()))\'`'
     )
 
 

@@ -62,7 +62,11 @@ def test_numerics_hold_under_another_vector_path(capability):
     env = dict(os.environ, ATEN_CPU_CAPABILITY=capability, OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow and not gpu", *NUMERICS],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
     assert proc.returncode == 0, f"ATEN_CPU_CAPABILITY={capability}:\n{tail}"

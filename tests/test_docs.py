@@ -243,9 +243,11 @@ def test_named_markers_are_registered() -> None:
 def test_marker_scan_sees_markers_and_claims() -> None:
     """The patterns above on sample sentences (so that an empty scan cannot pass unnoticed)."""
     doc = REPO / "docs" / "example.md"
-    text = ("Run `pytest -m \"not slow\"`; the test marker `slurm` needs a cluster; `gpu` pytest markers skip;\n"
-            "the `FINISHED` marker is a file;\n"
-            "`tests/slurm/test_real_trainer.py` marks its preemption test `xfail(strict=True)` until then.")
+    text = (
+        'Run `pytest -m "not slow"`; the test marker `slurm` needs a cluster; `gpu` pytest markers skip;\n'
+        "the `FINISHED` marker is a file;\n"
+        "`tests/slurm/test_real_trainer.py` marks its preemption test `xfail(strict=True)` until then."
+    )
     marks = {m.group(1) for pattern in _MARKS for m in pattern.finditer(text)}
     assert marks == {"slow", "slurm", "gpu"}
     claims = [(m.group(1), m.group(2)) for m in _MARK_CLAIM.finditer(" ".join(text.split()))]

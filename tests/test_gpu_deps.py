@@ -30,9 +30,10 @@ def test_the_wheel_list_covers_what_the_gpu_image_lacks():
     assert not set(wheels) & gpu_deps.image_packages(), "a wheel for what the image has would replace its version"
 
 
-@pytest.mark.parametrize(("dropped", "required_by"), [("megatron-core", "the project"),
-                                                      ("cramjam", "python-snappy"),
-                                                      ("braceexpand", "webdataset")])
+@pytest.mark.parametrize(
+    ("dropped", "required_by"),
+    [("megatron-core", "the project"), ("cramjam", "python-snappy"), ("braceexpand", "webdataset")],
+)
 def test_a_requirement_left_out_of_the_list_is_named(monkeypatch, dropped, required_by):
     full = gpu_deps.wheel_list()
     monkeypatch.setattr(gpu_deps, "wheel_list", lambda path=None: {k: v for k, v in full.items() if k != dropped})
@@ -57,11 +58,19 @@ def test_pip_download_arguments_target_the_gpu_machines_python():
 def _wheel(folder: Path, name: str, version: str, module: str) -> Path:
     """A minimal pure-Python wheel (what pip needs: the module, METADATA, WHEEL, RECORD)."""
     info = f"{name}-{version}.dist-info"
-    files = {f"{module}.py": b"VALUE = 42\n",
-             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
-             f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
-    record = "".join(f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
-                     f"{len(data)}\n" for path, data in files.items()) + f"{info}/RECORD,,\n"
+    files = {
+        f"{module}.py": b"VALUE = 42\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode(),
+        f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = (
+        "".join(
+            f"{path},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
+            f"{len(data)}\n"
+            for path, data in files.items()
+        )
+        + f"{info}/RECORD,,\n"
+    )
     path = folder / f"{name}-{version}-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as z:
         for p, data in {**files, f"{info}/RECORD": record.encode()}.items():
@@ -74,23 +83,35 @@ def test_install_puts_the_wheels_on_a_target_offline(tmp_path: Path):
     wheels.mkdir()
     _wheel(wheels, "gpu_deps_probe", "1.0", "gpu_deps_probe")
     env = {**os.environ, "GPU_WHEELS": str(wheels), "PYTHON": str(VENV_BIN / "python")}
-    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_deps.sh"), "install", str(tmp_path / "site")],
-                          capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        ["bash", str(REPO / "bench" / "gpu_deps.sh"), "install", str(tmp_path / "site")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     site = proc.stdout.strip().splitlines()[-1]
     assert site == str(tmp_path / "site")
-    probe = subprocess.run([sys.executable, "-c", "import gpu_deps_probe; print(gpu_deps_probe.VALUE)"],
-                           env={**os.environ, "PYTHONPATH": site}, capture_output=True, text=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import gpu_deps_probe; print(gpu_deps_probe.VALUE)"],
+        env={**os.environ, "PYTHONPATH": site},
+        capture_output=True,
+        text=True,
+    )
     assert probe.stdout.strip() == "42"
 
 
 def test_install_without_wheels_says_how_to_get_them(tmp_path: Path):
     env = {**os.environ, "GPU_WHEELS": str(tmp_path), "PYTHON": str(VENV_BIN / "python")}
-    proc = subprocess.run(["bash", str(REPO / "bench" / "gpu_deps.sh"), "install"], capture_output=True, text=True,
-                          env=env, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(REPO / "bench" / "gpu_deps.sh"), "install"], capture_output=True, text=True, env=env, timeout=60
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == ("gpu_deps: no wheels in bench/.wheels: run 'bash bench/gpu_deps.sh download' on a "
-                                   "machine with network and carry bench/.wheels with the checkout")
+    assert proc.stderr.strip() == (
+        "gpu_deps: no wheels in bench/.wheels: run 'bash bench/gpu_deps.sh download' on a "
+        "machine with network and carry bench/.wheels with the checkout"
+    )
 
 
 # torchvision is on the GPU image, built for its torch; the one in this venv is a CUDA build beside a CPU torch that
@@ -100,15 +121,25 @@ BROKEN_HERE = frozenset({"torchvision"})
 
 def image_python(site: Path, code: str, *, timeout: int) -> subprocess.CompletedProcess[str]:
     """``code`` in an interpreter that sees the standard library, the checkout and ``site`` only (``-S``)."""
-    return subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1",
-                                                "MLFLOW_DISABLE_TELEMETRY": "true",
-                                                "PYTHONPATH": f"{REPO}{os.pathsep}{site}"})
+    return subprocess.run(
+        [sys.executable, "-S", "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={
+            "PATH": "/usr/bin:/bin",
+            "OMP_NUM_THREADS": "1",
+            "MLFLOW_DISABLE_TELEMETRY": "true",
+            "PYTHONPATH": f"{REPO}{os.pathsep}{site}",
+        },
+    )
 
 
 def test_a_distribution_outside_the_image_and_the_wheels_is_absent(tmp_path: Path):
-    code = ("import importlib.util as u; "
-            "print([u.find_spec(m) is not None for m in ('streaming', 'megatron', 'mlflow')])")
+    code = (
+        "import importlib.util as u; print([u.find_spec(m) is not None for m in ('streaming', 'megatron', 'mlflow')])"
+    )
     ok = image_python(gpu_deps.image_site(tmp_path / "all", BROKEN_HERE), code, timeout=60)
     assert ok.stdout.strip() == "[True, True, False]", ok.stderr  # mlflow: not carried, so not there
     less = gpu_deps.image_site(tmp_path / "less", BROKEN_HERE | {"mosaicml-streaming"})
@@ -120,12 +151,19 @@ def test_a_distribution_outside_the_image_and_the_wheels_is_absent(tmp_path: Pat
 def test_the_trainer_runs_with_the_image_and_the_wheels_alone(tmp_path: Path):
     """Two steps of the tiny job, a checkpoint save and the final evaluation, importing only what the GPU
     machine has: every import the GPU check's trainer section makes is satisfied there."""
-    subprocess.run([str(VENV_BIN / "elastic-pretrain"), "prepare-data", "stdlib-code"], cwd=REPO, check=True,
-                   capture_output=True, timeout=300)
-    code = ("import sys\nfrom elastic_pretrain.cli import main\n"
-            f"sys.exit(main(['train', 'jobs/tiny-cpu.yaml', '--run-dir', {str(tmp_path / 'run')!r}, "
-            "'parallel=single', 'train.steps=2', 'train.warmup_steps=0', 'train.eval_sequences=4', "
-            "'train.eval_interval=0', 'tracking.backend=none']))")
+    subprocess.run(
+        [str(VENV_BIN / "elastic-pretrain"), "prepare-data", "stdlib-code"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    code = (
+        "import sys\nfrom elastic_pretrain.cli import main\n"
+        f"sys.exit(main(['train', 'jobs/tiny-cpu.yaml', '--run-dir', {str(tmp_path / 'run')!r}, "
+        "'parallel=single', 'train.steps=2', 'train.warmup_steps=0', 'train.eval_sequences=4', "
+        "'train.eval_interval=0', 'tracking.backend=none']))"
+    )
     proc = image_python(gpu_deps.image_site(tmp_path / "site", BROKEN_HERE), code, timeout=280)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "trained 2 steps" in proc.stdout and "checkpoint step 2 committed" in proc.stdout

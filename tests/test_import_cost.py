@@ -29,8 +29,14 @@ def _run(code: str, tmp_path: Path) -> dict[str, list[str]]:
     """)
     env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OMP_NUM_THREADS": "1",
            "TMPDIR": str(tmp_path)}  # fmt: skip
-    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", script], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=540, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-W", "ignore", "-c", script],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=540,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -38,7 +44,8 @@ def _run(code: str, tmp_path: Path) -> dict[str, list[str]]:
 def test_a_training_rank_writes_and_reads_mds_shards_without_transformers(tmp_path):
     """The CLI, the trainer and evaluation modules, then an MDS shard written and read back through the
     project's own paths (``MDSSink``, streaming's reader): none of the heavy packages gets imported."""
-    report = _run(f"""
+    report = _run(
+        f"""
         import json
         from pathlib import Path
         import numpy as np
@@ -53,7 +60,9 @@ def test_a_training_rank_writes_and_reads_mds_shards_without_transformers(tmp_pa
         entry = json.loads(open({str(tmp_path / "mds")!r} + "/" + MDS_INDEX).read())["shards"][1]
         row = reader_from_json({str(tmp_path / "mds")!r}, "", entry).get_item(0)["tokens"]
         found = [len(shards), row.tolist()]
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert report["found"] == [2, [10, 11, 12, 13, 14]]  # the third row, in the second shard
     assert report["loaded"] == [], f"a training rank imports {report['loaded']}: make the import lazy"
 
@@ -61,7 +70,8 @@ def test_a_training_rank_writes_and_reads_mds_shards_without_transformers(tmp_pa
 def test_the_whole_streaming_package_is_still_there_after_a_lean_import(tmp_path):
     """A deferred ``streaming`` package runs its ``__init__`` at the first package-level name, so code
     that uses ``streaming.StreamingDataset`` (bench/bench_loader.py, a user's script) keeps working."""
-    report = _run("""
+    report = _run(
+        """
         from elastic_pretrain.data.streaming_compat import import_streaming, import_streaming_lean
         import_streaming_lean()
         import streaming.base.format  # noqa: F401
@@ -71,6 +81,8 @@ def test_the_whole_streaming_package_is_still_there_after_a_lean_import(tmp_path
         import streaming.base
         found = [lean, StreamingDataset.__module__, MDSWriter.__module__,
                  streaming.base.StreamingDataLoader.__module__, import_streaming().Stream.__module__]
-    """, tmp_path)
+    """,
+        tmp_path,
+    )
     assert report["found"] == [False, "streaming.base.dataset", "streaming.base.format.mds.writer",
                                "streaming.base.dataloader", "streaming.base.stream"]  # fmt: skip

@@ -140,7 +140,7 @@ def path_within(graph: dict[str, set[str]], scc: list[str]) -> list[str]:
         nxt = sorted(w for w in graph[trail[-1]] if w in members)
         back = [w for w in nxt if w in trail]
         if back:
-            return [*trail[trail.index(back[0]):], back[0]]
+            return [*trail[trail.index(back[0]) :], back[0]]
         fresh = [w for w in nxt if w not in seen]
         trail.append(fresh[0])
         seen.add(fresh[0])
@@ -169,8 +169,9 @@ def node(module: str) -> str:
 def against_order(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
     """Every (importer, imported) module pair whose nodes differ and whose imported node is not below."""
     rank = {name: i for i, layer in enumerate(LAYERS) for name in layer}
-    return sorted((a, b) for a, deps in graph.items() for b in deps
-                  if node(a) != node(b) and rank[node(b)] >= rank[node(a)])
+    return sorted(
+        (a, b) for a, deps in graph.items() for b in deps if node(a) != node(b) and rank[node(b)] >= rank[node(a)]
+    )
 
 
 def test_no_import_cycles():
@@ -195,17 +196,23 @@ def test_no_import_against_the_declared_order():
     stale = sorted(set(ALLOWED) - set(found))
     assert not stale, f"{stale} no longer import against the order: delete them from ALLOWED"
     bad = [f"{a} ({node(a)}) imports {b} ({node(b)})" for a, b in found if (a, b) not in ALLOWED]
-    assert not bad, ("imports against the declared order (tests/test_imports.py LAYERS, docs/architecture.md): "
-                     "move the code to the layer that owns it\n" + "\n".join(bad))
+    assert not bad, (
+        "imports against the declared order (tests/test_imports.py LAYERS, docs/architecture.md): "
+        "move the code to the layer that owns it\n" + "\n".join(bad)
+    )
 
 
 def test_the_order_check_sees_siblings_and_upward_imports():
     """The checker itself, on a made-up graph: a sibling import and an upward one are found, a downward one is not."""
-    graph = {"elastic_pretrain.model.looped": {"elastic_pretrain.data.loader", "elastic_pretrain.config"},
-             "elastic_pretrain.parallel.mesh": {"elastic_pretrain.train.step", "elastic_pretrain.model.looped"},
-             "elastic_pretrain.job": {"elastic_pretrain.train.config"}}
-    assert against_order(graph) == [("elastic_pretrain.model.looped", "elastic_pretrain.data.loader"),
-                                    ("elastic_pretrain.parallel.mesh", "elastic_pretrain.train.step")]
+    graph = {
+        "elastic_pretrain.model.looped": {"elastic_pretrain.data.loader", "elastic_pretrain.config"},
+        "elastic_pretrain.parallel.mesh": {"elastic_pretrain.train.step", "elastic_pretrain.model.looped"},
+        "elastic_pretrain.job": {"elastic_pretrain.train.config"},
+    }
+    assert against_order(graph) == [
+        ("elastic_pretrain.model.looped", "elastic_pretrain.data.loader"),
+        ("elastic_pretrain.parallel.mesh", "elastic_pretrain.train.step"),
+    ]
     assert node("elastic_pretrain") == "_import_hooks" and node("elastic_pretrain.eval.commands") == "*/commands"
 
 
@@ -214,6 +221,7 @@ def test_docs_architecture_draws_the_declared_order():
     text = (ROOT.parent / "docs" / "architecture.md").read_text()
     picture = text.split("```mermaid\n", 1)[1].split("```", 1)[0]
     rows = re.findall(r'^\s*L\d+\["([^"]*)"\]', picture, flags=re.M)
-    drawn = tuple(tuple(name.strip().removesuffix(".py").removesuffix("/") for name in row.split("·"))
-                  for row in reversed(rows))
+    drawn = tuple(
+        tuple(name.strip().removesuffix(".py").removesuffix("/") for name in row.split("·")) for row in reversed(rows)
+    )
     assert drawn == LAYERS, f"docs/architecture.md draws {drawn}, tests/test_imports.py declares {LAYERS}"

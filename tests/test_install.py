@@ -45,8 +45,12 @@ def version_grid() -> list[Version]:
     """Releases, pre-releases and local builds around every version these packages use."""
     grid = []
     for major, minor, patch in itertools.product(range(0, 4), range(0, 20), range(0, 3)):
-        grid += [Version(f"{major}.{minor}.{patch}"), Version(f"{major}.{minor}.{patch}rc1"),
-                 Version(f"{major}.{minor}.{patch}a0"), Version(f"{major}.{minor}.{patch}+local")]
+        grid += [
+            Version(f"{major}.{minor}.{patch}"),
+            Version(f"{major}.{minor}.{patch}rc1"),
+            Version(f"{major}.{minor}.{patch}a0"),
+            Version(f"{major}.{minor}.{patch}+local"),
+        ]
     return grid
 
 

@@ -68,8 +68,12 @@ def test_the_walker_sees_lazy_relative_and_from_package_imports(tmp_path: Path) 
         "    from elastic_pretrain.data import commands as c\n"
     )
     got = imported(path, tmp_path)
-    assert {"elastic_pretrain.rundir", "elastic_pretrain.eval.commands", "elastic_pretrain.train.commands",
-            "elastic_pretrain.data.commands"} <= got, got
+    assert {
+        "elastic_pretrain.rundir",
+        "elastic_pretrain.eval.commands",
+        "elastic_pretrain.train.commands",
+        "elastic_pretrain.data.commands",
+    } <= got, got
 
 
 def test_the_run_directory_page_names_every_file_of_the_contract() -> None:
@@ -83,7 +87,10 @@ def test_the_run_directory_page_names_every_file_of_the_contract() -> None:
               if isinstance(getattr(CheckpointFiles, p), property) and isinstance(getattr(ckpt, p), Path)]  # fmt: skip
     paths.append(ckpt.rng(0))
     names = {
-        p.relative_to(p.parts[0]).as_posix().replace("rank_00000", "rank_<R>").replace("rank_0", "rank_<R>")
+        p.relative_to(p.parts[0])
+        .as_posix()
+        .replace("rank_00000", "rank_<R>")
+        .replace("rank_0", "rank_<R>")
         .replace("step_1", "step_<N>")
         for p in paths
         if p.parts[0] in ("R", "C") and len(p.parts) > 1

@@ -127,11 +127,13 @@ def test_every_private_name_the_package_uses_is_listed() -> None:
     untyped = [f"{locs[0]}: .{name}" for (kind, name), locs in uses.items()
                if kind == "object" and name not in on_classes and name not in NOT_A_LIBRARY]  # fmt: skip
     assert not unlisted, "private library names missing from elastic_pretrain/internals.py PRIVATE: " + "; ".join(
-        unlisted)
+        unlisted
+    )
     assert not untyped, ("private attributes of untyped objects: list the library's in internals.PRIVATE, "
                          "or say whose they are in NOT_A_LIBRARY here: " + "; ".join(untyped))  # fmt: skip
     used = {name for kind, name in uses if kind == "library"} | {
-        on_classes[name].dotted for kind, name in uses if kind == "object" and name in on_classes}
+        on_classes[name].dotted for kind, name in uses if kind == "object" and name in on_classes
+    }
     assert sorted(listed - used) == [], "listed in internals.PRIVATE but no longer used: remove them"
 
 
@@ -153,12 +155,13 @@ def test_every_listed_name_exists_with_its_recorded_signature() -> None:
         if sig != e.signature:
             problems.append(f"{e.dotted} in {lib}: {sig} (recorded: {e.signature})")
     assert not problems, "private names changed (update the code that uses them, then internals.PRIVATE): " + (
-        "; ".join(problems))
+        "; ".join(problems)
+    )
 
 
 def test_the_scanner_finds_each_kind_of_use() -> None:
     """Without this, the tests above could pass by finding nothing."""
-    source = '''
+    source = """
 import torch._C as c
 import megatron.core.x as mx
 from megatron.core.y import _private, public
@@ -175,7 +178,7 @@ def f(layer, self_like):
     layer._forward_mlp(1)
     self.helper._inner()
     self._own()
-'''
+"""
     found = sorted((kind, name) for kind, name, _ in private_uses(source, "m.py"))
     assert found == [("library", "deepspeed.utils.zero_to_fp32._merge"), ("library", "megatron.core.x.Cls._method"),
                      ("library", "megatron.core.x._glob"), ("library", "megatron.core.y._private"),
@@ -202,8 +205,9 @@ def fresh_require() -> Iterator[None]:
     internals.require.cache_clear()
 
 
-def test_a_missing_private_name_stops_the_model_build_in_one_line(mesh1, fresh_require,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_missing_private_name_stops_the_model_build_in_one_line(
+    mesh1, fresh_require, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The package itself refuses to start when a private name it calls is gone (a megatron-core version that
     dropped ``TransformerLayer._forward_pre_mlp_layernorm``), naming the version and the fix."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
@@ -219,7 +223,8 @@ def test_a_missing_private_name_stops_the_model_build_in_one_line(mesh1, fresh_r
     assert "\n" not in text and text.startswith(
         f"megatron-core {internals.version('megatron')} has no "
         "megatron.core.transformer.transformer_layer.TransformerLayer._forward_pre_mlp_layernorm, which "
-        "elastic-pretrain uses (tested with megatron-core 0.16.1): install megatron-core==0.16.1")
+        "elastic-pretrain uses (tested with megatron-core 0.16.1): install megatron-core==0.16.1"
+    )
 
 
 def test_async_checkpoints_write_under_megatron_0_17s_name_of_the_results_queue(

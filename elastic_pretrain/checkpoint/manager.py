@@ -152,7 +152,12 @@ class Checkpointer:
     fault monitor, which needs it)."""
 
     def __init__(
-        self, cfg: CheckpointConfig, config: dict[str, Any], mesh: Mesh, run_dir: Path, tensors: ModelTensors,
+        self,
+        cfg: CheckpointConfig,
+        config: dict[str, Any],
+        mesh: Mesh,
+        run_dir: Path,
+        tensors: ModelTensors,
         state: Mapping[str, Stateful],
     ) -> None:
         self.cfg, self.config, self.mesh, self.tensors = cfg, config, mesh, tensors

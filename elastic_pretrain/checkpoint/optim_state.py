@@ -134,8 +134,9 @@ def local_adam_step(optimizer: Any) -> float:
         inner = opt.optimizer
         home = step_home(inner)
         for g in _groups(inner):
-            values = ([g.get("step", 0)] if home == "group"
-                      else [inner.state.get(p, {}).get("step", 0) for p in g["params"]])
+            values = (
+                [g.get("step", 0)] if home == "group" else [inner.state.get(p, {}).get("step", 0) for p in g["params"]]
+            )
             step = max([step, *(float(v) for v in values)])
     return step
 
@@ -307,6 +308,7 @@ _PIECES: dict[int, tuple[weakref.ref[Any], dict[tuple[Any, ...], list[_Piece]]]]
 def _memo_of(param: torch.Tensor) -> dict[tuple[Any, ...], list[_Piece]]:
     entry = _PIECES.get(id(param))
     if entry is None or entry[0]() is not param:
+
         def forget(ref: weakref.ref[Any], key: int = id(param)) -> None:
             if _PIECES.get(key, (None,))[0] is ref:
                 del _PIECES[key]

@@ -196,8 +196,16 @@ def _one_line(err: BaseException) -> str:
 
 
 # what a collective says when a peer process died or hung (gloo, NCCL, the store): not a user error
-_COMM_MARKERS = ("gloo/transport", "Connection reset by peer", "Connection closed by peer", "NCCL", "DistNetworkError",
-                 "DistBackendError", "Socket Timeout", "timed out")
+_COMM_MARKERS = (
+    "gloo/transport",
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "NCCL",
+    "DistNetworkError",
+    "DistBackendError",
+    "Socket Timeout",
+    "timed out",
+)
 
 
 def is_comm_failure(err: BaseException) -> bool:
@@ -214,9 +222,7 @@ def is_comm_failure(err: BaseException) -> bool:
     return False
 
 
-def load_sharded(
-    sharded_state_dict: dict[str, Any], path: Path, *, what: str, strategy: Any = None
-) -> dict[str, Any]:
+def load_sharded(sharded_state_dict: dict[str, Any], path: Path, *, what: str, strategy: Any = None) -> dict[str, Any]:
     """``dist_checkpointing.load`` of ``path`` with restricted unpickling; any failure is one UserError
     naming ``path`` and ``what`` was being loaded. ``strategy``: megatron's sharded load strategy (e.g. the
     fully parallel one of ``checkpoint/parallel_io.py``); None is megatron's default. Collective."""
@@ -231,8 +237,7 @@ def load_sharded(
         raise _metadata_error(path, err) from None
     # a checkpoint of the other layer spec (TE on a GPU, local on CPU) names MoE pre-MLP norms its way
     if renamed := map_spec_keys(sharded_state_dict, meta.state_dict_metadata.keys()):
-        log.info("%s: %d keys read under the other layer spec's names (e.g. %s as %s)", path, len(renamed),
-                 *renamed[0])
+        log.info("%s: %d keys read under the other layer spec's names (e.g. %s as %s)", path, len(renamed), *renamed[0])
     try:
         with torch.no_grad(), restricted_unpickling():
             return dict(dist_checkpointing.load(sharded_state_dict, str(path), sharded_strategy=strategy))

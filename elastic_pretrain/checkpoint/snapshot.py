@@ -75,8 +75,9 @@ def compact(buckets: list[WriteBucket]) -> list[WriteBucket]:
     return out
 
 
-def _write_snapshot(parent_pid: int, transform_list: list[Any], use_msc: bool, rank: int,
-                    buckets: list[WriteBucket], results_queue: Any) -> None:
+def _write_snapshot(
+    parent_pid: int, transform_list: list[Any], use_msc: bool, rank: int, buckets: list[WriteBucket], results_queue: Any
+) -> None:
     """The writer: compact the views (in a forked writer: from its copy-on-write snapshot), then write every
     file in this process, checksumming it as it is written (checkpoint/writer.py). In a forked writer torch
     gets one thread: a copy there must not enter an OpenMP pool that the fork left behind (a synchronous save

@@ -334,9 +334,12 @@ def _rank_written(path: Path) -> bool:
 def rank_records(tmp: Path, rank: int) -> dict[str, list[int]]:
     """Size + CRC32 of the files this rank wrote (its tensor files and its RNG file)."""
     files = CheckpointFiles(tmp)
-    mine = [*files.tensors.glob(f"__{rank}_*.distcp"), files.rng(rank),
-            *files.tensors.glob(f"zero_pp_rank_{rank}_*.pt"),  # engine=deepspeed (engine/deepspeed.py)
-            *(files.tensors.glob("mp_rank_*.pt") if rank == 0 else [])]
+    mine = [
+        *files.tensors.glob(f"__{rank}_*.distcp"),
+        files.rng(rank),
+        *files.tensors.glob(f"zero_pp_rank_{rank}_*.pt"),  # engine=deepspeed (engine/deepspeed.py)
+        *(files.tensors.glob("mp_rank_*.pt") if rank == 0 else []),
+    ]
     return file_records(tmp, [p for p in mine if p.is_file()], take_writer_records(files.tensors, rank))
 
 

@@ -25,9 +25,7 @@ from elastic_pretrain.parallel.overlap import settle_param_gather
 from elastic_pretrain.rundir import CheckpointFiles
 
 
-def save_tensors(
-    net: Any, optimizer: Any, path: Path, strategy: Any, use_async: bool = False
-) -> tuple[Any, float]:
+def save_tensors(net: Any, optimizer: Any, path: Path, strategy: Any, use_async: bool = False) -> tuple[Any, float]:
     """Model + Adam state (model space) to ``path`` through dist_checkpointing; returns (the async request,
     or None when synchronous; Adam's step count). Collective.
 

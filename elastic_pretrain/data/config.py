@@ -6,7 +6,6 @@ A recipe in ``data/<name>.yaml`` builds a :class:`DataConfig`. Relative paths in
 ``elastic-pretrain`` from the repository root (Slurm templates ``cd`` there) or give absolute paths.
 """
 
-
 from __future__ import annotations
 
 import dataclasses
@@ -143,8 +142,9 @@ class PrepareConfig:
     max_tokens: int | None = field(None, doc="stop after this many training tokens (None: the whole corpus)")
     num_workers: int = field(0, doc="tokenizer processes (0: one per CPU core, at most 8)")
     seed: int = field(
-        0, doc="seed of the document order before packing (spreads sources across shards); source synthetic: "
-        "the seed the documents are generated from"
+        0,
+        doc="seed of the document order before packing (spreads sources across shards); source synthetic: "
+        "the seed the documents are generated from",
     )
 
     def __post_init__(self) -> None:

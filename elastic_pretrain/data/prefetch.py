@@ -182,9 +182,16 @@ class PrefetchedBatches:
         self.batches.position = self._consumed["position"]
 
 
-def prefetched(cfg: DataConfig, *, micro_batch_size: int, num_micro_batches: int, dp_rank: int, dp_size: int,
-               seed: int) -> PrefetchedBatches:
+def prefetched(
+    cfg: DataConfig, *, micro_batch_size: int, num_micro_batches: int, dp_rank: int, dp_size: int, seed: int
+) -> PrefetchedBatches:
     """The training loop's batches: a :class:`TokenBatches` read ``cfg.prefetch`` steps ahead."""
-    batches = TokenBatches(cfg, micro_batch_size=micro_batch_size, num_micro_batches=num_micro_batches,
-                           dp_rank=dp_rank, dp_size=dp_size, seed=seed)
+    batches = TokenBatches(
+        cfg,
+        micro_batch_size=micro_batch_size,
+        num_micro_batches=num_micro_batches,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+        seed=seed,
+    )
     return PrefetchedBatches(batches, depth=cfg.prefetch)

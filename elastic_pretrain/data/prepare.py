@@ -201,8 +201,9 @@ class _Packer:
 
 
 # ------------------------------------------------------------------------------------------- main
-def _existing(out: Path, recipe: dict[str, Any], verify: str, inputs: dict[str, Any] | None,
-              say: Callable[[str], None]) -> Manifest | None:
+def _existing(
+    out: Path, recipe: dict[str, Any], verify: str, inputs: dict[str, Any] | None, say: Callable[[str], None]
+) -> Manifest | None:
     """A complete, matching, intact previous preparation of the same inputs (then there is nothing to do).
 
     None: build (again). Damaged or missing shards and changed inputs are rebuilt, not refused: the
@@ -340,8 +341,9 @@ def _progress(total: int | None, desc: str, enabled: bool) -> Any:
     """tqdm's bar on a terminal, :class:`LineProgress` elsewhere, nothing when disabled (``--quiet``)."""
     if enabled and not sys.stderr.isatty():
         return LineProgress(total, desc)
-    return tqdm(total=total, unit="tok", unit_scale=True, desc=desc, disable=not enabled, file=sys.stderr,
-                smoothing=0.1)
+    return tqdm(
+        total=total, unit="tok", unit_scale=True, desc=desc, disable=not enabled, file=sys.stderr, smoothing=0.1
+    )
 
 
 def prepare_data(cfg: DataConfig, *, progress: bool = True, say: Callable[[str], None] = lambda _: None) -> Manifest:

@@ -59,8 +59,9 @@ def install_torchvision_standin() -> bool:
     class VisionDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         """Only so ``streaming.vision`` imports; never instantiated by elastic-pretrain."""
 
-        def __init__(self, root: Any = None, transforms: Any = None, transform: Any = None,
-                     target_transform: Any = None) -> None:
+        def __init__(
+            self, root: Any = None, transforms: Any = None, transform: Any = None, target_transform: Any = None
+        ) -> None:
             self.root, self.transforms = root, transforms
             self.transform, self.target_transform = transform, target_transform
 

@@ -62,8 +62,9 @@ class SyntheticConfig:
         2, doc="chains per line, each rooted at its own digit: a model that cannot follow them is left guessing"
     )
     min_variables: int = field(
-        4, doc="fewest variables in a line (all chains together); the last line of a document may have fewer, "
-        "down to one per chain, to fill it"
+        4,
+        doc="fewest variables in a line (all chains together); the last line of a document may have fewer, "
+        "down to one per chain, to fill it",
     )
     max_variables: int = field(8, doc="most variables in a line")
     max_depth: int = field(6, doc="longest chain: the hardest answer needs this many hops")
@@ -74,8 +75,9 @@ class SyntheticConfig:
         "are left to predict)",
     )
     assign: str = field(
-        "", doc="the text between a variable and its source in a definition: '' writes b=a as 'ba' (the shape "
-        "an induction head copies), '=' as 'b=a'"
+        "",
+        doc="the text between a variable and its source in a definition: '' writes b=a as 'ba' (the shape "
+        "an induction head copies), '=' as 'b=a'",
     )
     queries: Literal["all", "leaves"] = field(
         "all",

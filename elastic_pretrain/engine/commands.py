@@ -14,8 +14,12 @@ def _convert(args: argparse.Namespace) -> int:
 
     init_mesh(ParallelConfig(), seed=0)
     try:
-        out = convert(resolve_checkpoint(Path(args.checkpoint)), Path(args.out), zero_stage=args.zero_stage,
-                      optimizer=not args.weights_only)
+        out = convert(
+            resolve_checkpoint(Path(args.checkpoint)),
+            Path(args.out),
+            zero_stage=args.zero_stage,
+            optimizer=not args.weights_only,
+        )
     finally:
         teardown()
     what = "model weights; optimizer state starts fresh" if args.weights_only else "model weights and Adam state"
@@ -32,6 +36,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", help="a step_<N> directory or a run directory (its newest committed step)")
     p.add_argument("--out", required=True, help="run directory to write <out>/checkpoints/step_<N> into")
     p.add_argument("--zero-stage", type=int, choices=(1, 2, 3), default=2, help="ZeRO stage of a deepspeed result")
-    p.add_argument("--weights-only", action="store_true",
-                   help="convert the model weights only (the result's Adam state starts fresh)")
+    p.add_argument(
+        "--weights-only",
+        action="store_true",
+        help="convert the model weights only (the result's Adam state starts fresh)",
+    )
     p.set_defaults(handler=_convert)

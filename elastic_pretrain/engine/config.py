@@ -68,8 +68,9 @@ def check_engine(job: Any) -> None:
     if job.decider is not None:
         raise ConfigError("engine=deepspeed does not train an iteration decider: use engine=megatron for decider jobs")
     if job.model.fp8 != "off":
-        raise ConfigError(f"engine=deepspeed runs bf16/fp32 only (model.fp8={job.model.fp8}): set model.fp8=off "
-                          "or engine=megatron")
+        raise ConfigError(
+            f"engine=deepspeed runs bf16/fp32 only (model.fp8={job.model.fp8}): set model.fp8=off or engine=megatron"
+        )
     if job.schedule.balance != "off" and job.deepspeed.zero_stage == 3:
         raise ConfigError(
             f"schedule.balance={job.schedule.balance} deals unequal micro-batch counts per rank, whose module calls "
@@ -145,8 +146,14 @@ def ds_config(job: Any, dp_size: int, n_params: int | None = None, *, device_typ
         "gradient_clipping": t.clip_grad,
         "optimizer": {
             "type": "AdamW",
-            "params": {"lr": t.lr, "betas": [t.adam_beta1, t.adam_beta2], "eps": 1e-8,
-                       "weight_decay": t.weight_decay, "torch_adam": not fused_adam, "adam_w_mode": True},
+            "params": {
+                "lr": t.lr,
+                "betas": [t.adam_beta1, t.adam_beta2],
+                "eps": 1e-8,
+                "weight_decay": t.weight_decay,
+                "torch_adam": not fused_adam,
+                "adam_w_mode": True,
+            },
         },
         "zero_force_ds_cpu_optimizer": False,  # offload with torch's AdamW (DeepSpeedCPUAdam needs a compiled op)
         "zero_allow_untested_optimizer": True,
@@ -155,8 +162,13 @@ def ds_config(job: Any, dp_size: int, n_params: int | None = None, *, device_typ
         "zero_optimization": zero,
         "steps_per_print": 10**9,  # the trainer prints progress
         "wall_clock_breakdown": False,
-        "elastic_pretrain_lr_schedule": {"warmup_steps": t.warmup_steps, "decay": t.decay, "lr": t.lr,
-                                         "min_lr": t.min_lr, "steps": t.steps},
+        "elastic_pretrain_lr_schedule": {
+            "warmup_steps": t.warmup_steps,
+            "decay": t.decay,
+            "lr": t.lr,
+            "min_lr": t.min_lr,
+            "steps": t.steps,
+        },
     }
 
 

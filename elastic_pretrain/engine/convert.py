@@ -69,10 +69,17 @@ def convert(step: Path, out_run: Path, *, zero_stage: int = 2, optimizer: bool =
     save = _save_megatron if target == "megatron" else _save_deepspeed
     adam_step = save(job, net, tmp, state)
     copy_rng(step, tmp, marker)
-    converted = {**meta, "config": config, "adam_step": adam_step,
-                 "layout": {**meta.get("layout", {}), "world_size": 1, "tp": 1, "ep": 1, "pp": 1, "dp": 1},
-                 "converted_from": {"engine": source, "path": str(step),
-                                    "optimizer": "converted" if optimizer else "not converted"}}
+    converted = {
+        **meta,
+        "config": config,
+        "adam_step": adam_step,
+        "layout": {**meta.get("layout", {}), "world_size": 1, "tp": 1, "ep": 1, "pp": 1, "dp": 1},
+        "converted_from": {
+            "engine": source,
+            "path": str(step),
+            "optimizer": "converted" if optimizer else "not converted",
+        },
+    }
     write_atomic(tmp / TRAINER_FILE, json.dumps(converted, indent=1), root=tmp)
     return store.commit(n, {}, rank=0)
 
@@ -140,8 +147,11 @@ def _save_deepspeed(job: Any, net: torch.nn.Module, tmp: Path, state: FullState 
     from elastic_pretrain.engine.deepspeed import LoopedForDeepSpeed
 
     net.train()
-    engine, *_ = deepspeed.initialize(model=LoopedForDeepSpeed(net), model_parameters=param_groups(net),
-                                      config=ds_config(job, 1, n_params=sum(p.numel() for p in net.parameters())))
+    engine, *_ = deepspeed.initialize(
+        model=LoopedForDeepSpeed(net),
+        model_parameters=param_groups(net),
+        config=ds_config(job, 1, n_params=sum(p.numel() for p in net.parameters())),
+    )
     if state is not None:
         install_deepspeed(engine, state)
     engine.save_checkpoint(str(tmp), tag=MODEL_DIR, save_latest=False)

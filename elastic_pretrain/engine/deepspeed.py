@@ -136,8 +136,18 @@ class DeepSpeedStep:
     """The numerics of one optimizer step on the DeepSpeed engine: the objective, reductions and result of
     ``train/step.py``'s ``TrainStep`` (same loss function, same per-ℓ reduction), DeepSpeed's backward/step."""
 
-    def __init__(self, engine: Any, net: Any, scheduler: Any, *, seq_len: int, max_loops: int, ordered: bool,
-                 ghosts: bool = False, balanced_micro: int | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        net: Any,
+        scheduler: Any,
+        *,
+        seq_len: int,
+        max_loops: int,
+        ordered: bool,
+        ghosts: bool = False,
+        balanced_micro: int | None = None,
+    ) -> None:
         self.model, self.net, self.optimizer, self.scheduler = engine, net, engine.optimizer, scheduler
         self.seq_len, self.max_loops, self.ordered = seq_len, max_loops, ordered
         self.ghosts = ghosts  # ZeRO-3: run each micro-batch for the deepest ℓ of the replicas (full ghost passes)
@@ -199,8 +209,14 @@ class DeepSpeedStep:
             engine.step()
             self.scheduler.step(increment=1)
         grad_norm = engine.get_global_grad_norm()
-        return StepResult(loss=loss_value, loss_by_loops=by_loops, grad_norm=float(grad_norm or 0.0),
-                          lr=float(self.optimizer.param_groups[0]["lr"]), skipped=vetoed, aux=_moe_aux(n))
+        return StepResult(
+            loss=loss_value,
+            loss_by_loops=by_loops,
+            grad_norm=float(grad_norm or 0.0),
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            skipped=vetoed,
+            aux=_moe_aux(n),
+        )
 
     def _zero_grad_partitions(self) -> None:
         """ZeRO-3 (DeepSpeed 0.19.8) writes a parameter's gradient partition only when that parameter's gradient hook
@@ -225,8 +241,11 @@ class DeepSpeedStep:
 
         replay = _ReplayGrads.apply(full, *self.params)
         engine = self.model
-        register_output_backward_hooks(replay, preprocess_once_fn=engine._backward_prologue,
-                                       preprocess_per_tensor_fn=engine._backward_prologue_per_tensor)
+        register_output_backward_hooks(
+            replay,
+            preprocess_once_fn=engine._backward_prologue,
+            preprocess_per_tensor_fn=engine._backward_prologue_per_tensor,
+        )
         return replay
 
 
@@ -286,8 +305,15 @@ class DeepSpeedTensors:
 
         install_deepspeed(self.engine, read_deepspeed(path.parent))
         if int(os.environ.get("RANK", "0")) == 0:
-            log.info("resharded %s: world size %d ZeRO-%d -> world size %d ZeRO-%d (weights, Adam state, step %d)",
-                     path.parent, saved_dp, saved_stage, now, self.stage, self.engine.global_steps)
+            log.info(
+                "resharded %s: world size %d ZeRO-%d -> world size %d ZeRO-%d (weights, Adam state, step %d)",
+                path.parent,
+                saved_dp,
+                saved_stage,
+                now,
+                self.stage,
+                self.engine.global_steps,
+            )
 
     @property
     def stage(self) -> int:
@@ -307,37 +333,59 @@ def build_session(job: JobConfig, mesh: Mesh) -> Any:
     tokenizer = load_tokenizer(job.data.tokenizer)
     job.check_vocab(tokenizer.vocab_size)
     net = build_model(job.model, job.parallel, recompute=job.train.recompute)
-    config = ds_config(job, mesh.dp_size, n_params=sum(p.numel() for p in net.parameters()),
-                       device_type=mesh.device.type)
+    config = ds_config(
+        job, mesh.dp_size, n_params=sum(p.numel() for p in net.parameters()), device_type=mesh.device.type
+    )
     if mesh.is_logging_rank:
         write_atomic(job.run_path / CONFIG_FILE, json.dumps(config, indent=1) + "\n", root=job.run_path)
     os.environ.setdefault("LOCAL_RANK", "0")  # torchrun sets it; DeepSpeed asserts it even for one process
-    engine, optimizer, _, _ = deepspeed.initialize(model=LoopedForDeepSpeed(net), model_parameters=param_groups(net),
-                                                   config=config)
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=LoopedForDeepSpeed(net), model_parameters=param_groups(net), config=config
+    )
     scheduler = lr_scheduler(job, optimizer)
     n_micro = job.train.micro_batches(mesh.dp_size)
-    batches = prefetched(job.data, micro_batch_size=job.train.micro_batch_size, num_micro_batches=n_micro,
-                         dp_rank=mesh.dp_rank, dp_size=mesh.dp_size, seed=job.train.seed)
+    batches = prefetched(
+        job.data,
+        micro_batch_size=job.train.micro_batch_size,
+        num_micro_batches=n_micro,
+        dp_rank=mesh.dp_rank,
+        dp_size=mesh.dp_size,
+        seed=job.train.seed,
+    )
     val_all = load_validation(job.data, num_sequences=job.train.eval_sequences)
     rows = (val_all.shape[0] // mesh.dp_size) * mesh.dp_size
     val_tokens = val_all[:rows][mesh.dp_rank :: mesh.dp_size].contiguous()
-    controller = ScheduleController(job.schedule, max_loops=job.model.max_loops,
-                                    total_tokens=job.train.steps * job.tokens_per_step, seed=job.train.seed)
+    controller = ScheduleController(
+        job.schedule,
+        max_loops=job.model.max_loops,
+        total_tokens=job.train.steps * job.tokens_per_step,
+        seed=job.train.seed,
+    )
     zero3 = job.deepspeed.zero_stage == 3  # every rank calls the same modules: full ghost passes, direct backward
     net.ghosts = "full_passes" if zero3 else "moe_calls"
     ordered = not zero3
-    step = DeepSpeedStep(engine, net, scheduler, seq_len=job.data.seq_len, max_loops=job.model.max_loops,
-                         ordered=ordered, ghosts=zero3,
-                         balanced_micro=n_micro if job.schedule.balance == "compute" else None)
-    session = DeepSpeedSession(job, net, engine, optimizer, scheduler, batches, val_tokens, controller,
-                               step)  # type: ignore[arg-type]  # the same interface as TrainStep
+    step = DeepSpeedStep(
+        engine,
+        net,
+        scheduler,
+        seq_len=job.data.seq_len,
+        max_loops=job.model.max_loops,
+        ordered=ordered,
+        ghosts=zero3,
+        balanced_micro=n_micro if job.schedule.balance == "compute" else None,
+    )
+    session = DeepSpeedSession(job, net, engine, optimizer, scheduler, batches, val_tokens, controller, step)  # type: ignore[arg-type]  # the same interface as TrainStep
     session.ds_tensors = DeepSpeedTensors(engine)
     session.replica, session.replicas = mesh.replica, mesh.dp_size
     session.sync_phase()
     if mesh.is_logging_rank:
-        log.info("engine deepspeed: ZeRO-%d, %s backward (mixed depth possible: %s%s)", job.deepspeed.zero_stage,
-                 "ordered" if ordered else "direct", can_mix(job),
-                 ", ranks run the deepest ℓ with full ghost passes" if zero3 and can_mix(job) else "")
+        log.info(
+            "engine deepspeed: ZeRO-%d, %s backward (mixed depth possible: %s%s)",
+            job.deepspeed.zero_stage,
+            "ordered" if ordered else "direct",
+            can_mix(job),
+            ", ranks run the deepest ℓ with full ghost passes" if zero3 and can_mix(job) else "",
+        )
     return session
 
 
@@ -372,8 +420,9 @@ class DeepSpeedSession(Session):
         unused = self.controller.unused_passes()
         if unused and self.job.schedule.init_unused_passes == "copy_pass0":
             self._copy_pass0(unused)
-            log.info("step %d: pass 0's attention copied into passes %s (never run before the switch)",
-                     step, list(unused))
+            log.info(
+                "step %d: pass 0's attention copied into passes %s (never run before the switch)", step, list(unused)
+            )
         self.sync_phase()
 
     def _copy_pass0(self, unused: range) -> None:

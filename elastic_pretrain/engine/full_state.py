@@ -94,8 +94,10 @@ def _deepspeed_moments(folder: Path) -> tuple[dict[str, dict[str, torch.Tensor]]
             adam_step = _step(states[0])
             paddings = osds[0].get("param_alignment_paddings")
             for key in MOMENTS:
-                flat = [[s[g][key][: f[g].numel()] if s else torch.zeros_like(f[g]) for g in range(len(f))]
-                        for s, f in zip(states, fp32)]
+                flat = [
+                    [s[g][key][: f[g].numel()] if s else torch.zeros_like(f[g]) for g in range(len(f))]
+                    for s, f in zip(states, fp32)
+                ]
                 merged: dict[str, Any] = {}
                 z._zero2_merge_trainable_params(merged, world, flat, model_states, paddings)
                 out[key] = _bare(merged)
@@ -104,8 +106,9 @@ def _deepspeed_moments(folder: Path) -> tuple[dict[str, dict[str, torch.Tensor]]
             states = [o["optimizer_state_dict"]["state"] for o in osds]
             adam_step = _step(states[0])
             for key in MOMENTS:
-                flat = [[s[g][key] if s else torch.zeros_like(f[g]) for g in range(len(f))]
-                        for s, f in zip(states, fp32)]
+                flat = [
+                    [s[g][key] if s else torch.zeros_like(f[g]) for g in range(len(f))] for s, f in zip(states, fp32)
+                ]
                 merged = {}
                 z._zero3_merge_trainable_params(merged, world, flat, model_states)
                 out[key] = _bare(z.to_torch_tensor(merged))
@@ -156,8 +159,11 @@ def _create_adam_state(opt: Any, step: int, zero3: bool) -> None:
     the first step, which the state must not wait for)."""
     flats = opt.fp32_partitioned_groups_flat if zero3 else opt.single_partition_of_fp32_groups
     for flat in flats:
-        opt.optimizer.state[flat] = {"step": torch.tensor(float(step)), "exp_avg": torch.zeros_like(flat),
-                                     "exp_avg_sq": torch.zeros_like(flat)}
+        opt.optimizer.state[flat] = {
+            "step": torch.tensor(float(step)),
+            "exp_avg": torch.zeros_like(flat),
+            "exp_avg_sq": torch.zeros_like(flat),
+        }
     if not zero3:  # ZeRO 1/2 link each parameter's optimizer-state fragment once the state exists
         opt._hp_optimizer_states_linked = False
         opt._lazy_init_hp_params_optimizer_state()
@@ -197,18 +203,29 @@ def read_megatron(net: Any, optimizer: Any) -> FullState:
     """The full state of megatron-core's optimizer over ``net`` on a one-rank mesh (after ``load_tensors``)."""
     from elastic_pretrain.checkpoint import optim_state
 
-    weights = {n: t.detach().float().clone() for n, t in net.state_dict().items()
-               if isinstance(t, torch.Tensor) and not n.endswith("_extra_state")}
+    weights = {
+        n: t.detach().float().clone()
+        for n, t in net.state_dict().items()
+        if isinstance(t, torch.Tensor) and not n.endswith("_extra_state")
+    }
     moments: dict[str, dict[str, torch.Tensor]] = {k: {} for k in MOMENTS}
     for name, e in _megatron_entries(net, optimizer):
         shape = e.param.shape
-        weights[name] = e.tensors["param"].detach().float().view(shape).clone() if "param" in e.tensors else \
-            e.param.detach().float().clone()
+        weights[name] = (
+            e.tensors["param"].detach().float().view(shape).clone()
+            if "param" in e.tensors
+            else e.param.detach().float().clone()
+        )
         for key in MOMENTS:
-            moments[key][name] = (e.tensors[key].view(shape).clone() if key in e.tensors
-                                  else torch.zeros(shape, dtype=torch.float32))
-    return FullState(weights=weights, exp_avg=moments["exp_avg"], exp_avg_sq=moments["exp_avg_sq"],
-                     step=int(optim_state.local_adam_step(optimizer)))
+            moments[key][name] = (
+                e.tensors[key].view(shape).clone() if key in e.tensors else torch.zeros(shape, dtype=torch.float32)
+            )
+    return FullState(
+        weights=weights,
+        exp_avg=moments["exp_avg"],
+        exp_avg_sq=moments["exp_avg_sq"],
+        step=int(optim_state.local_adam_step(optimizer)),
+    )
 
 
 @torch.no_grad()
@@ -220,8 +237,10 @@ def install_megatron(net: Any, optimizer: Any, state: FullState) -> None:
     missing, unexpected = net.load_state_dict(state.weights, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
-        raise UserError(f"the checkpoint's weights do not fit the model (missing {missing[:3]}, unexpected "
-                        f"{unexpected[:3]}): use a checkpoint of this model")
+        raise UserError(
+            f"the checkpoint's weights do not fit the model (missing {missing[:3]}, unexpected "
+            f"{unexpected[:3]}): use a checkpoint of this model"
+        )
     for name, e in _megatron_entries(net, optimizer):
         if name not in state.exp_avg:
             raise UserError(f"the checkpoint has no optimizer state for {name}: use a checkpoint of this model")

@@ -53,8 +53,9 @@ def load_checkpoint_safely(engine: Any, path: Path) -> None:
     """``engine.load_checkpoint`` of ``path`` (``step_<N>/model_optim``), weights-only; one UserError on failure."""
     try:
         with weights_only_loads():
-            loaded, _ = engine.load_checkpoint(str(path.parent), tag=path.name, load_optimizer_states=True,
-                                               load_lr_scheduler_states=False)
+            loaded, _ = engine.load_checkpoint(
+                str(path.parent), tag=path.name, load_optimizer_states=True, load_lr_scheduler_states=False
+            )
     except Exception as err:  # a refused global, a truncated file, a missing rank's file, ...
         text = str(err).strip().splitlines()
         raise UserError(

@@ -61,8 +61,13 @@ def _eval(args: argparse.Namespace) -> int:
         # one default, the job's own (issue 33: eval used 64 where the job's table used train.eval_sequences)
         tokens = load_validation(data, num_sequences=args.sequences or job.train.eval_sequences)
         layer = job.schedule.exit_axis == "layer"  # a non-looped stack with layer exits: the 'loops' column is k
-        curve = quality_curve(model, tokens, name=f"{job.name} (exit after core layer k)" if layer else job.name,
-                              batch_size=args.batch_size, exit_axis=job.schedule.exit_axis)
+        curve = quality_curve(
+            model,
+            tokens,
+            name=f"{job.name} (exit after core layer k)" if layer else job.name,
+            batch_size=args.batch_size,
+            exit_axis=job.schedule.exit_axis,
+        )
         lines = [markdown_table(curve), sample_line(tokens.shape, flag=args.sequences is not None)]
         labels = load_difficulty(data, num_sequences=tokens.shape[0])  # a corpus that labels each token's steps
         by_level = by_difficulty(model, tokens, labels, batch_size=args.batch_size) if labels is not None else None
@@ -166,7 +171,13 @@ def eval_tracking(job: Any, ckpt: Path, *, uri: str | None) -> Any:
 
 
 def track_eval(
-    job: Any, ckpt: Path, curve: Any, adaptive: list[Any], files: list[Path], *, uri: str | None = None,
+    job: Any,
+    ckpt: Path,
+    curve: Any,
+    adaptive: list[Any],
+    files: list[Path],
+    *,
+    uri: str | None = None,
     extra: dict[str, float] | None = None,
 ) -> str | None:
     """Log an evaluation to MLflow: a run named ``<job> eval step_<N>`` nested under the training run

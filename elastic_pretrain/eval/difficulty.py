@@ -83,8 +83,14 @@ class DifficultyTable:
 
 
 @torch.no_grad()
-def by_difficulty(model: Any, tokens_NT1: torch.Tensor, difficulty_NT1: torch.Tensor,
-                  loops: Sequence[int] | None = None, *, batch_size: int = 8) -> DifficultyTable:
+def by_difficulty(
+    model: Any,
+    tokens_NT1: torch.Tensor,
+    difficulty_NT1: torch.Tensor,
+    loops: Sequence[int] | None = None,
+    *,
+    batch_size: int = 8,
+) -> DifficultyTable:
     """Loss and accuracy at every ℓ in ``loops`` (default 1..L_max), per difficulty of the predicted token.
 
     One process (``elastic-pretrain eval`` and the experiments load a one-process model). As in
@@ -129,8 +135,9 @@ def _mean(row: torch.Tensor) -> Cell:
     return Cell(loss=float(row[0]) / n if n else math.nan, accuracy=float(row[1]) / n if n else math.nan, count=int(n))
 
 
-def _accumulate(sums: torch.Tensor, logits_BTV: torch.Tensor, labels_BT: torch.Tensor, level_BT: torch.Tensor,
-                levels: list[int]) -> None:
+def _accumulate(
+    sums: torch.Tensor, logits_BTV: torch.Tensor, labels_BT: torch.Tensor, level_BT: torch.Tensor, levels: list[int]
+) -> None:
     """Add per-level (CE sum, correct count, token count) of one batch at one exit into ``sums``."""
     ce_BT = torch.nn.functional.cross_entropy(logits_BTV.transpose(1, 2), labels_BT, reduction="none").double()
     correct_BT = (logits_BTV.argmax(-1) == labels_BT).double()

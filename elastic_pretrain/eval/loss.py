@@ -28,9 +28,15 @@ Runs = list[tuple[int, tuple[int, ...]]]  # (ℓ of one run, the exits it report
 
 
 @torch.no_grad()
-def loss_by_loops(model: Any, tokens_NT1: torch.Tensor, loops: Sequence[int] | None = None,
-                  pipeline: Pipeline | None = None, *, batch_size: int = 8,
-                  exit_axis: ExitAxis = "loop") -> dict[int, float]:
+def loss_by_loops(
+    model: Any,
+    tokens_NT1: torch.Tensor,
+    loops: Sequence[int] | None = None,
+    pipeline: Pipeline | None = None,
+    *,
+    batch_size: int = 8,
+    exit_axis: ExitAxis = "loop",
+) -> dict[int, float]:
     """Per-token cross-entropy at every ℓ in ``loops`` (default 1..L_max) on ``tokens_NT1``.
 
     ``model``: the model, or its DDP wrapper (or the DeepSpeed engine, ``engine: deepspeed``). In a
@@ -53,14 +59,18 @@ def loss_by_loops(model: Any, tokens_NT1: torch.Tensor, loops: Sequence[int] | N
     deepest = net.cfg.core_layers_built if layer else net.cfg.max_loops
     wanted = sorted(set(range(1, deepest + 1) if loops is None else loops))
     if layer and (net.cfg.max_loops != 1 or not 1 <= wanted[0] <= wanted[-1] <= deepest):
-        raise ValueError(f"layer exits {wanted} need a non-looped stack (L_max = {net.cfg.max_loops}) "
-                         f"and k in 1..{deepest}")
+        raise ValueError(
+            f"layer exits {wanted} need a non-looped stack (L_max = {net.cfg.max_loops}) and k in 1..{deepest}"
+        )
     if not layer:
         for ell in wanted:
             net.cfg.check_loops(ell)
     runs: Runs = (
-        [(1, tuple(wanted))] if layer
-        else [(ell, (ell,)) for ell in wanted] if net.one_exit_per_run else [(wanted[-1], tuple(wanted))]
+        [(1, tuple(wanted))]
+        if layer
+        else [(ell, (ell,)) for ell in wanted]
+        if net.one_exit_per_run
+        else [(wanted[-1], tuple(wanted))]
     )
     was_training = model.training
     model.eval()
@@ -81,8 +91,9 @@ def loss_by_loops(model: Any, tokens_NT1: torch.Tensor, loops: Sequence[int] | N
     return {ell: float(sums[i] / count) for i, ell in enumerate(wanted)}
 
 
-def _sums(model: Any, tokens_NT1: torch.Tensor, runs: Runs, loops: list[int], batch_size: int,
-          exit_axis: ExitAxis) -> tuple[torch.Tensor, torch.Tensor]:
+def _sums(
+    model: Any, tokens_NT1: torch.Tensor, runs: Runs, loops: list[int], batch_size: int, exit_axis: ExitAxis
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-exit CE sums and the token count of these rows, one process (or one rank of TP/EP/DP)."""
     sums = torch.zeros(len(loops), dtype=torch.float64, device=device())
     count = torch.zeros(1, dtype=torch.float64, device=device())
@@ -97,16 +108,18 @@ def _sums(model: Any, tokens_NT1: torch.Tensor, runs: Runs, loops: list[int], ba
     return sums, count
 
 
-def _pipeline_sums(pipeline: Pipeline, tokens_NT1: torch.Tensor, runs: Runs, loops: list[int],
-                   batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _pipeline_sums(
+    pipeline: Pipeline, tokens_NT1: torch.Tensor, runs: Runs, loops: list[int], batch_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-exit CE sums and token count of this replica's rows, through the pipeline (sums on the last stage)."""
     sums = torch.zeros(len(loops), dtype=torch.float64, device=device())
     count = torch.zeros(1, dtype=torch.float64, device=device())
     batches = [to_device(b) for b in tokens_NT1.split(batch_size)]
     for ell, exits in runs:
         plan = DepthPlan(ell, exits, group_loops=ell)  # every rank evaluates the same plan
-        reports = run_pipeline(pipeline, [MicroBatch(b, plan) for b in batches], seq_len=tokens_NT1.shape[1] - 1,
-                               training=False)
+        reports = run_pipeline(
+            pipeline, [MicroBatch(b, plan) for b in batches], seq_len=tokens_NT1.shape[1] - 1, training=False
+        )
         for rep in reports:
             for e, (s, _) in rep["by_exit"].items():
                 sums[loops.index(e)] += float(s)
@@ -115,9 +128,15 @@ def _pipeline_sums(pipeline: Pipeline, tokens_NT1: torch.Tensor, runs: Runs, loo
     return sums, count
 
 
-def quality_curve(model: Any, tokens_NT1: torch.Tensor, *, name: str = "fixed depth",
-                  attention_context: AttentionContext = "causal", batch_size: int = 8,
-                  exit_axis: ExitAxis = "loop") -> QualityCurve:
+def quality_curve(
+    model: Any,
+    tokens_NT1: torch.Tensor,
+    *,
+    name: str = "fixed depth",
+    attention_context: AttentionContext = "causal",
+    batch_size: int = 8,
+    exit_axis: ExitAxis = "loop",
+) -> QualityCurve:
     """:func:`loss_by_loops` at every ℓ ∈ 1..L_max, each placed at its relative compute (``model/flops.py``).
 
     ``exit_axis="layer"``: every exit after core layer k = 1..N of a non-looped stack (``CurvePoint.loops``
@@ -129,8 +148,9 @@ def quality_curve(model: Any, tokens_NT1: torch.Tensor, *, name: str = "fixed de
     scale = 1.0 / cfg.core_layers_built if layer else 1.0
 
     def flops(depth: int) -> float:
-        return flops_per_token(cfg, depth * scale, seq_len=seq_len, padded_vocab=model.padded_vocab,
-                               attention_context=attention_context)
+        return flops_per_token(
+            cfg, depth * scale, seq_len=seq_len, padded_vocab=model.padded_vocab, attention_context=attention_context
+        )
 
     fmax = flops(cfg.core_layers_built if layer else cfg.max_loops)
     losses = loss_by_loops(model, tokens_NT1, batch_size=batch_size, exit_axis=exit_axis)

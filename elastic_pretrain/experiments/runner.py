@@ -270,6 +270,7 @@ def load_jobs(
     paths.sort(key=lambda p: bases[p] is not None)  # bases first
     own = load_job(paths[0], overrides).train.seed  # config errors before any training
     seed_list = parse_seeds(seeds, own) if seeds is not None else [own]
+
     def load(p: Path, seed: int) -> JobConfig:
         return _load(p, name, runs_root, overrides, seed=seed, scale=scale, tokens_per_param=tokens_per_param)
 

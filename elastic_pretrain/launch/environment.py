@@ -74,8 +74,11 @@ def run_environment(run_dir: Path) -> dict[str, str]:
       older name ``TORCH_NCCL_DEBUG_INFO_TEMP_FILE``).
     """
     trace = str(run_dir / "nccl_trace_rank_")
-    return {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True", "TORCH_FR_DUMP_TEMP_FILE": trace,
-            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace}
+    return {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "TORCH_FR_DUMP_TEMP_FILE": trace,
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": trace,
+    }
 
 
 def with_run_defaults(env: dict[str, str], run_dir: Path) -> dict[str, str]:
@@ -83,8 +86,9 @@ def with_run_defaults(env: dict[str, str], run_dir: Path) -> dict[str, str]:
     return {**run_environment(run_dir), **env}
 
 
-def export_lines(*, gpus: bool, derived: dict[str, str], user: dict[str, str],
-                 defaults: dict[str, str] | None = None) -> list[str]:
+def export_lines(
+    *, gpus: bool, derived: dict[str, str], user: dict[str, str], defaults: dict[str, str] | None = None
+) -> list[str]:
     """``export`` lines in four commented groups: preset, derived, run defaults (kept where the submitting
     environment set the variable: sbatch passes it on), ``slurm.env`` (which wins)."""
     out: list[str] = []

@@ -64,10 +64,12 @@ def python_refusal(cfg: SlurmConfig) -> str | None:
         torch = "not installed"
     if "+cpu" not in torch and torch != "not installed":
         return None
-    return (f"slurm.python: the job asks for {cfg.gpus_per_node} GPUs per node, but its nodes would run this "
-            f"interpreter ({sys.executable}, torch {torch}: no CUDA): set slurm.python to the python of the nodes' "
-            "CUDA environment (docs/install.md; `python` after a slurm.setup line that activates it), or "
-            "slurm.container_image")
+    return (
+        f"slurm.python: the job asks for {cfg.gpus_per_node} GPUs per node, but its nodes would run this "
+        f"interpreter ({sys.executable}, torch {torch}: no CUDA): set slurm.python to the python of the nodes' "
+        "CUDA environment (docs/install.md; `python` after a slurm.setup line that activates it), or "
+        "slurm.container_image"
+    )
 
 
 def data_findings(data: DataConfig) -> tuple[list[str], list[str]]:
@@ -86,8 +88,10 @@ def data_findings(data: DataConfig) -> tuple[list[str], list[str]]:
             refusals.append(problem)
     tok = data.tokenizer
     if tok.path is not None and not local_path(tok.path).is_file():
-        refusals.append(f"data.tokenizer.path: {local_path(tok.path)}: no such file (the job reads its "
-                        f"{tok.kind} tokenizer there; the data recipe says where it comes from)")
+        refusals.append(
+            f"data.tokenizer.path: {local_path(tok.path)}: no such file (the job reads its "
+            f"{tok.kind} tokenizer there; the data recipe says where it comes from)"
+        )
     elif tok.kind == "tiktoken" and tok.path is None:
         notes.append(f"data.tokenizer: tiktoken encoding {tok.name!r}: fetched into tiktoken's cache, not checked here")
     return refusals, notes
@@ -106,8 +110,10 @@ def stream_problem(stream: StreamConfig) -> str | None:
     missing = [s.name for s in info.shards if not _has_size(root / stream.split / s.name, s.bytes)]
     if not missing:
         return None
-    return (f"{root / stream.split}: {len(missing)} of {len(info.shards)} shards missing or of another size "
-            f"than the manifest says (first: {missing[0]}): run `elastic-pretrain prepare-data` again")
+    return (
+        f"{root / stream.split}: {len(missing)} of {len(info.shards)} shards missing or of another size "
+        f"than the manifest says (first: {missing[0]}): run `elastic-pretrain prepare-data` again"
+    )
 
 
 def _has_size(path: Path, size: int) -> bool:

@@ -136,8 +136,9 @@ def template_values(cfg: SlurmConfig, spec: LaunchSpec) -> dict[str, Value]:
         if any(c in str(path) for c in "\n\r\0"):
             raise ConfigError(f"the {what} {str(path)!r} contains a line break: choose another --run-dir")
     files = RunFiles(spec.run_dir)
-    exports = Lines(export_lines(gpus=cfg.gpus_per_node > 0, derived=spec.env, user=cfg.env,
-                                 defaults=run_environment(spec.run_dir)))
+    exports = Lines(
+        export_lines(gpus=cfg.gpus_per_node > 0, derived=spec.env, user=cfg.env, defaults=run_environment(spec.run_dir))
+    )
     return {
         "JOB_NAME": spec.job_name,
         "NODES": cfg.nodes,

@@ -164,8 +164,10 @@ def finished_refusal(files: RunFiles, steps: int | None) -> str | None:
         return None
     at = f" at step {done}" if done is not None else ""
     further = f"raise train.steps above {done}" if done is not None else "delete that file"
-    return (f"{files.run_dir} has finished training{at} ({files.finished} exists): to train it further {further} "
-            "(docs/run-directory.md); for a new run pick another --run-dir")
+    return (
+        f"{files.run_dir} has finished training{at} ({files.finished} exists): to train it further {further} "
+        "(docs/run-directory.md); for a new run pick another --run-dir"
+    )
 
 
 def live_job_refusal(files: RunFiles) -> str | None:
@@ -177,8 +179,10 @@ def live_job_refusal(files: RunFiles) -> str | None:
     except UserError:
         return None  # no Slurm to ask: sbatch will report that itself
     if state is not None and state.live:
-        return (f"{files.run_dir} already has job {job_id} ({state.state}): wait for it, or stop it with "
-                f"`elastic-pretrain cancel {files.run_dir}`")
+        return (
+            f"{files.run_dir} already has job {job_id} ({state.state}): wait for it, or stop it with "
+            f"`elastic-pretrain cancel {files.run_dir}`"
+        )
     return None
 
 

@@ -93,8 +93,18 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
-        positive = ("vocab_size", "hidden_size", "num_heads", "ffn_hidden_size", "core_layers", "loops",
-                    "num_experts", "moe_top_k", "moe_ffn_hidden_size", "flatten")
+        positive = (
+            "vocab_size",
+            "hidden_size",
+            "num_heads",
+            "ffn_hidden_size",
+            "core_layers",
+            "loops",
+            "num_experts",
+            "moe_top_k",
+            "moe_ffn_hidden_size",
+            "flatten",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
@@ -110,9 +120,7 @@ class ModelConfig:
                 f"hidden_size {self.hidden_size} / num_heads {self.num_heads} = head dimension {head}, which rotary "
                 f"position embeddings need even: use hidden_size {self.num_heads * (head + 1)} or another num_heads"
             )
-        if self.num_query_groups is not None and (
-            self.num_query_groups < 1 or self.num_heads % self.num_query_groups
-        ):
+        if self.num_query_groups is not None and (self.num_query_groups < 1 or self.num_heads % self.num_query_groups):
             raise ConfigError(
                 f"num_query_groups: {self.num_query_groups} must divide num_heads {self.num_heads} "
                 "(e.g. num_heads/4), or be null for one group per head"
@@ -157,8 +165,11 @@ class ModelConfig:
         if self.dtype != "bf16":
             raise ConfigError(f"model.fp8={self.fp8} needs model.dtype=bf16 (got {self.dtype}): set model.dtype=bf16")
         a = self.fp8_align
-        dims = {"hidden_size": self.hidden_size, "ffn_hidden_size": self.ffn_hidden_size,
-                "moe_ffn_hidden_size": self.moe_ffn_hidden_size}
+        dims = {
+            "hidden_size": self.hidden_size,
+            "ffn_hidden_size": self.ffn_hidden_size,
+            "moe_ffn_hidden_size": self.moe_ffn_hidden_size,
+        }
         for name, value in dims.items():
             if value % (a * tensor):
                 raise ConfigError(

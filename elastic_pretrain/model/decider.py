@@ -238,8 +238,10 @@ def run_per_token(
     ``keep``: a list that receives the hidden state after each pass (stopped tokens frozen).
     """
     if model._recompute_passes():
-        raise ConfigError("decider.backbone=per_token carries each token's frozen K/V from pass to pass, which a "
-                          "recomputed pass would not see: use train.recompute=none or selective")
+        raise ConfigError(
+            "decider.backbone=per_token carries each token's frozen K/V from pass to pass, which a "
+            "recomputed pass would not see: use train.recompute=none or selective"
+        )
     cfg = decider.cfg
     loops = model.cfg.max_loops
     rope = model.rotary_pos_emb(ids_BT.shape[1])
@@ -329,8 +331,9 @@ def load_decider(path: Path, *, hidden_size: int | None = None, max_loops: int |
         decider = _decider_of(blob, hidden_size, max_loops)
         decider.load_state_dict(blob["state"])
     except (ConfigError, ValueError, TypeError, KeyError, RuntimeError) as err:
-        raise UserError(f"{path}: not a decider file of this model ({_first_line(err)}): give a file written by "
-                        "save_decider for it") from None
+        raise UserError(
+            f"{path}: not a decider file of this model ({_first_line(err)}): give a file written by save_decider for it"
+        ) from None
     return decider.eval()
 
 

@@ -335,11 +335,13 @@ def teacher_forced_loss(
             if prompt_len:
                 first = dec.prefill(chunk[:, :prompt_len])
                 rest = dec.step(chunk[:, prompt_len:-1])
-                out = StepOutput(torch.cat([first.logits_BSV[:, -1:], rest.logits_BSV], 1),
-                                 torch.cat([first.passes_BS[:, -1:], rest.passes_BS], 1))
+                out = StepOutput(
+                    torch.cat([first.logits_BSV[:, -1:], rest.logits_BSV], 1),
+                    torch.cat([first.passes_BS[:, -1:], rest.passes_BS], 1),
+                )
             else:
                 out = dec.step(chunk[:, :-1])
-            labels = chunk[:, 1 + max(prompt_len - 1, 0):]
+            labels = chunk[:, 1 + max(prompt_len - 1, 0) :]
             ce = F.cross_entropy(out.logits_BSV.float().flatten(0, 1), labels.flatten(), reduction="sum")
             total += float(ce)
             correct += int((out.logits_BSV.argmax(-1) == labels).sum())
@@ -416,8 +418,9 @@ def generate(
             passes.append(out.passes_BS)
     finally:
         model.train(was_training)
-    passes_BN = torch.cat(passes, 1) if passes else torch.zeros(ids_BP.shape[0], 0, dtype=torch.long,
-                                                                device=ids_BP.device)
+    passes_BN = (
+        torch.cat(passes, 1) if passes else torch.zeros(ids_BP.shape[0], 0, dtype=torch.long, device=ids_BP.device)
+    )
     return Generation(torch.cat(tokens, 1), passes_BN, dec.cache.bytes_per_token())
 
 

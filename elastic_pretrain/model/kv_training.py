@@ -83,16 +83,19 @@ def mixed_attention(layer: Any, h_TBD: Tensor, rope: Tensor, kv: FinalKV, number
     q_TBHd = apply_rotary_pos_emb(q_TBHd, rope, config=attn.config, cp_group=cp)
     k_TBGd = apply_rotary_pos_emb(k_TBGd, rope, config=attn.config, cp_group=cp)
     kf_TBGd, vf_TBGd = kv.past(number, k_TBGd, v_TBGd)
-    ctx_TBD = _past_and_self_attention(q_TBHd, k_TBGd, v_TBGd, kf_TBGd, vf_TBGd,
-                                       scale=attn.core_attention.softmax_scale)
+    ctx_TBD = _past_and_self_attention(
+        q_TBHd, k_TBGd, v_TBGd, kf_TBGd, vf_TBGd, scale=attn.core_attention.softmax_scale
+    )
     out_with_bias = attn.linear_proj(ctx_TBD)
     with layer.bias_dropout_add_exec_handler():
         return layer.self_attn_bda(layer.training, layer.config.bias_dropout_fusion)(
-            out_with_bias, residual, layer.hidden_dropout)
+            out_with_bias, residual, layer.hidden_dropout
+        )
 
 
-def _past_and_self_attention(q_TBHd: Tensor, k_TBGd: Tensor, v_TBGd: Tensor, kf_TBGd: Tensor, vf_TBGd: Tensor, *,
-                             scale: float) -> Tensor:
+def _past_and_self_attention(
+    q_TBHd: Tensor, k_TBGd: Tensor, v_TBGd: Tensor, kf_TBGd: Tensor, vf_TBGd: Tensor, *, scale: float
+) -> Tensor:
     """softmax over [final keys s < t, own key t] of q·k·scale, times the matching values. → ``[T, B, H·d]``."""
     t, b, h, d = q_TBHd.shape
     rep = h // k_TBGd.shape[2]

@@ -135,13 +135,15 @@ class CoreLayer(MegatronModule):
     entry, one checkpoint key) and receive the gradient of every pass.
     """
 
-    def __init__(self, config: TransformerConfig, spec: ModuleSpec, *, layer_number: int, num_passes: int,
-                 tied_attention: bool) -> None:
+    def __init__(
+        self, config: TransformerConfig, spec: ModuleSpec, *, layer_number: int, num_passes: int, tied_attention: bool
+    ) -> None:
         super().__init__(config=config)
         n_attn = 1 if tied_attention else num_passes
         layers = [build_module(spec, config=config, layer_number=layer_number)]
-        layers += [build_module(attention_only(spec), config=config, layer_number=layer_number)
-                   for _ in range(n_attn - 1)]
+        layers += [
+            build_module(attention_only(spec), config=config, layer_number=layer_number) for _ in range(n_attn - 1)
+        ]
         self.passes = LayerList(layers)
         # route replay: pass 0's routing per micro-batch (impl router: its top-k experts; dispatch: a RouteRecord)
         self.pass0_routes: dict[Hashable, Any] = {}
@@ -159,8 +161,17 @@ class CoreLayer(MegatronModule):
     def attention_for(self, pass_idx: int) -> Any:
         return self.passes[min(pass_idx, len(self.passes) - 1)]
 
-    def forward(self, h_TBD: Tensor, *, pass_idx: int, rotary_pos_emb: Tensor | None, replay: bool = False,
-                replay_key: Hashable = None, recomputing: bool = False, kv: FinalKV | None = None) -> Tensor:
+    def forward(
+        self,
+        h_TBD: Tensor,
+        *,
+        pass_idx: int,
+        rotary_pos_emb: Tensor | None,
+        replay: bool = False,
+        replay_key: Hashable = None,
+        recomputing: bool = False,
+        kv: FinalKV | None = None,
+    ) -> Tensor:
         """Pass ``pass_idx``: its own attention, then the shared MLP (inside the FP8 autocast, if any).
 
         ``replay_key`` names the micro-batch whose pass-0 routes a later pass replays. Without pipeline
@@ -217,8 +228,13 @@ class CoreLayer(MegatronModule):
         residual = h_TBD
         x_TBD = layer._forward_pre_mlp_layernorm(h_TBD)
         ep = self.shared_mlp.token_dispatcher.ep_size * self.shared_mlp.token_dispatcher.tp_size
-        out, rec = moe_forward(self.shared_mlp, x_TBD, None if record else self.pass0_routes[key],
-                               exchange_counts=ep > 1, router_losses=pass_idx == 0 and recomputing)
+        out, rec = moe_forward(
+            self.shared_mlp,
+            x_TBD,
+            None if record else self.pass0_routes[key],
+            exchange_counts=ep > 1,
+            router_losses=pass_idx == 0 and recomputing,
+        )
         if record:
             self.pass0_routes[key] = rec
         return layer._forward_post_mlp((out, None), residual)
@@ -296,9 +312,18 @@ class LoopedMoEModel(LanguageModule):
     keep their global names (``core.<global index>.…``), so checkpoints do not depend on the layout.
     """
 
-    def __init__(self, cfg: ModelConfig, config: TransformerConfig, specs: LayerSpecs, *, padded_vocab: int,
-                 stage: int = 0, stages: int = 1, decider: DeciderConfig | None = None,
-                 head_config: TransformerConfig | None = None) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        config: TransformerConfig,
+        specs: LayerSpecs,
+        *,
+        padded_vocab: int,
+        stage: int = 0,
+        stages: int = 1,
+        decider: DeciderConfig | None = None,
+        head_config: TransformerConfig | None = None,
+    ) -> None:
         super().__init__(config=config)
         self.cfg = cfg
         self.padded_vocab = padded_vocab
@@ -309,11 +334,16 @@ class LoopedMoEModel(LanguageModule):
         self.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
         if self.pre_process:
             self.embedding = LanguageModelEmbedding(
-                config=config, vocab_size=padded_vocab, max_sequence_length=0, position_embedding_type="rope",
+                config=config,
+                vocab_size=padded_vocab,
+                max_sequence_length=0,
+                position_embedding_type="rope",
                 scatter_to_sequence_parallel=True,
             )
         self.rotary_pos_emb = RotaryEmbedding(
-            kv_channels=config.kv_channels, rotary_percent=1.0, rotary_base=cfg.rope_base,
+            kv_channels=config.kv_channels,
+            rotary_percent=1.0,
+            rotary_base=cfg.rope_base,
             use_cpu_initialization=config.use_cpu_initialization,
         )
         edge = specs.moe if cfg.edge_mlp == "moe" else specs.dense
@@ -323,12 +353,18 @@ class LoopedMoEModel(LanguageModule):
         coda_number = cfg.prelude_layers + cfg.core_layers_built + 1
         self.prelude = LayerList(
             [build_module(edge, config=config, layer_number=1 + i) for i in range(cfg.prelude_layers)]
-            if self.pre_process else []
+            if self.pre_process
+            else []
         )
         self.core = LayerList(
             [
-                CoreLayer(config, specs.moe, layer_number=core_number + i, num_passes=cfg.max_loops,
-                          tied_attention=cfg.attention == "tied")
+                CoreLayer(
+                    config,
+                    specs.moe,
+                    layer_number=core_number + i,
+                    num_passes=cfg.max_loops,
+                    tied_attention=cfg.attention == "tied",
+                )
                 for i in range(per_stage)
             ],
             start=first_core,
@@ -336,13 +372,16 @@ class LoopedMoEModel(LanguageModule):
         if cfg.route_replay and cfg.route_replay_impl == "dispatch":
             check_replayable(config)
         if cfg.kv_training == "last_loop" and stages > 1:
-            raise ConfigError("model.kv_training=last_loop runs all passes before the graded run: use "
-                              "parallel.pipeline=1, or model.kv_training=same_pass")
+            raise ConfigError(
+                "model.kv_training=last_loop runs all passes before the graded run: use "
+                "parallel.pipeline=1, or model.kv_training=same_pass"
+            )
         for core in self.core_layers():
             core.replay_impl = cfg.route_replay_impl
         self.coda = LayerList(
             [build_module(edge, config=config, layer_number=coda_number + i) for i in range(cfg.coda_layers)]
-            if self.post_process else []
+            if self.post_process
+            else []
         )
         with_conditioning = cfg.loop_conditioning and self.pre_process
         # The head draws from a forked RNG, so building it leaves every later draw (the coda, the output
@@ -365,13 +404,20 @@ class LoopedMoEModel(LanguageModule):
         # train.recompute, set by parallel/: 'pass' re-runs each pass (and ghost pass) in backward
         self.recompute: Literal["none", "selective", "pass"] = "none"
         if self.post_process:
-            self.final_layernorm = build_module(specs.norm, config=config, hidden_size=config.hidden_size,
-                                                eps=config.layernorm_epsilon)
+            self.final_layernorm = build_module(
+                specs.norm, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
+            )
             # head_config: the model's config, or a copy without fused weight-gradient accumulation where its
             # (Apex) kernel is missing (parallel/megatron.py output_layer_config)
             self.output_layer = tensor_parallel.ColumnParallelLinear(
-                config.hidden_size, padded_vocab, config=head_config or config, init_method=config.init_method,
-                bias=False, skip_bias_add=False, gather_output=False, skip_weight_param_allocation=cfg.tie_embeddings,
+                config.hidden_size,
+                padded_vocab,
+                config=head_config or config,
+                init_method=config.init_method,
+                bias=False,
+                skip_bias_add=False,
+                gather_output=False,
+                skip_weight_param_allocation=cfg.tie_embeddings,
             )
         if cfg.tie_embeddings:
             self.setup_embeddings_and_output_layer()
@@ -414,8 +460,15 @@ class LoopedMoEModel(LanguageModule):
         return [p for core in self.core_layers() for p in core.copy_pass0_attention(passes)]
 
     @_in_fp8_forward
-    def run_loops(self, input_ids_BT: Tensor, *, loops: int, exits: Sequence[int], sync_loops: int | None = None,
-                  keep: list[Tensor] | None = None) -> tuple[dict[int, Tensor], Tensor | None]:
+    def run_loops(
+        self,
+        input_ids_BT: Tensor,
+        *,
+        loops: int,
+        exits: Sequence[int],
+        sync_loops: int | None = None,
+        keep: list[Tensor] | None = None,
+    ) -> tuple[dict[int, Tensor], Tensor | None]:
         """Hidden states after the coda and final norm at each exit loop count (sequence-first).
 
         ``sync_loops`` > ``loops``: other members of this rank's expert-parallel group run more
@@ -435,8 +488,9 @@ class LoopedMoEModel(LanguageModule):
         rope = self.rotary_pos_emb(input_ids_BT.shape[1])
         h_TBD = self._embed(input_ids_BT, rope, keep)
         if self.ghosts == "full_passes":
-            return self._run_with_full_ghosts(h_TBD, rope, loops=loops, exits=exits, sync_loops=sync_loops or loops,
-                                              keep=keep), None
+            return self._run_with_full_ghosts(
+                h_TBD, rope, loops=loops, exits=exits, sync_loops=sync_loops or loops, keep=keep
+            ), None
         kv = None
         if self.cfg.kv_training == "last_loop" and max(loops, sync_loops or loops) > 1:
             kv = self._final_kv(h_TBD, loops, exits, sync_loops, rope)  # at ℓ = 1 only to pair with deeper EP partners
@@ -455,8 +509,16 @@ class LoopedMoEModel(LanguageModule):
             ghost = g if ghost is None else ghost + g
         return {e: self._head_states(states[e], rope, kv) for e in sorted(states)}, ghost
 
-    def _run_with_full_ghosts(self, h_TBD: Tensor, rope: Tensor, *, loops: int, exits: Sequence[int], sync_loops: int,
-                              keep: list[Tensor] | None) -> dict[int, Tensor]:
+    def _run_with_full_ghosts(
+        self,
+        h_TBD: Tensor,
+        rope: Tensor,
+        *,
+        loops: int,
+        exits: Sequence[int],
+        sync_loops: int,
+        keep: list[Tensor] | None,
+    ) -> dict[int, Tensor]:
         """``ghosts == "full_passes"`` (DeepSpeed ZeRO-3): every module call of ``sync_loops`` passes, in one order.
 
         ZeRO-3 gathers a module's parameters with a collective over the data-parallel group when the module
@@ -515,8 +577,9 @@ class LoopedMoEModel(LanguageModule):
         return out
 
     @_in_fp8_forward
-    def run_chunk(self, h_TBD: Tensor | None, input_ids_BT: Tensor, *, pass_idx: int, loops: int, sync_loops: int,
-                  key: Hashable) -> Tensor:
+    def run_chunk(
+        self, h_TBD: Tensor | None, input_ids_BT: Tensor, *, pass_idx: int, loops: int, sync_loops: int, key: Hashable
+    ) -> Tensor:
         """Virtual pipeline chunk ``pass_idx`` of this stage, for a micro-batch that runs ℓ = ``loops``.
 
         ``h_TBD`` is None on the first chunk of the first stage (embedding and prelude run first).
@@ -548,16 +611,19 @@ class LoopedMoEModel(LanguageModule):
                 h_TBD, _ = layer(h_TBD, attention_mask=None, rotary_pos_emb=rope)
         return h_TBD
 
-    def _final_kv(self, h_TBD: Tensor, loops: int, exits: Sequence[int], sync_loops: int | None,
-                  rope: Tensor) -> FinalKV:
+    def _final_kv(
+        self, h_TBD: Tensor, loops: int, exits: Sequence[int], sync_loops: int | None, rope: Tensor
+    ) -> FinalKV:
         """``kv_training: last_loop``: the no-grad ℓ-pass run (and its ghost passes, which EP partners
         pair with) that yields each core layer's final-pass K/V, and each coda layer's K/V on top of
         them, for the graded run (model/kv_training.py). At ℓ = 1 the graded run is same-pass (the same
         loss, and the full gradient): this runs there only when an expert-parallel partner at ℓ > 1 needs its
         MoE all-to-alls joined (``sync_loops`` > 1), and its K/V are not used."""
         if any(e != loops for e in exits):
-            raise ValueError(f"model.kv_training=last_loop: exits {sorted(exits)} before ℓ = {loops} would attend to "
-                             "ℓ's final K/V; use one exit per micro-batch (no telescopic exits, no decider training)")
+            raise ValueError(
+                f"model.kv_training=last_loop: exits {sorted(exits)} before ℓ = {loops} would attend to "
+                "ℓ's final K/V; use one exit per micro-batch (no telescopic exits, no decider training)"
+            )
         kv = FinalKV()
         probe, self.routing_probe = self.routing_probe, None  # the routing probe observes the graded run only
         if probe is not None:
@@ -566,8 +632,9 @@ class LoopedMoEModel(LanguageModule):
             with torch.no_grad():
                 h_TBD = h_TBD.detach()
                 for j in range(loops):
-                    h_TBD = self._pass_body(h_TBD, rope, j=j, loops=loops, key=None, recomputing=False,
-                                            kv=kv if j == loops - 1 else None)
+                    h_TBD = self._pass_body(
+                        h_TBD, rope, j=j, loops=loops, key=None, recomputing=False, kv=kv if j == loops - 1 else None
+                    )
                 for _ in range(loops, sync_loops or loops):
                     self._ghost_body(h_TBD)
                 self._head_states(h_TBD, rope, kv)
@@ -576,8 +643,16 @@ class LoopedMoEModel(LanguageModule):
         kv.capture = False
         return kv
 
-    def _core_pass(self, h_TBD: Tensor, j: int, loops: int, rope: Tensor, key: Hashable = None,
-                   kv: FinalKV | None = None, ghost: bool = False) -> Tensor:
+    def _core_pass(
+        self,
+        h_TBD: Tensor,
+        j: int,
+        loops: int,
+        rope: Tensor,
+        key: Hashable = None,
+        kv: FinalKV | None = None,
+        ghost: bool = False,
+    ) -> Tensor:
         """Pass j of a micro-batch that runs ℓ = ``loops`` through this stage's core layers (``ghost``: pass
         j >= ℓ run only for its module calls, see :meth:`_run_with_full_ghosts`)."""
         body = partial(self._pass_body, j=j, loops=loops, key=key, kv=kv, ghost=ghost)
@@ -585,8 +660,18 @@ class LoopedMoEModel(LanguageModule):
             return self._checkpointed(body, h_TBD, rope)
         return body(h_TBD, rope, recomputing=False)
 
-    def _pass_body(self, h_TBD: Tensor, rope: Tensor, *, j: int, loops: int, key: Hashable,
-                   recomputing: bool, kv: FinalKV | None = None, ghost: bool = False) -> Tensor:
+    def _pass_body(
+        self,
+        h_TBD: Tensor,
+        rope: Tensor,
+        *,
+        j: int,
+        loops: int,
+        key: Hashable,
+        recomputing: bool,
+        kv: FinalKV | None = None,
+        ghost: bool = False,
+    ) -> Tensor:
         if self.loop_conditioning is not None and self.conditioning_active:
             h_TBD = h_TBD + self.loop_conditioning(loops, j).to(h_TBD.dtype)
         if self.routing_probe is not None:  # a recomputed pass was observed already; a ghost pass never
@@ -594,8 +679,15 @@ class LoopedMoEModel(LanguageModule):
         routers = [core.shared_mlp.router for core in self.core_layers()] if ghost else []
         with _without_router_losses(routers):
             for core in self.core:
-                h_TBD = core(h_TBD, pass_idx=j, rotary_pos_emb=rope, replay=self.cfg.route_replay, replay_key=key,
-                             recomputing=recomputing, kv=kv)
+                h_TBD = core(
+                    h_TBD,
+                    pass_idx=j,
+                    rotary_pos_emb=rope,
+                    replay=self.cfg.route_replay,
+                    replay_key=key,
+                    recomputing=recomputing,
+                    kv=kv,
+                )
         return h_TBD
 
     def _ghost_pass(self, like_TBD: Tensor) -> Tensor:
@@ -677,9 +769,18 @@ class LoopedMoEModel(LanguageModule):
         return logits_TBV
 
     @_in_fp8_forward
-    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None, attention_mask: Tensor | None = None,
-                labels: Tensor | None = None, *, loops: int | None = None, exits: Sequence[int] = (),
-                sync_loops: int | None = None, exit_axis: Literal["loop", "layer"] = "loop") -> dict[int, Tensor]:
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+        *,
+        loops: int | None = None,
+        exits: Sequence[int] = (),
+        sync_loops: int | None = None,
+        exit_axis: Literal["loop", "layer"] = "loop",
+    ) -> dict[int, Tensor]:
         """Run ℓ = ``loops`` passes (default L_max).
 
         Returns ``{exit: tensor}`` for ℓ and every extra exit in ``exits`` (< ℓ): per-token losses
@@ -723,10 +824,13 @@ class LoopedMoEModel(LanguageModule):
             raise RuntimeError("forward_decider needs a model built with a decider")
         if self.decider.cfg.backbone == "per_token":  # TaH2 joint post-training under per-token depth
             if self.config.tensor_model_parallel_size != 1 or self.cfg.kv_training != "same_pass":
-                raise ConfigError("decider.backbone=per_token: runs with parallel tensor=1 and model.kv_training="
-                                  "same_pass (use backbone: joint for tensor parallelism)")
-            return run_per_token(self, self.decider, input_ids,
-                                 lambda h: self.compute_language_model_loss(labels, self.logits(h)))
+                raise ConfigError(
+                    "decider.backbone=per_token: runs with parallel tensor=1 and model.kv_training="
+                    "same_pass (use backbone: joint for tensor parallelism)"
+                )
+            return run_per_token(
+                self, self.decider, input_ids, lambda h: self.compute_language_model_loss(labels, self.logits(h))
+            )
         loops = self.cfg.max_loops
         keep: list[Tensor] = []
         states, _ = self.run_loops(input_ids, loops=loops, exits=range(1, loops + 1), keep=keep)

@@ -34,8 +34,13 @@ import torch
 from megatron.core.transformer.moe.moe_utils import permute
 from torch import Tensor
 
-_SNAPSHOT = ("input_splits", "output_splits", "output_splits_tp", "num_out_tokens",
-             "num_global_tokens_per_local_expert")
+_SNAPSHOT = (
+    "input_splits",
+    "output_splits",
+    "output_splits_tp",
+    "num_out_tokens",
+    "num_global_tokens_per_local_expert",
+)
 
 
 @dataclasses.dataclass
@@ -71,21 +76,28 @@ def replay_gates(logits_NE: Tensor, topk_NK: Tensor, config: Any) -> Tensor:
 
 def check_replayable(config: Any) -> None:
     """The dispatcher settings whose metadata a replay can reuse as recorded (dropless, no padding)."""
-    bad = [name for name, on in (
-        ("moe_expert_capacity_factor", config.moe_expert_capacity_factor is not None),
-        ("moe_router_padding_for_quantization", bool(config.moe_router_padding_for_quantization)),
-        ("moe_latent_size", bool(config.moe_latent_size)),
-        ("moe_router_num_groups", bool(config.moe_router_group_topk)),
-        ("moe_router_enable_expert_bias", bool(config.moe_router_enable_expert_bias)),
-        ("moe_shared_expert_overlap", bool(config.moe_shared_expert_overlap)),
-    ) if on]
+    bad = [
+        name
+        for name, on in (
+            ("moe_expert_capacity_factor", config.moe_expert_capacity_factor is not None),
+            ("moe_router_padding_for_quantization", bool(config.moe_router_padding_for_quantization)),
+            ("moe_latent_size", bool(config.moe_latent_size)),
+            ("moe_router_num_groups", bool(config.moe_router_group_topk)),
+            ("moe_router_enable_expert_bias", bool(config.moe_router_enable_expert_bias)),
+            ("moe_shared_expert_overlap", bool(config.moe_shared_expert_overlap)),
+        )
+        if on
+    ]
     if bad or config.moe_token_dispatcher_type != "alltoall":
-        raise ValueError(f"route_replay_impl dispatch needs the dropless alltoall dispatcher without {bad}; "
-                         "use route_replay_impl: router")
+        raise ValueError(
+            f"route_replay_impl dispatch needs the dropless alltoall dispatcher without {bad}; "
+            "use route_replay_impl: router"
+        )
 
 
-def moe_forward(moe: Any, x_TBD: Tensor, record: RouteRecord | None, *, exchange_counts: bool,
-                router_losses: bool = False) -> tuple[Tensor, RouteRecord]:
+def moe_forward(
+    moe: Any, x_TBD: Tensor, record: RouteRecord | None, *, exchange_counts: bool, router_losses: bool = False
+) -> tuple[Tensor, RouteRecord]:
     """megatron ``MoELayer.forward`` (route → dispatch → experts → combine), recording when ``record``
     is None and replaying it otherwise. Returns (output ``[T, B, D]``, the record).
 
@@ -98,8 +110,9 @@ def moe_forward(moe: Any, x_TBD: Tensor, record: RouteRecord | None, *, exchange
         permuted, permuted_probs = moe.preprocess(x_TBD, probs, routing_map)
         rows_R = disp.reversed_local_input_permutation_mapping
     else:
-        permuted, permuted_probs = _replay_preprocess(moe, x_TBD, record, exchange_counts=exchange_counts,
-                                                      router_losses=router_losses)
+        permuted, permuted_probs = _replay_preprocess(
+            moe, x_TBD, record, exchange_counts=exchange_counts, router_losses=router_losses
+        )
     saved_points = disp.cuda_dtoh_point, disp.cuda_sync_point
     if record is not None and not exchange_counts:  # all counts are host values already: no copy, no sync
         disp.cuda_dtoh_point = disp.cuda_sync_point = "no_sync"
@@ -127,13 +140,19 @@ def _record(moe: Any, routing_map_NE: Tensor, rows_R: Tensor, tokens_per_expert:
     if not disp.config.moe_permute_fusion and not rows_R.is_cuda and not torch.equal(slots_R // k, rows_R):
         # (fused: rows_R is Transformer Engine's row-id map; on CUDA the check would cost a host sync)
         raise RuntimeError("route replay: the recorded permutation differs from megatron's")
-    return RouteRecord(topk_NK=topk_NK, routing_map_NE=routing_map_NE, rows_R=rows_R, slots_R=slots_R,
-                       tokens_per_expert=tokens_per_expert,
-                       dispatcher={name: getattr(disp, name) for name in _SNAPSHOT})
+    return RouteRecord(
+        topk_NK=topk_NK,
+        routing_map_NE=routing_map_NE,
+        rows_R=rows_R,
+        slots_R=slots_R,
+        tokens_per_expert=tokens_per_expert,
+        dispatcher={name: getattr(disp, name) for name in _SNAPSHOT},
+    )
 
 
-def _replay_preprocess(moe: Any, x_TBD: Tensor, rec: RouteRecord, *, exchange_counts: bool,
-                       router_losses: bool) -> tuple[Tensor, Tensor]:
+def _replay_preprocess(
+    moe: Any, x_TBD: Tensor, rec: RouteRecord, *, exchange_counts: bool, router_losses: bool
+) -> tuple[Tensor, Tensor]:
     """``MoELayer.route`` + ``preprocess`` from a record: live gates, recorded dispatch metadata."""
     disp, router = moe.token_dispatcher, moe.router
     x_ND = x_TBD.reshape(-1, x_TBD.shape[-1])
@@ -165,20 +184,23 @@ def _replay_preprocess(moe: Any, x_TBD: Tensor, rec: RouteRecord, *, exchange_co
     if disp.config.moe_permute_fusion:  # Transformer Engine's fused permute takes dense [N, E] probs
         probs_NE = torch.zeros_like(rec.routing_map_NE, dtype=gates_NK.dtype).scatter(1, rec.topk_NK, gates_NK)
         permuted, permuted_probs, disp.reversed_local_input_permutation_mapping = permute(
-            x_ND, rec.routing_map_NE, probs=probs_NE, num_out_tokens=disp.num_out_tokens, fused=True)
+            x_ND, rec.routing_map_NE, probs=probs_NE, num_out_tokens=disp.num_out_tokens, fused=True
+        )
         return permuted, permuted_probs
     disp.reversed_local_input_permutation_mapping = rec.rows_R
     return x_ND.index_select(0, rec.rows_R), gates_NK.reshape(-1).index_select(0, rec.slots_R)
 
 
-def _with_aux_losses(router: Any, logits_NE: Tensor, gates_NK: Tensor, rec: RouteRecord, seq: int,
-                     batch: int) -> Tensor:
+def _with_aux_losses(
+    router: Any, logits_NE: Tensor, gates_NK: Tensor, rec: RouteRecord, seq: int, batch: int
+) -> Tensor:
     """The gates with megatron's load-balancing losses attached (``TopKRouter.routing``'s aux section)."""
     from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
 
     probs_NE = torch.zeros_like(logits_NE).scatter(1, rec.topk_NK, gates_NK)
-    rmap, scores = compute_routing_scores_for_aux_loss(logits_NE, router.topk, router.score_function,
-                                                       fused=router.config.moe_router_fusion)
+    rmap, scores = compute_routing_scores_for_aux_loss(
+        logits_NE, router.topk, router.score_function, fused=router.config.moe_router_fusion
+    )
     probs_NE = router._apply_aux_loss(probs_NE, scores, rmap, with_padding_mask=False)
     probs_NE = router._apply_seq_aux_loss(probs_NE, scores, rmap, seq, batch, with_padding_mask=False)
     probs_NE = router._apply_global_aux_loss(probs_NE, scores, rmap, with_padding_mask=False)

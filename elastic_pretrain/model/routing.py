@@ -71,7 +71,8 @@ class RoutingProbe:
         topk_NK = top_NK.indices[:, :k]
         dev = logits_NE.device  # the router's device: CUDA kernels do not mix in CPU buffers
         load_E = torch.zeros(e, dtype=torch.float64, device=dev).index_add_(
-            0, topk_NK.reshape(-1), torch.ones(topk_NK.numel(), dtype=torch.float64, device=dev))
+            0, topk_NK.reshape(-1), torch.ones(topk_NK.numel(), dtype=torch.float64, device=dev)
+        )
         mean_load = load_E.mean()
         if pass_idx == 0:
             self._pass0_topk[(layer, key)] = topk_NK
@@ -83,10 +84,16 @@ class RoutingProbe:
             else:
                 overlap = torch.ones((), device=dev)
         entropy = -(probs_NE * probs_NE.clamp_min(1e-12).log()).sum(-1)
-        values = torch.stack([
-            probs_NE.max(-1).values.double().mean(), margin.double().mean(), entropy.double().mean(),
-            load_E.std(unbiased=False) / mean_load, load_E.max() / mean_load - 1, overlap.double(),
-        ])
+        values = torch.stack(
+            [
+                probs_NE.max(-1).values.double().mean(),
+                margin.double().mean(),
+                entropy.double().mean(),
+                load_E.std(unbiased=False) / mean_load,
+                load_E.max() / mean_load - 1,
+                overlap.double(),
+            ]
+        )
         if self.sums_KLS.device != dev:  # first observation: the sums live where the router runs
             self.sums_KLS, self.counts_KL = self.sums_KLS.to(dev), self.counts_KL.to(dev)
         self.sums_KLS[layer, pass_idx] += values * n

@@ -186,8 +186,22 @@ def _sp_torch_norm() -> None:
 
 # 7 ------------------------------------------------------------------------------------------------
 _FACTORIES = frozenset(
-    {"zeros", "ones", "empty", "full", "tensor", "as_tensor", "arange", "rand", "randn", "randint",
-     "zeros_like", "ones_like", "empty_like", "full_like"}
+    {
+        "zeros",
+        "ones",
+        "empty",
+        "full",
+        "tensor",
+        "as_tensor",
+        "arange",
+        "rand",
+        "randn",
+        "randint",
+        "zeros_like",
+        "ones_like",
+        "empty_like",
+        "full_like",
+    }
 )
 
 
@@ -377,16 +391,23 @@ PATCHES: tuple[Patch, ...] = (
         "checkpoint_rng",
         "tensor_parallel.checkpoint (selective recompute of core attention) saves and restores the CUDA RNG "
         "state unconditionally; without CUDA there is none to keep.",
-        (Probe("megatron.core.tensor_parallel.random", "_get_all_rng_states", "_get_cuda_rng_state("),
-         Probe("megatron.core.tensor_parallel.random", "_set_all_rng_states", "_set_cuda_rng_state(")),
+        (
+            Probe("megatron.core.tensor_parallel.random", "_get_all_rng_states", "_get_cuda_rng_state("),
+            Probe("megatron.core.tensor_parallel.random", "_set_all_rng_states", "_set_cuda_rng_state("),
+        ),
         _checkpoint_rng,
     ),
     Patch(
         "sharded_tensor_init_data",
         "The fully parallel checkpoint load allocates the exchange buffer of a shard this rank does not "
         "need with ShardedTensor.init_data('cuda') (checkpoint/parallel_io.py); allocate it on CPU.",
-        (Probe("megatron.core.dist_checkpointing.exchange_utils", "_get_empty_tensor_for_exchange",
-               'sh_ten.init_data("cuda")'),),
+        (
+            Probe(
+                "megatron.core.dist_checkpointing.exchange_utils",
+                "_get_empty_tensor_for_exchange",
+                'sh_ten.init_data("cuda")',
+            ),
+        ),
         _sharded_tensor_init_data,
     ),
     Patch(
@@ -397,8 +418,10 @@ PATCHES: tuple[Patch, ...] = (
         "runs; the no-op decorator keeps them plain. Applied by the import hook (elastic_pretrain/_import_hooks.py) "
         "as megatron.core.jit is imported, before anything decorates with it; apply_cpu_patches only covers "
         "functions decorated later, if megatron was imported before elastic_pretrain.",
-        (Probe("megatron.core.jit", "enable_jit_fuser", "jit_fuser = torch.compile"),
-         Probe("megatron.core.jit", "disable_jit_fuser", "jit_fuser = noop_decorator")),
+        (
+            Probe("megatron.core.jit", "enable_jit_fuser", "jit_fuser = torch.compile"),
+            Probe("megatron.core.jit", "disable_jit_fuser", "jit_fuser = noop_decorator"),
+        ),
         _eager_jit_fuser,
     ),
 )

@@ -223,8 +223,12 @@ def layer_specs(model: ModelConfig, backend: Literal["te", "local"] | None = Non
 
 
 def build_model(
-    model: ModelConfig, parallel: ParallelConfig, *, decider: DeciderConfig | None = None,
-    recompute: Recompute = "none", main_grad: bool = False,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    decider: DeciderConfig | None = None,
+    recompute: Recompute = "none",
+    main_grad: bool = False,
 ) -> LoopedMoEModel:
     """Build the looped model (this pipeline stage's part of it) for the current process's place in the
     (already initialised) mesh (with an iteration decider submodule when ``decider`` is given: a decider job
@@ -235,10 +239,16 @@ def build_model(
     require("megatron", "torch")  # a private name the model or checkpoints use, gone in this version: one line
     check_pipeline(model, parallel)
     tconfig = transformer_config(model, parallel, recompute=recompute, main_grad=main_grad)
-    net = LoopedMoEModel(model, tconfig, layer_specs(model),
-                         padded_vocab=padded_vocab_size(model.vocab_size, parallel.tensor),
-                         stage=parallel_state.get_pipeline_model_parallel_rank(), stages=parallel.pipeline,
-                         decider=decider, head_config=output_layer_config(tconfig))
+    net = LoopedMoEModel(
+        model,
+        tconfig,
+        layer_specs(model),
+        padded_vocab=padded_vocab_size(model.vocab_size, parallel.tensor),
+        stage=parallel_state.get_pipeline_model_parallel_rank(),
+        stages=parallel.pipeline,
+        decider=decider,
+        head_config=output_layer_config(tconfig),
+    )
     net.recompute = recompute
     mark_tp_replicated_experts(net, parallel)
 

@@ -81,8 +81,12 @@ class StageMemory:
         return self.dispatch_bytes + self.nccl_bytes
 
     def total(self, loops: int, recompute: str) -> int:
-        return (self.static_bytes + self.activation_bytes[recompute][loops] + self.imbalance_bytes[recompute][loops]
-                + self.comm_bytes)
+        return (
+            self.static_bytes
+            + self.activation_bytes[recompute][loops]
+            + self.imbalance_bytes[recompute][loops]
+            + self.comm_bytes
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,22 +113,32 @@ class MemoryEstimate:
         def gib(n: int) -> str:
             return f"{n / (2**30 if unit == 'GiB' else 2**20):.2f}"
 
-        out = [f"memory per rank ({unit}) at world size {self.world_size}, micro-batch {self.micro_batch_size} x "
-               f"seq {self.seq_len}, {self.spec} spec" + (f", device {gib(gpu_memory)} {unit}" if gpu_memory else "")]
+        out = [
+            f"memory per rank ({unit}) at world size {self.world_size}, micro-batch {self.micro_batch_size} x "
+            f"seq {self.seq_len}, {self.spec} spec" + (f", device {gib(gpu_memory)} {unit}" if gpu_memory else "")
+        ]
         for st in self.stages:
-            out.append(f"stage {st.stage}: {st.params / 1e6:.1f}M params | params {gib(st.param_bytes)} | grads "
-                       f"{gib(st.grad_bytes)} | optimizer {gib(st.optimizer_bytes)} | static {gib(st.static_bytes)}")
+            out.append(
+                f"stage {st.stage}: {st.params / 1e6:.1f}M params | params {gib(st.param_bytes)} | grads "
+                f"{gib(st.grad_bytes)} | optimizer {gib(st.optimizer_bytes)} | static {gib(st.static_bytes)}"
+            )
             ells = range(1, self.max_loops + 1)
             out.append("  activations  " + "".join(f"{'l=' + str(ell):>9}" for ell in ells))
             for mode in RECOMPUTE_MODES:
                 acts = st.activation_bytes[mode]
                 out.append(f"  {mode:<11}  " + "".join(f"{gib(acts[ell]):>9}" for ell in sorted(acts)))
-            out.append("  imbalance    " + "".join(f"{gib(st.imbalance_bytes['none'][ell]):>9}" for ell in ells)
-                       + f"   (recompute none; MaxVio {self.maxvio:g}: the most loaded EP rank's expert activations)")
-            out.append(f"  comm         all-to-all {gib(st.dispatch_bytes)} | NCCL {gib(st.nccl_bytes)} | "
-                       "DDP 0 (in place in the grad/param buffers)")
-            out.append("  total        " + "".join(
-                f"{gib(st.total(ell, 'none')):>9}" for ell in ells) + "   (recompute none)")
+            out.append(
+                "  imbalance    "
+                + "".join(f"{gib(st.imbalance_bytes['none'][ell]):>9}" for ell in ells)
+                + f"   (recompute none; MaxVio {self.maxvio:g}: the most loaded EP rank's expert activations)"
+            )
+            out.append(
+                f"  comm         all-to-all {gib(st.dispatch_bytes)} | NCCL {gib(st.nccl_bytes)} | "
+                "DDP 0 (in place in the grad/param buffers)"
+            )
+            out.append(
+                "  total        " + "".join(f"{gib(st.total(ell, 'none')):>9}" for ell in ells) + "   (recompute none)"
+            )
         return out
 
 
@@ -134,8 +148,14 @@ def check_maxvio(maxvio: float, name: str = "maxvio") -> None:
 
 
 # ---------------------------------------------------------------------------------------------------
-def estimate_memory(job: JobConfig, world_size: int, *, micro_batch_size: int | None = None,
-                    spec: Spec = "te", maxvio: float = PLANNING_MAXVIO) -> MemoryEstimate:
+def estimate_memory(
+    job: JobConfig,
+    world_size: int,
+    *,
+    micro_batch_size: int | None = None,
+    spec: Spec = "te",
+    maxvio: float = PLANNING_MAXVIO,
+) -> MemoryEstimate:
     """Per-rank memory of ``job`` on ``world_size`` ranks (its mesh: ``job.parallel``); ``maxvio``: the routing
     imbalance assumed for the most loaded expert-parallel rank (max load / mean load − 1)."""
     par, m = job.parallel, job.model
@@ -152,22 +172,47 @@ def estimate_memory(job: JobConfig, world_size: int, *, micro_batch_size: int | 
     for stage in range(par.pipeline):
         dense, expert, fp32 = _param_counts(job, stage, spec)
         el = 2 if m.dtype == "bf16" else 4
-        opt_per_param = (12 if m.dtype == "bf16" else 8)  # fp32 master copy + Adam m, v
+        opt_per_param = 12 if m.dtype == "bf16" else 8  # fp32 master copy + Adam m, v
         shard_dense, shard_expert = (dp, edp) if job.train.distributed_optimizer else (1, 1)
         optimizer = opt_per_param * (math.ceil(dense / shard_dense) + math.ceil(expert / shard_expert))
         acts, extra = (_activations(job, stage, mbs, spec, world_size, load=x) for x in (1.0, load))
         imbalance = {mode: {ell: extra[mode][ell] - acts[mode][ell] for ell in acts[mode]} for mode in acts}
         n = dense + expert
-        stages.append(StageMemory(stage=stage, params=n, param_bytes=el * (n - fp32) + 4 * fp32, grad_bytes=4 * n,
-                                  optimizer_bytes=optimizer, activation_bytes=acts, imbalance_bytes=imbalance,
-                                  dispatch_bytes=_dispatch_bytes(job, mbs, load), nccl_bytes=nccl))
-    return MemoryEstimate(world_size=world_size, micro_batch_size=mbs, seq_len=job.data.seq_len,
-                          max_loops=m.max_loops, spec=spec, maxvio=maxvio, stages=tuple(stages))
+        stages.append(
+            StageMemory(
+                stage=stage,
+                params=n,
+                param_bytes=el * (n - fp32) + 4 * fp32,
+                grad_bytes=4 * n,
+                optimizer_bytes=optimizer,
+                activation_bytes=acts,
+                imbalance_bytes=imbalance,
+                dispatch_bytes=_dispatch_bytes(job, mbs, load),
+                nccl_bytes=nccl,
+            )
+        )
+    return MemoryEstimate(
+        world_size=world_size,
+        micro_batch_size=mbs,
+        seq_len=job.data.seq_len,
+        max_loops=m.max_loops,
+        spec=spec,
+        maxvio=maxvio,
+        stages=tuple(stages),
+    )
 
 
-def largest_micro_batch(job: JobConfig, world_size: int, gpu_memory: int, *, recompute: str | None = None,
-                        loops: int | None = None, spec: Spec = "te", headroom: float = 0.9,
-                        maxvio: float = PLANNING_MAXVIO) -> int:
+def largest_micro_batch(
+    job: JobConfig,
+    world_size: int,
+    gpu_memory: int,
+    *,
+    recompute: str | None = None,
+    loops: int | None = None,
+    spec: Spec = "te",
+    headroom: float = 0.9,
+    maxvio: float = PLANNING_MAXVIO,
+) -> int:
     """The largest micro-batch size whose peak (at ℓ = ``loops``, default L_max) fits ``headroom`` of
     ``gpu_memory`` bytes (the rest: CUDA context, allocator fragmentation); 0 if none does."""
     mode = recompute or job.train.recompute
@@ -238,15 +283,22 @@ _LOCAL_PASS = {"fp32": (2.84, 0.99, 5.68, 6.79, 4.08), "bf16": (4.08, 2.86, 8.16
 _LOCAL_BASE = {"fp32": (2.67, 12.83, 0.36, 5.19, 4.95), "bf16": (5.76, 16.97, 3.01, 4.96, 3.94)}
 
 
-def _activations(job: JobConfig, stage: int, mbs: int, spec: Spec, world_size: int,
-                 load: float) -> dict[str, dict[int, int]]:
+def _activations(
+    job: JobConfig, stage: int, mbs: int, spec: Spec, world_size: int, load: float
+) -> dict[str, dict[int, int]]:
     """recompute mode -> ℓ -> bytes saved for backward (:func:`_activation_bytes`)."""
-    return {mode: {ell: _activation_bytes(job, stage, ell, mode, mbs, spec, world_size, load=load)
-                   for ell in range(1, job.model.max_loops + 1)} for mode in RECOMPUTE_MODES}
+    return {
+        mode: {
+            ell: _activation_bytes(job, stage, ell, mode, mbs, spec, world_size, load=load)
+            for ell in range(1, job.model.max_loops + 1)
+        }
+        for mode in RECOMPUTE_MODES
+    }
 
 
-def _activation_bytes(job: JobConfig, stage: int, loops: int, recompute: str, mbs: int, spec: Spec,
-                      world_size: int, *, load: float = 1.0) -> int:
+def _activation_bytes(
+    job: JobConfig, stage: int, loops: int, recompute: str, mbs: int, spec: Spec, world_size: int, *, load: float = 1.0
+) -> int:
     """Bytes saved for backward on one rank of ``stage`` while the most micro-batches are in flight; ``load``:
     the tokens its experts receive over its share (1 + MaxVio on the most loaded expert-parallel rank)."""
     m, par = job.model, job.parallel
@@ -267,9 +319,11 @@ def _activation_bytes(job: JobConfig, stage: int, loops: int, recompute: str, mb
         if recompute == "selective":  # core attention recomputed: its s² scores are not kept
             layer_pass -= attn_s2
         cb = _LOCAL_BASE[m.dtype]
-        base = (cb[0] * el * n * d * (first + last) / 2
-                + edge * (cb[1] * el * n * d + cb[2] * el * b * h * s * s + cb[3] * el * n * m.ffn_hidden_size)
-                + (cb[4] * n * padded_vocab_size(m.vocab_size) if last else 0))
+        base = (
+            cb[0] * el * n * d * (first + last) / 2
+            + edge * (cb[1] * el * n * d + cb[2] * el * b * h * s * s + cb[3] * el * n * m.ffn_hidden_size)
+            + (cb[4] * n * padded_vocab_size(m.vocab_size) if last else 0)
+        )
     else:
         # TE + flash attention (bf16 GEMM inputs; no dropout): attention keeps the norm input, the
         # norm output (QKV input), Q, K, V, the attention output (projection input): 6·N·D; the MoE
@@ -283,9 +337,11 @@ def _activation_bytes(job: JobConfig, stage: int, loops: int, recompute: str, mb
         if recompute == "selective":  # Q, K, V and the attention output are recomputed from the norm output
             layer_pass -= el * 4 * n * d
         dense_layer = el * (8 * n * d + 3 * n * m.ffn_hidden_size) + lse
-        base = (el * n * d * (first + last)  # embedding output / final norm input
-                + edge * dense_layer
-                + (4 * n * padded_vocab_size(m.vocab_size) + el * n * d if last else 0))  # CE softmax (fp32), head in
+        base = (
+            el * n * d * (first + last)  # embedding output / final norm input
+            + edge * dense_layer
+            + (4 * n * padded_vocab_size(m.vocab_size) + el * n * d if last else 0)
+        )  # CE softmax (fp32), head in
     layer_pass, base = layer_pass / tp, base / tp  # sequence parallelism (on with TP) splits every term
     core = m.core_layers_built // par.pipeline
     hidden = el * n * d / tp  # one pass's input: all that recompute=pass keeps of it

@@ -85,8 +85,10 @@ class GradLedger:
     def __init__(self, ddp: DistributedDataParallel) -> None:
         self.ddp = ddp
         # one lane per process group: the dense buckets and the expert-parallel ones, each in megatron's order
-        self.lanes: list[list[_ParamAndGradBucketGroup]] = [list(ddp.bucket_groups),
-                                                            list(ddp.expert_parallel_bucket_groups)]
+        self.lanes: list[list[_ParamAndGradBucketGroup]] = [
+            list(ddp.bucket_groups),
+            list(ddp.expert_parallel_bucket_groups),
+        ]
         self.where: dict[torch.nn.Parameter, tuple[int, int]] = {}
         for lane, groups in enumerate(self.lanes):
             for k, group in enumerate(groups):
@@ -96,9 +98,11 @@ class GradLedger:
         self.in_step = False
         self.overlapped = 0
         self._reset(calls=0)
-        self._hooks = [m.register_forward_pre_hook(self._make_use_hook(owned))
-                       for m in ddp.module.modules()
-                       if (owned := tuple(p for p in m.parameters(recurse=False) if p in self.where))]
+        self._hooks = [
+            m.register_forward_pre_hook(self._make_use_hook(owned))
+            for m in ddp.module.modules()
+            if (owned := tuple(p for p in m.parameters(recurse=False) if p in self.where))
+        ]
 
     def _reset(self, calls: int) -> None:
         self.calls_left = calls
@@ -180,7 +184,7 @@ class GradLedger:
         """Start every bucket not started yet (same order on every rank), then wait for all of them."""
         self.overlapped = sum(self.started)  # started during backward (tests check that overlap happened)
         for lane, groups in enumerate(self.lanes):
-            for group in groups[self.started[lane]:]:
+            for group in groups[self.started[lane] :]:
                 group.start_grad_sync(force_all_reduce=force_all_reduce)
             self.started[lane] = len(groups)
         for groups in self.lanes:

@@ -218,8 +218,9 @@ class _ChunkForward:
         m, mb = next(data_iterator)
         net, j, plan = chunk.net, chunk.pass_idx, mb.plan
         inputs, labels = mb.tokens_BT1[:, :-1].contiguous(), mb.tokens_BT1[:, 1:].contiguous()
-        h_TBD = net.run_chunk(chunk.input_tensor, inputs, pass_idx=j, loops=plan.loops,
-                              sync_loops=self.sync_loops[m], key=m)
+        h_TBD = net.run_chunk(
+            chunk.input_tensor, inputs, pass_idx=j, loops=plan.loops, sync_loops=self.sync_loops[m], key=m
+        )
         if not net.post_process:
             return h_TBD, None
         if j + 1 < net.cfg.max_loops:  # not the last chunk: an extra exit may end here
@@ -249,8 +250,18 @@ def run_pipeline(pipeline: Pipeline, micro_batches: list[MicroBatch], *, seq_len
     loss_scale = float(grad_scale(torch.ones(1, device=device()))) if grad_scale is not None and training else 1.0
     forward = _ChunkForward(sync, loss_scale=loss_scale / len(micro_batches), training=training)
     if not training:
-        return pipeline.run(forward, micro_batches, seq_length=seq_len,
-                            micro_batch_size=micro_batches[0].tokens_BT1.shape[0], forward_only=True)
+        return pipeline.run(
+            forward,
+            micro_batches,
+            seq_length=seq_len,
+            micro_batch_size=micro_batches[0].tokens_BT1.shape[0],
+            forward_only=True,
+        )
     with overlapped_step(pipeline.ddp, forward, len(micro_batches) * len(pipeline.chunks)) as forward_step:
-        return pipeline.run(forward_step, micro_batches, seq_length=seq_len,
-                            micro_batch_size=micro_batches[0].tokens_BT1.shape[0], forward_only=False)
+        return pipeline.run(
+            forward_step,
+            micro_batches,
+            seq_length=seq_len,
+            micro_batch_size=micro_batches[0].tokens_BT1.shape[0],
+            forward_only=False,
+        )

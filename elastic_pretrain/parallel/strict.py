@@ -44,18 +44,57 @@ ENV = "ELASTIC_PRETRAIN_STRICT_DEVICES"
 _HOST = "_elastic_pretrain_host"  # attribute set on host tensors: where they were born
 
 _FACTORIES = frozenset(
-    {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "linspace", "rand", "randn", "randint",
-     "randperm", "eye", "scalar_tensor"}
+    {
+        "tensor",
+        "as_tensor",
+        "zeros",
+        "ones",
+        "empty",
+        "full",
+        "arange",
+        "linspace",
+        "rand",
+        "randn",
+        "randint",
+        "randperm",
+        "eye",
+        "scalar_tensor",
+    }
 )
 _LIKE = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like"})
 _KEEP_SELF = frozenset({"copy_", "__setitem__"})  # writes into ``self``: its placement does not change
 
 # (parameter names that hold tensors) of the collectives we check
-_TENSOR_ARGS = ("tensor", "tensor_list", "output", "input", "output_tensor", "input_tensor", "output_tensor_list",
-                "input_tensor_list", "gather_list", "scatter_list", "scatter_list")
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
-                "reduce_scatter_tensor", "_reduce_scatter_base", "broadcast", "reduce", "all_to_all",
-                "all_to_all_single", "gather", "scatter", "send", "recv")
+_TENSOR_ARGS = (
+    "tensor",
+    "tensor_list",
+    "output",
+    "input",
+    "output_tensor",
+    "input_tensor",
+    "output_tensor_list",
+    "input_tensor_list",
+    "gather_list",
+    "scatter_list",
+    "scatter_list",
+)
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "_all_gather_base",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "_reduce_scatter_base",
+    "broadcast",
+    "reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+)
 # megatron modules that bind a collective at import time (``dist_all_gather_func = ...``)
 _BOUND = (
     ("megatron.core.tensor_parallel.mappings", ("dist_all_gather_func", "dist_reduce_scatter_func")),

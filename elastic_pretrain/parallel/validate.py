@@ -84,8 +84,16 @@ def check_layout(job: JobConfig, world_size: int) -> Layout:
     model.check_pipeline(pp)
     micro = job.train.micro_batches(dp)  # global batch % (micro batch * DP)
     check_micro_batches(micro, pp)
-    return Layout(world_size=world_size, tensor=tp, pipeline=pp, expert=ep, data=dp, micro_batches=micro,
-                  sequence_parallel=sp, padded_vocab=padded_vocab_size(model.vocab_size, tp))
+    return Layout(
+        world_size=world_size,
+        tensor=tp,
+        pipeline=pp,
+        expert=ep,
+        data=dp,
+        micro_batches=micro,
+        sequence_parallel=sp,
+        padded_vocab=padded_vocab_size(model.vocab_size, tp),
+    )
 
 
 def _check_tensor(job: JobConfig, tp: int) -> None:
@@ -103,9 +111,7 @@ def _check_tensor(job: JobConfig, tp: int) -> None:
         (model.ffn_hidden_size, "model.ffn_hidden_size"),
     ):
         if value % tp:
-            raise ConfigError(
-                f"parallel.tensor={tp} does not divide {what}={value}: use a tensor size that divides it"
-            )
+            raise ConfigError(f"parallel.tensor={tp} does not divide {what}={value}: use a tensor size that divides it")
 
 
 def _check_sequence_parallel(job: JobConfig, tp: int) -> bool:
@@ -141,8 +147,10 @@ def check_memory(job: JobConfig, world_size: int, gpu_memory: int | None) -> str
     mode = job.train.recompute
     spec: Spec = "te" if job.slurm.gpus_per_node or gpu_memory else "local"
     peak = estimate_memory(job, world_size, spec=spec).peak(mode)
-    where = (f"at ℓ = L_max = {job.model.max_loops}, micro-batch {job.train.micro_batch_size} x "
-             f"{job.data.seq_len}, train.recompute={mode}")
+    where = (
+        f"at ℓ = L_max = {job.model.max_loops}, micro-batch {job.train.micro_batch_size} x "
+        f"{job.data.seq_len}, train.recompute={mode}"
+    )
     if gpu_memory is None:
         return f"memory per rank: {_size(peak)} {where} (set slurm.gpu_memory to check it)"
     budget = MEMORY_HEADROOM * gpu_memory
@@ -154,8 +162,11 @@ def check_memory(job: JobConfig, world_size: int, gpu_memory: int | None) -> str
     sizes = [m for m in range(fits, 0, -1) if job.train.global_batch_size % (m * dp) == 0]
     if sizes:
         fix = f"set train.micro_batch_size={sizes[0]}"
-    elif mode != "pass" and largest_micro_batch(job, world_size, gpu_memory, recompute="pass", spec=spec,
-                                                headroom=MEMORY_HEADROOM) >= job.train.micro_batch_size:
+    elif (
+        mode != "pass"
+        and largest_micro_batch(job, world_size, gpu_memory, recompute="pass", spec=spec, headroom=MEMORY_HEADROOM)
+        >= job.train.micro_batch_size
+    ):
         fix = "set train.recompute=pass (each loop pass recomputed in backward)"
     else:
         fix = "shard more (raise parallel.tensor or parallel.expert) or use GPUs with more memory"

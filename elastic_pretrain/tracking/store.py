@@ -328,7 +328,6 @@ def is_run_id(text: object) -> bool:
     return isinstance(text, str) and bool(_RUN_ID.fullmatch(text))
 
 
-
 def read_run_id(path: Path) -> str | None:
     """The MLflow run id a run directory's ``mlflow_run_id`` holds; None if the file is absent or empty.
 

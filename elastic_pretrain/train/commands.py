@@ -75,8 +75,9 @@ def _launch(args: argparse.Namespace, overrides: list[str], run_dir: Path) -> in
             os.kill(proc.pid, signum)  # the launcher passes it to every rank, started or about to start
 
     with tempfile.TemporaryDirectory(prefix="elastic-pretrain-errors-") as errors:
-        env = with_run_defaults({**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                                 ERRORS_ENV: errors}, run_dir)
+        env = with_run_defaults(
+            {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), ERRORS_ENV: errors}, run_dir
+        )
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=block_stop_signals)
         previous = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
         try:
@@ -100,8 +101,9 @@ def _train(args: argparse.Namespace) -> int:
         _prepare_run_dir(job.run_path)
         if _finished(job):
             return 0
-        return _launch(args, [*args.overrides, *(f"{flag}={path}" for flag, path in path_flags(args).items())],
-                       job.run_path)
+        return _launch(
+            args, [*args.overrides, *(f"{flag}={path}" for flag, path in path_flags(args).items())], job.run_path
+        )
     if "RANK" not in os.environ:  # one process, no launcher: say how to start the ranks the job needs
         _check_one_process(job)
         _prepare_run_dir(job.run_path)
@@ -141,8 +143,9 @@ def _prepare_run_dir(run_dir: Path) -> None:
         probe.unlink()
     except OSError as err:
         reason = err.strerror or type(err).__name__
-        raise UserError(f"run directory {run_dir}: {reason} ({err.filename or run_dir}): pick a --run-dir you can "
-                        "write to") from None
+        raise UserError(
+            f"run directory {run_dir}: {reason} ({err.filename or run_dir}): pick a --run-dir you can write to"
+        ) from None
 
 
 def _check_one_process(job: Any) -> None:
@@ -156,10 +159,11 @@ def _check_one_process(job: Any) -> None:
         check_layout(job, 1)
     except ConfigError as single:
         need = next((n for n in range(2, 65) if _layout_ok(job, n)), None)
-        hint = (f"add --nproc-per-node {need} (this job's smallest world size)" if need
-                else "add --nproc-per-node N")
-        raise UserError(f"{single} — train without --nproc-per-node runs one process: {hint}, "
-                        "or run it as one process with parallel=single") from None
+        hint = f"add --nproc-per-node {need} (this job's smallest world size)" if need else "add --nproc-per-node N"
+        raise UserError(
+            f"{single} — train without --nproc-per-node runs one process: {hint}, "
+            "or run it as one process with parallel=single"
+        ) from None
 
 
 def _layout_ok(job: Any, world_size: int) -> bool:

@@ -98,8 +98,14 @@ class TrainConfig:
     profile: ProfileConfig | None = field(None, doc="Trace a window of steps with the torch profiler (None: off).")
 
     def __post_init__(self) -> None:
-        for name in ("steps", "micro_batch_size", "global_batch_size", "log_interval", "threads_per_rank",
-                     "max_consecutive_faults"):
+        for name in (
+            "steps",
+            "micro_batch_size",
+            "global_batch_size",
+            "log_interval",
+            "threads_per_rank",
+            "max_consecutive_faults",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.global_batch_size % self.micro_batch_size:

@@ -48,8 +48,9 @@ def layouts(replicas: int, ep_size: int) -> list[ExpertLayout]:
     return [ExpertLayout(group=tuple(range(key[r], key[r] + ep_size)), key=key) for r in range(replicas)]
 
 
-def simulate(cfg: ScheduleConfig, *, max_loops: int, replicas: int, ep_size: int, micro_batches: int,
-             steps: int, seed: int = 0) -> Efficiency:
+def simulate(
+    cfg: ScheduleConfig, *, max_loops: int, replicas: int, ep_size: int, micro_batches: int, steps: int, seed: int = 0
+) -> Efficiency:
     """Depth efficiency of ``cfg``'s mixed phase over ``steps`` steps (the switch is ignored: mixed from step 0)."""
     ctl = _Replay(dataclasses.replace(cfg, switch_at=0.0), max_loops=max_loops, total_tokens=1, seed=seed)
     useful = executed = 0
@@ -59,8 +60,9 @@ def simulate(cfg: ScheduleConfig, *, max_loops: int, replicas: int, ep_size: int
         u = 0
         for r, layout in enumerate(layouts(replicas, ep_size)):
             if ctl.balanced:  # compute-balanced: replicas take different numbers of the global batch's slots
-                plans = ctl.balanced_plans(step=step, micro_batches=micro_batches, replica=r, replicas=replicas,
-                                           layout=layout)
+                plans = ctl.balanced_plans(
+                    step=step, micro_batches=micro_batches, replica=r, replicas=replicas, layout=layout
+                )
             else:
                 plans = ctl.step_plans(step=step, micro_batches=micro_batches, replica=r, layout=layout)
             u += sum(p.loops for _, p in plans)

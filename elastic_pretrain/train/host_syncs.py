@@ -24,15 +24,31 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _T = torch.Tensor
-READS = frozenset({_T.item, _T.tolist, _T.cpu, _T.numpy, _T.__bool__, _T.__float__, _T.__int__, _T.__index__,
-                   _T.nonzero, torch.nonzero})
+READS = frozenset(
+    {
+        _T.item,
+        _T.tolist,
+        _T.cpu,
+        _T.numpy,
+        _T.__bool__,
+        _T.__float__,
+        _T.__int__,
+        _T.__index__,
+        _T.nonzero,
+        torch.nonzero,
+    }
+)
 
 # (path fragment, why the tensor read there is a host tensor on CUDA as well: no sync)
 HOST_SITES = (
-    ("megatron/core/transformer/moe/moe_utils.py", "sort_chunks_by_idxs: split sizes copied to the host at the "
-                                                   "dispatcher's sync point (counted there)"),
-    ("megatron/core/transformer/moe/experts.py", "SequentialMLP: tokens per expert, a host tensor after the "
-                                                 "dispatcher's sync point"),
+    (
+        "megatron/core/transformer/moe/moe_utils.py",
+        "sort_chunks_by_idxs: split sizes copied to the host at the dispatcher's sync point (counted there)",
+    ),
+    (
+        "megatron/core/transformer/moe/experts.py",
+        "SequentialMLP: tokens per expert, a host tensor after the dispatcher's sync point",
+    ),
     ("torch/optim/", "the optimizer's step counters live on the host (capturable=False)"),
 )
 DISPATCHER = "megatron alltoall dispatcher (tokens per expert)"
@@ -64,7 +80,7 @@ def _site(func: Any) -> str:
         if "/torch/" in path and "/torch/optim/" not in path:
             continue
         short = path.split("site-packages/")[-1]
-        short = short[short.index("elastic_pretrain/"):] if "elastic_pretrain/" in short else short
+        short = short[short.index("elastic_pretrain/") :] if "elastic_pretrain/" in short else short
         return f"{short}:{frame.lineno} {getattr(func, '__name__', func)}"
     return f"? {getattr(func, '__name__', func)}"
 

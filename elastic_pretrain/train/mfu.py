@@ -112,8 +112,15 @@ class StepFlops:
     ghost_pass_fraction: float  # ghost passes / executed passes
 
 
-def step_flops(cfg: ModelConfig, depth: DepthCounts, *, seq_len: int, micro_batch_tokens: int,
-               recompute: Recompute = "none", padded_vocab: int | None = None) -> StepFlops:
+def step_flops(
+    cfg: ModelConfig,
+    depth: DepthCounts,
+    *,
+    seq_len: int,
+    micro_batch_tokens: int,
+    recompute: Recompute = "none",
+    padded_vocab: int | None = None,
+) -> StepFlops:
     """Matmul FLOPs per trained token (the formula of ``model/flops.py``, per part of the model)."""
     vocab = padded_vocab_size(cfg.vocab_size, 1) if padded_vocab is None else padded_vocab
     ctx = (seq_len + 1) / 2  # keys a query sees on average under a causal mask (as model/flops.py counts)
@@ -134,8 +141,11 @@ def step_flops(cfg: ModelConfig, depth: DepthCounts, *, seq_len: int, micro_batc
     else:
         extra = 0.0
     executed = depth.loops + depth.ghost_passes
-    return StepFlops(model=model, hardware=model + ghost + extra,
-                     ghost_pass_fraction=depth.ghost_passes / executed if executed else 0.0)
+    return StepFlops(
+        model=model,
+        hardware=model + ghost + extra,
+        ghost_pass_fraction=depth.ghost_passes / executed if executed else 0.0,
+    )
 
 
 def ghost_time_share(cfg: ModelConfig, depth: DepthCounts, *, seq_len: int) -> float:
@@ -146,10 +156,15 @@ def ghost_time_share(cfg: ModelConfig, depth: DepthCounts, *, seq_len: int) -> f
     ghost passes' part of the FLOPs the step would take if every executed pass were a real one
     (forward + backward alike; recompute ignored). An estimate, not a timer: on a GPU a host timer
     around asynchronous NCCL calls would measure kernel launches, not the wait."""
-    as_real = step_flops(cfg, DepthCounts(loops=depth.loops + depth.ghost_passes, exits=depth.exits, ghost_passes=0),
-                         seq_len=seq_len, micro_batch_tokens=1).model
-    useful = step_flops(cfg, DepthCounts(loops=depth.loops, exits=depth.exits, ghost_passes=0),
-                        seq_len=seq_len, micro_batch_tokens=1).model
+    as_real = step_flops(
+        cfg,
+        DepthCounts(loops=depth.loops + depth.ghost_passes, exits=depth.exits, ghost_passes=0),
+        seq_len=seq_len,
+        micro_batch_tokens=1,
+    ).model
+    useful = step_flops(
+        cfg, DepthCounts(loops=depth.loops, exits=depth.exits, ghost_passes=0), seq_len=seq_len, micro_batch_tokens=1
+    ).model
     return (as_real - useful) / as_real if as_real else 0.0
 
 
@@ -169,5 +184,6 @@ def baseline_flops_per_token(cfg: ModelConfig, *, seq_len: int) -> float:
     ELR's compute comparison (seeds/003: "Mixed-depth training from scratch costs an estimated 1.62
     times the baseline's training compute") divides a run's training compute by this, at equal tokens.
     """
-    return step_flops(cfg, DepthCounts(loops=1.0, exits=1.0, ghost_passes=0.0), seq_len=seq_len,
-                      micro_batch_tokens=seq_len).model
+    return step_flops(
+        cfg, DepthCounts(loops=1.0, exits=1.0, ghost_passes=0.0), seq_len=seq_len, micro_batch_tokens=seq_len
+    ).model

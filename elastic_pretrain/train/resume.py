@@ -41,14 +41,18 @@ def _where(job: JobConfig, source: Path, step: int) -> str:
 
 def past_steps_message(job: JobConfig, source: Path, step: int) -> str:
     """The checkpoint is at ``step`` > ``train.steps``."""
-    return (f"{_where(job, source, step)}, more than train.steps={job.train.steps}: to train it further raise "
-            f"train.steps above {step}; {_NEW_RUN}")
+    return (
+        f"{_where(job, source, step)}, more than train.steps={job.train.steps}: to train it further raise "
+        f"train.steps above {step}; {_NEW_RUN}"
+    )
 
 
 def finished_message(job: JobConfig, source: Path, step: int) -> str:
     """The checkpoint is at ``train.steps``: the run is finished."""
-    return (f"{_where(job, source, step)} = train.steps: finished, nothing to train. To train it further raise "
-            f"train.steps (e.g. train.steps={step + max(1, step // 3)}); {_NEW_RUN}")
+    return (
+        f"{_where(job, source, step)} = train.steps: finished, nothing to train. To train it further raise "
+        f"train.steps (e.g. train.steps={step + max(1, step // 3)}); {_NEW_RUN}"
+    )
 
 
 def check_steps_left(source: Path | None, meta: dict[str, Any], job: JobConfig) -> None:

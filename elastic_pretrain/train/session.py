@@ -44,16 +44,21 @@ class Session:
     pipeline: Pipeline | None = None  # parallel.pipeline > 1: the loop's passes as virtual pipeline chunks
 
     def on_switch_to_mixed(self, step: int) -> None:
-        log.info("step %d: switching to mixed depth (%s)%s", step, self.job.schedule.sampler,
-                 "; loop-conditioning heads on (zero-init)" if self.net.loop_conditioning is not None else "")
+        log.info(
+            "step %d: switching to mixed depth (%s)%s",
+            step,
+            self.job.schedule.sampler,
+            "; loop-conditioning heads on (zero-init)" if self.net.loop_conditioning is not None else "",
+        )
         unused = self.controller.unused_passes()
         if unused and self.job.schedule.init_unused_passes == "copy_pass0":
             settle_param_gather(self.optimizer)  # pass 0's whole attention, not one rank's shard of it
             # only passes the fixed phase never ran change, so the switch step's loss at fixed_loops is unchanged
             written = self.net.init_unused_passes(unused)
             copy_to_main_params(self.optimizer, written)
-            log.info("step %d: pass 0's attention copied into passes %s (never run before the switch)",
-                     step, list(unused))
+            log.info(
+                "step %d: pass 0's attention copied into passes %s (never run before the switch)", step, list(unused)
+            )
         self.sync_phase()
 
     def depth_layout(self) -> ExpertLayout:
@@ -164,17 +169,20 @@ def wsd_decay_steps(steps: int) -> int:
     return max(1, steps // 5)
 
 
-def schedule_end_note(scheduler: OptimizerParamScheduler, controller: ScheduleController, *, step: int,
-                      steps: int) -> str | None:
+def schedule_end_note(
+    scheduler: OptimizerParamScheduler, controller: ScheduleController, *, step: int, steps: int
+) -> str | None:
     """One line when ``train.steps`` reaches past the run's schedule (a finished run trained further): the
     steps beyond its horizon run at the schedule's final learning rate, in its final depth phase."""
     horizon = int(scheduler.lr_decay_steps)
     if steps <= horizon:
         return None
     final = scheduler.max_lr if scheduler.lr_decay_style == "constant" else scheduler.min_lr
-    return (f"train.steps={steps} goes past this run's {horizon}-step schedule: steps {max(horizon, step) + 1}.."
-            f"{steps} train at its end (learning rate {final:.2e}, {controller.phase} depth); a new schedule "
-            "needs a new run (docs/run-directory.md)")
+    return (
+        f"train.steps={steps} goes past this run's {horizon}-step schedule: steps {max(horizon, step) + 1}.."
+        f"{steps} train at its end (learning rate {final:.2e}, {controller.phase} depth); a new schedule "
+        "needs a new run (docs/run-directory.md)"
+    )
 
 
 def copy_to_main_params(optimizer: Any, params: list[torch.nn.Parameter]) -> None:
@@ -205,16 +213,32 @@ def build_optimizer(job: JobConfig, model: DistributedDataParallel) -> tuple[Any
     t = job.train
     bf16 = job.model.dtype == "bf16"
     opt_cfg = OptimizerConfig(
-        optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay, adam_beta1=t.adam_beta1,
-        adam_beta2=t.adam_beta2, adam_eps=1e-8, clip_grad=t.clip_grad, bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32, use_distributed_optimizer=t.distributed_optimizer,
+        optimizer="adam",
+        lr=t.lr,
+        min_lr=t.min_lr,
+        weight_decay=t.weight_decay,
+        adam_beta1=t.adam_beta1,
+        adam_beta2=t.adam_beta2,
+        adam_eps=1e-8,
+        clip_grad=t.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=t.distributed_optimizer,
         overlap_param_gather=model.ddp_config.overlap_param_gather,  # megatron: "same value as the DDP config's"
     )
     optimizer = get_megatron_optimizer(opt_cfg, [model])
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=t.lr, min_lr=t.min_lr, lr_warmup_steps=t.warmup_steps,
-        lr_decay_steps=t.steps, lr_decay_style=t.decay, start_wd=t.weight_decay, end_wd=t.weight_decay,
-        wd_incr_steps=t.steps, wd_incr_style="constant",
+        optimizer,
+        init_lr=0.0,
+        max_lr=t.lr,
+        min_lr=t.min_lr,
+        lr_warmup_steps=t.warmup_steps,
+        lr_decay_steps=t.steps,
+        lr_decay_style=t.decay,
+        start_wd=t.weight_decay,
+        end_wd=t.weight_decay,
+        wd_incr_steps=t.steps,
+        wd_incr_style="constant",
         wsd_decay_steps=wsd_decay_steps(t.steps) if t.decay == "WSD" else None,
         lr_wsd_decay_style="linear" if t.decay == "WSD" else None,
     )
@@ -248,9 +272,12 @@ def wrap_ddp(job: JobConfig, net: LoopedMoEModel, *, bucket_size: int | None = N
     overlap = job.parallel.grad_reduce == "overlap"
     if overlap and bucket_size is None:
         bucket_size = job.parallel.bucket_size or bucket_size_for(
-            sum(p.numel() for p in net.parameters() if p.requires_grad), data_parallel_group().size())
+            sum(p.numel() for p in net.parameters() if p.requires_grad), data_parallel_group().size()
+        )
     ddp_cfg = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap, bucket_size=bucket_size,
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=overlap,
+        bucket_size=bucket_size,
         use_distributed_optimizer=job.train.distributed_optimizer,
         # gathers started after the step, awaited by the next forward (parallel/overlap.py; issue 31 item 1)
         overlap_param_gather=job.train.distributed_optimizer and job.parallel.param_gather == "overlap",
@@ -278,22 +305,42 @@ def build_session(job: JobConfig, mesh: Mesh) -> Session:
         check_micro_batches(n_micro, job.parallel.pipeline)
         pipeline = Pipeline(model, net, job.parallel.pipeline)
         pipeline.config.grad_scale_func = net.config.grad_scale_func
-    batches = prefetched(job.data, micro_batch_size=job.train.micro_batch_size, num_micro_batches=n_micro,
-                         dp_rank=mesh.dp_rank, dp_size=mesh.dp_size, seed=job.train.seed)
+    batches = prefetched(
+        job.data,
+        micro_batch_size=job.train.micro_batch_size,
+        num_micro_batches=n_micro,
+        dp_rank=mesh.dp_rank,
+        dp_size=mesh.dp_size,
+        seed=job.train.seed,
+    )
     val_all = load_validation(job.data, num_sequences=job.train.eval_sequences)
     rows = (val_all.shape[0] // mesh.dp_size) * mesh.dp_size  # equal share per replica (EP all-to-alls pair up)
     if pipeline is not None:  # the pipeline's activations have one shape: whole micro-batches only
         rows = (rows // (mesh.dp_size * job.train.micro_batch_size)) * mesh.dp_size * job.train.micro_batch_size
-        check_micro_batches(rows // (mesh.dp_size * job.train.micro_batch_size), job.parallel.pipeline,
-                            "validation runs through the pipeline too: raise train.eval_sequences")
+        check_micro_batches(
+            rows // (mesh.dp_size * job.train.micro_batch_size),
+            job.parallel.pipeline,
+            "validation runs through the pipeline too: raise train.eval_sequences",
+        )
     val_tokens = val_all[:rows][mesh.dp_rank :: mesh.dp_size].contiguous()
-    controller = ScheduleController(job.schedule, max_loops=job.model.max_loops,
-                                    total_tokens=job.train.steps * job.tokens_per_step, seed=job.train.seed,
-                                    layers=job.model.core_layers_built)
-    step_kw: dict[str, Any] = dict(seq_len=job.data.seq_len, micro_batch_size=job.train.micro_batch_size,
-                                   max_loops=job.exit_depths, pipeline=pipeline)
-    step = (TrainStep(model, optimizer, scheduler, **step_kw) if job.decider is None
-            else DeciderStep(model, optimizer, scheduler, decider=job.decider, **step_kw))
+    controller = ScheduleController(
+        job.schedule,
+        max_loops=job.model.max_loops,
+        total_tokens=job.train.steps * job.tokens_per_step,
+        seed=job.train.seed,
+        layers=job.model.core_layers_built,
+    )
+    step_kw: dict[str, Any] = dict(
+        seq_len=job.data.seq_len,
+        micro_batch_size=job.train.micro_batch_size,
+        max_loops=job.exit_depths,
+        pipeline=pipeline,
+    )
+    step = (
+        TrainStep(model, optimizer, scheduler, **step_kw)
+        if job.decider is None
+        else DeciderStep(model, optimizer, scheduler, decider=job.decider, **step_kw)
+    )
     session = Session(job, net, model, optimizer, scheduler, batches, val_tokens, controller, step, pipeline)
     session.sync_phase()
     return session

@@ -51,8 +51,9 @@ def _forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module) -
     mb = next(data_iterator)
     inputs, labels = mb.tokens_BT1[:, :-1].contiguous(), mb.tokens_BT1[:, 1:].contiguous()
     sync_loops = group_loops([mb])[0]  # EP-safe mixed depth (see LoopedMoEModel.run_loops)
-    losses = model(inputs, labels=labels, loops=mb.plan.loops, exits=mb.plan.exits, sync_loops=sync_loops,
-                   exit_axis=mb.plan.axis)
+    losses = model(
+        inputs, labels=labels, loops=mb.plan.loops, exits=mb.plan.exits, sync_loops=sync_loops, exit_axis=mb.plan.axis
+    )
     return losses, partial(_loss_func, mb.plan)
 
 
@@ -74,8 +75,9 @@ def _reduce_by_loops(reports: list[dict], max_loops: int) -> tuple[float, dict[i
     # the same key space on every DP rank: one all-reduce. The objective's mean over every micro-batch of
     # the step (all replicas): replicas may run different numbers of them (schedule.balance: compute), so
     # sum and count, not a mean of per-replica means
-    packed = torch.cat([objective.view(1), sums, torch.tensor([len(reports), *counts], dtype=torch.float64,
-                                                              device=dev)])
+    packed = torch.cat(
+        [objective.view(1), sums, torch.tensor([len(reports), *counts], dtype=torch.float64, device=dev)]
+    )
     all_reduce_sum(packed)
     all_reduce_sum(packed, pipeline_group())  # only the last stage has reports; the others add zeros
     total, sum_L, micro, count_L = _unpack(packed.tolist(), max_loops)
@@ -84,7 +86,7 @@ def _reduce_by_loops(reports: list[dict], max_loops: int) -> tuple[float, dict[i
 
 
 def _unpack(values: list[float], n: int) -> tuple[float, list[float], float, list[float]]:
-    return values[0], values[1:1 + n], values[1 + n], values[2 + n:]
+    return values[0], values[1 : 1 + n], values[1 + n], values[2 + n :]
 
 
 def _moe_aux(num_micro: int) -> dict[str, float]:
@@ -118,8 +120,17 @@ def reduce_routing(probe: RoutingProbe | None) -> dict[tuple[int, int], dict[str
 class TrainStep:
     """Owns the numerics: forward/backward over micro-batches, optimizer step, LR schedule."""
 
-    def __init__(self, model: Any, optimizer: Any, scheduler: Any, *, seq_len: int,
-                 micro_batch_size: int, max_loops: int, pipeline: Pipeline | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        optimizer: Any,
+        scheduler: Any,
+        *,
+        seq_len: int,
+        micro_batch_size: int,
+        max_loops: int,
+        pipeline: Pipeline | None = None,
+    ) -> None:
         self.model, self.optimizer, self.scheduler, self.pipeline = model, optimizer, scheduler, pipeline
         self.max_loops = max_loops
         self.seq_len, self.micro_batch_size = seq_len, micro_batch_size
@@ -128,8 +139,9 @@ class TrainStep:
         self.veto: Callable[..., bool] | None = None  # FaultMonitor.veto(found_inf, grad_norm, loss=...)
 
     def __call__(self, micro_batches: list[MicroBatch], *, probe_routing: bool = False) -> StepResult:
-        return measured_step(self.model.module, self._step, micro_batches, probe_routing=probe_routing,
-                             seq_len=self.seq_len)
+        return measured_step(
+            self.model.module, self._step, micro_batches, probe_routing=probe_routing, seq_len=self.seq_len
+        )
 
     def _step(self, micro_batches: list[MicroBatch]) -> StepResult:
         self.model.train()
@@ -138,9 +150,13 @@ class TrainStep:
         if self.pipeline is None:
             with overlapped_step(self.model, self.forward_step, len(micro_batches)) as forward_step:
                 reports = self.forward_backward(
-                    forward_step_func=forward_step, data_iterator=iter(micro_batches), model=[self.model],
-                    num_microbatches=len(micro_batches), seq_length=self.seq_len,
-                    micro_batch_size=self.micro_batch_size, forward_only=False,
+                    forward_step_func=forward_step,
+                    data_iterator=iter(micro_batches),
+                    model=[self.model],
+                    num_microbatches=len(micro_batches),
+                    seq_length=self.seq_len,
+                    micro_batch_size=self.micro_batch_size,
+                    forward_only=False,
                 )
         else:
             reports = run_pipeline(self.pipeline, micro_batches, seq_len=self.seq_len, training=True)
@@ -152,17 +168,28 @@ class TrainStep:
         if ok:  # a dropped update leaves the LR schedule where it was, as megatron's own skipped steps do
             self.scheduler.step(increment=1)
         start_param_gather(self.model)  # parallel.param_gather=overlap: awaited by the next forward's pre-hooks
-        return StepResult(loss=loss, loss_by_loops=by_loops, grad_norm=float(grad_norm or 0.0),
-                          lr=float(self.optimizer.param_groups[0]["lr"]), skipped=not ok,
-                          aux={**_moe_aux(len(micro_batches)), **extra})
+        return StepResult(
+            loss=loss,
+            loss_by_loops=by_loops,
+            grad_norm=float(grad_norm or 0.0),
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            skipped=not ok,
+            aux={**_moe_aux(len(micro_batches)), **extra},
+        )
 
     def reduce(self, reports: list[dict]) -> tuple[float, dict[int, float], dict[str, float]]:
         """(objective, per-token CE per exit, extra metrics) over micro-batches and DP ranks."""
         return *_reduce_by_loops(reports, self.max_loops), {}
 
 
-def measured_step(net: Any, step: Callable[[list[MicroBatch]], StepResult], micro_batches: list[MicroBatch], *,
-                  probe_routing: bool, seq_len: int) -> StepResult:
+def measured_step(
+    net: Any,
+    step: Callable[[list[MicroBatch]], StepResult],
+    micro_batches: list[MicroBatch],
+    *,
+    probe_routing: bool,
+    seq_len: int,
+) -> StepResult:
     """One optimizer step through ``step`` (either engine's numerics) with what every engine reports
     around it: micro-batches on the device, the routing probe, depth counts, depth efficiency and balance,
     and the estimated time idled in ghost passes (docs/elastic-depth.md, "Depth efficiency")."""
@@ -178,8 +205,13 @@ def measured_step(net: Any, step: Callable[[list[MicroBatch]], StepResult], micr
     result.routing = reduce_routing(probe) if probe_routing else {}
     result.depth = depth_counts(micro_batches)
     share = ghost_time_share(net.cfg, result.depth, seq_len=seq_len)
-    result.aux.update({names.DEPTH_EFFICIENCY: result.depth.efficiency, names.DEPTH_BALANCE: result.depth.balance,
-                       names.GHOST_TIME_S: share * (time.perf_counter() - t0)})
+    result.aux.update(
+        {
+            names.DEPTH_EFFICIENCY: result.depth.efficiency,
+            names.DEPTH_BALANCE: result.depth.balance,
+            names.GHOST_TIME_S: share * (time.perf_counter() - t0),
+        }
+    )
     if span is not None:
         span.close()
     result.span = span
@@ -191,12 +223,17 @@ def depth_counts(micro_batches: list[MicroBatch]) -> DepthCounts:
     (the TP ranks and pipeline stages of a replica run the same plans; replicas draw their own ℓ)."""
     loops = [mb.plan.loops for mb in micro_batches]
     sync = group_loops(micro_batches)  # the passes each micro-batch's MoE calls ran for (ghosts beyond ℓ)
-    local = [sum(loops), sum(len(mb.plan.exits) for mb in micro_batches), sum(s - n for s, n in zip(sync, loops)),
-             len(micro_batches)]
+    local = [
+        sum(loops),
+        sum(len(mb.plan.exits) for mb in micro_batches),
+        sum(s - n for s, n in zip(sync, loops)),
+        len(micro_batches),
+    ]
     summed = all_reduce_sum(torch.tensor(local, dtype=torch.float64, device=device()))
     slowest_1 = all_reduce_max(torch.tensor([float(sum(sync))], dtype=torch.float64, device=device()))
     *packed, slowest = torch.cat([summed, slowest_1]).tolist()  # one host transfer
     replicas = dist.get_world_size(data_parallel_group()) if dist.is_initialized() else 1
     balance = (packed[0] + packed[2]) / replicas / slowest if slowest else 1.0
-    return DepthCounts(loops=packed[0] / packed[3], exits=packed[1] / packed[3], ghost_passes=packed[2] / packed[3],
-                       balance=balance)
+    return DepthCounts(
+        loops=packed[0] / packed[3], exits=packed[1] / packed[3], ghost_passes=packed[2] / packed[3], balance=balance
+    )

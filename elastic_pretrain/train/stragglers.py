@@ -104,12 +104,19 @@ class StragglerReport:
     def report_memory(self, step: int, rows: list[list[float]]) -> None:
         top = max(range(len(rows)), key=lambda r: rows[r][3])
         self.last["peak_allocated"] = [r[3] for r in rows]
-        print(f"peak memory at step {step}: most allocated on rank {top} on {self.hosts[top]}: "
-              f"{gib(rows[top][3]):.1f} GiB allocated / {gib(rows[top][4]):.1f} GiB reserved since the last report",
-              flush=True)
-        self.log_metrics({"straggler/peak_memory_rank": float(top),
-                          "straggler/max_peak_allocated_gib": gib(rows[top][3]),
-                          "straggler/max_peak_reserved_gib": gib(max(r[4] for r in rows))}, step)
+        print(
+            f"peak memory at step {step}: most allocated on rank {top} on {self.hosts[top]}: "
+            f"{gib(rows[top][3]):.1f} GiB allocated / {gib(rows[top][4]):.1f} GiB reserved since the last report",
+            flush=True,
+        )
+        self.log_metrics(
+            {
+                "straggler/peak_memory_rank": float(top),
+                "straggler/max_peak_allocated_gib": gib(rows[top][3]),
+                "straggler/max_peak_reserved_gib": gib(max(r[4] for r in rows)),
+            },
+            step,
+        )
 
     def on_eval(self, state: Any, val: dict[int, float]) -> None:
         self._reset()  # evaluation time is not step time

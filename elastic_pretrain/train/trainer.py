@@ -124,9 +124,15 @@ class Trainer:
             state.tokens += job.tokens_per_step
             state.elapsed_s += step_s
             if result.depth is not None and state.train_flops is not None:
-                state.train_flops += job.tokens_per_step * step_flops(
-                    job.model, result.depth, seq_len=job.data.seq_len,
-                    micro_batch_tokens=job.train.micro_batch_size * job.data.seq_len).model
+                state.train_flops += (
+                    job.tokens_per_step
+                    * step_flops(
+                        job.model,
+                        result.depth,
+                        seq_len=job.data.seq_len,
+                        micro_batch_tokens=job.train.micro_batch_size * job.data.seq_len,
+                    ).model
+                )
             for cb in self.callbacks:
                 cb.on_step(state, result, step_s)
             if self.faults.after_step(state):  # rolled back to the last checkpoint (skip/stop act inside)
@@ -155,8 +161,13 @@ class Trainer:
         """This replica's micro-batches of the next step with their depth plans (advances the data)."""
         s, step = self.s, self.state.step
         if s.controller.balanced:  # compute-balanced mixed depth: a share of the global batch's slots
-            deal = functools.partial(s.controller.balanced_plans, micro_batches=s.batches.num_micro_batches,
-                                     replica=self.mesh.replica, replicas=self.mesh.dp_size, layout=layout)
+            deal = functools.partial(
+                s.controller.balanced_plans,
+                micro_batches=s.batches.num_micro_batches,
+                replica=self.mesh.replica,
+                replicas=self.mesh.dp_size,
+                layout=layout,
+            )
             dealt = deal(step=step)  # and the next step's slots, read ahead while this one runs (data/prefetch.py)
             tokens = s.batches.next_step_slots([slot for slot, _ in dealt], ahead=[x for x, _ in deal(step=step + 1)])
             return [MicroBatch(t, p) for t, (_, p) in zip(tokens, dealt)]
@@ -178,15 +189,22 @@ class Trainer:
 
     def validate(self) -> dict[int, float]:
         loops = list(range(1, self.job.exit_depths + 1))  # loop counts, or core layers on exit_axis layer
-        return loss_by_loops(self.s.model, self.s.val_tokens, loops, pipeline=self.s.pipeline,
-                             batch_size=self.job.train.micro_batch_size, exit_axis=self.job.schedule.exit_axis)
+        return loss_by_loops(
+            self.s.model,
+            self.s.val_tokens,
+            loops,
+            pipeline=self.s.pipeline,
+            batch_size=self.job.train.micro_batch_size,
+            exit_axis=self.job.schedule.exit_axis,
+        )
 
 
 class ProgressPrinter:
     """One progress line every ``log_interval`` steps, from the logging rank."""
 
-    def __init__(self, job: JobConfig, mesh: Mesh, controller: ScheduleController,
-                 peaks: MemoryPeaks | None = None) -> None:
+    def __init__(
+        self, job: JobConfig, mesh: Mesh, controller: ScheduleController, peaks: MemoryPeaks | None = None
+    ) -> None:
         self.job, self.enabled, self.controller = job, mesh.is_logging_rank, controller
         self.peaks = peaks or MemoryPeaks(None)
         self._window: list[float] = []
@@ -372,8 +390,11 @@ def depth_summary(history: list[dict[str, Any]]) -> dict[str, float]:
     if not eff:
         return {}
     bal = [h["depth_balance"] for h in history if "depth_balance" in h]
-    return {"depth_efficiency": sum(eff) / len(eff), "ghost_time_s": sum(h.get("ghost_time_s", 0.0) for h in history),
-            **({"depth_balance": sum(bal) / len(bal)} if bal else {})}
+    return {
+        "depth_efficiency": sum(eff) / len(eff),
+        "ghost_time_s": sum(h.get("ghost_time_s", 0.0) for h in history),
+        **({"depth_balance": sum(bal) / len(bal)} if bal else {}),
+    }
 
 
 class TrackingCallback:
@@ -436,9 +457,13 @@ class TrackingCallback:
         tokens_per_s = self.job.tokens_per_step * len(self._window) / sum(self._window)
         metrics = {n.LOSS: result.loss, n.LR: result.lr, n.GRAD_NORM: result.grad_norm, n.TOKENS_PER_S: tokens_per_s}
         if self.peak and result.depth is not None:  # global depth of the step; train/mfu.py
-            flops = step_flops(self.job.model, result.depth, seq_len=self.job.data.seq_len,
-                               micro_batch_tokens=self.job.train.micro_batch_size * self.job.data.seq_len,
-                               recompute=self.job.train.recompute)
+            flops = step_flops(
+                self.job.model,
+                result.depth,
+                seq_len=self.job.data.seq_len,
+                micro_batch_tokens=self.job.train.micro_batch_size * self.job.data.seq_len,
+                recompute=self.job.train.recompute,
+            )
             u = utilisation(flops, tokens_per_s=tokens_per_s, devices=self.world_size, peak_flops_per_s=self.peak[0])
             metrics.update({n.MFU: u["mfu"], n.HFU: u["hfu"], n.GHOST_PASS_FRACTION: u["ghost_pass_fraction"]})
         vs_baseline = state.flops_vs_baseline(self.job)
@@ -484,8 +509,9 @@ class TrackingCallback:
             write_atomic(self.files.mlflow_run_id, self._tracker.run_id, root=self.files.run_dir)
 
 
-def fault_callbacks(job: JobConfig, mesh: Mesh, run_dir: Path, faults: FaultMonitor, tracker: Any,
-                    peaks: MemoryPeaks | None = None) -> list[Any]:
+def fault_callbacks(
+    job: JobConfig, mesh: Mesh, run_dir: Path, faults: FaultMonitor, tracker: Any, peaks: MemoryPeaks | None = None
+) -> list[Any]:
     """Wire the fault policy, hang watchdog, straggler report and profiler window to MLflow (docs/faults.md)."""
     t = job.train
     faults.log_metrics, faults.set_tags = tracker.log_metrics, tracker.set_tags
@@ -498,8 +524,9 @@ def fault_callbacks(job: JobConfig, mesh: Mesh, run_dir: Path, faults: FaultMoni
 
     return [
         HangWatchdog(t.hang_timeout_s, run_dir, mesh.rank, on_fire=hung),
-        StragglerReport(t.straggler_interval, mesh.rank, mesh.is_logging_rank, tracker.log_metrics, tracker.set_tags,
-                        peaks=peaks),
+        StragglerReport(
+            t.straggler_interval, mesh.rank, mesh.is_logging_rank, tracker.log_metrics, tracker.set_tags, peaks=peaks
+        ),
         ProfileWindow(t.profile, run_dir, mesh.rank, tracker.log_artifact),
     ]
 

@@ -34,8 +34,9 @@ def history(run_dir: Path) -> list[dict[str, Any]]:
     return [{k: v for k, v in h.items() if k not in TIMING_KEYS} for h in steps]
 
 
-def train(run_dir: Path, nproc: int, *overrides: str, env: dict[str, str] | None = None,
-          expect: int = 0) -> subprocess.CompletedProcess[str]:
+def train(
+    run_dir: Path, nproc: int, *overrides: str, env: dict[str, str] | None = None, expect: int = 0
+) -> subprocess.CompletedProcess[str]:
     """``elastic-pretrain train jobs/tiny-cpu.yaml`` on ``run_dir`` (one process, or torchrun)."""
     layout = ["parallel=single"] if nproc == 1 else ["--nproc-per-node", str(nproc)]
     proc = subprocess.run(

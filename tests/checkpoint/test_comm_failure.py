@@ -9,8 +9,10 @@ import torch
 
 from elastic_pretrain.checkpoint.safe_load import is_comm_failure
 
-GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:4767: "
-              "Connection reset by peer. This is typically caused by a remote worker hanging.")
+GLOO_RESET = (
+    "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:4767: "
+    "Connection reset by peer. This is typically caused by a remote worker hanging."
+)
 
 
 def _wrapped(cause: BaseException) -> BaseException:

@@ -91,8 +91,14 @@ def _fit(job: Any, mesh: Any, *, resume: Path | None = None) -> tuple[list[float
     tensor_parallel.model_parallel_cuda_manual_seed(job.train.seed)
     session = build_session(job, mesh)
     state = TrainState()
-    ckpt = Checkpointer(job.checkpoint, public_dict(job), mesh, job.run_path, session.tensors(),
-                        {"trainer": state, **session.checkpointed()})
+    ckpt = Checkpointer(
+        job.checkpoint,
+        public_dict(job),
+        mesh,
+        job.run_path,
+        session.tensors(),
+        {"trainer": state, **session.checkpointed()},
+    )
     if resume is not None:
         ckpt.restore(resume, read_trainer_state(resume))
     losses: list[float] = []

@@ -24,16 +24,18 @@ LATE = [f"train.steps={STEPS}", "schedule.fixed_loops=1", "schedule.switch_at=0.
 def expected_flops_ratio() -> float:
     """The same draws as the run (plans are pure functions of seed, step, micro-batch), counted by hand."""
     job = load_job(REPO / "jobs" / "tiny-cpu.yaml", ["parallel=single", *COMMON, *LATE])
-    ctl = ScheduleController(job.schedule, max_loops=job.model.max_loops,
-                             total_tokens=STEPS * job.tokens_per_step, seed=job.train.seed)
+    ctl = ScheduleController(
+        job.schedule, max_loops=job.model.max_loops, total_tokens=STEPS * job.tokens_per_step, seed=job.train.seed
+    )
     micro = job.train.micro_batches(1)
     total = 0.0
     for step in range(STEPS):
         ctl.update(step=step, tokens_seen=step * job.tokens_per_step)
         plans = [ctl.plan(step=step, micro=m, replica=0) for m in range(micro)]
         depth = DepthCounts(loops=sum(p.loops for p in plans) / micro, exits=1.0, ghost_passes=0.0)
-        total += step_flops(job.model, depth, seq_len=job.data.seq_len,
-                            micro_batch_tokens=job.train.micro_batch_size * job.data.seq_len).model
+        total += step_flops(
+            job.model, depth, seq_len=job.data.seq_len, micro_batch_tokens=job.train.micro_batch_size * job.data.seq_len
+        ).model
     return total / (STEPS * baseline_flops_per_token(job.model, seq_len=job.data.seq_len))
 
 

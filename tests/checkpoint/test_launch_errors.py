@@ -45,7 +45,5 @@ def test_user_errors_under_torchrun_print_once_and_exit_2(tmp_path: Path) -> Non
     marker = json.loads((ckpts / "step_1" / COMMIT_FILE).read_text())
     marker["files"]["rng/rank_00001.pt"] = [rng.stat().st_size, crc32_file(rng)]
     (ckpts / "step_1" / COMMIT_FILE).write_text(json.dumps(marker))
-    one_rank = _one_error_line(
-        train(run, 2, "train.steps=3", "--resume-from", str(ckpts / "step_1"), expect=2).stderr
-    )
+    one_rank = _one_error_line(train(run, 2, "train.steps=3", "--resume-from", str(ckpts / "step_1"), expect=2).stderr)
     assert f"{rng}: unreadable RNG state" in one_rank

@@ -77,8 +77,9 @@ def _fill(net: Any, optimizer: Any, seed: int) -> None:
 @pytest.mark.usefixtures("mesh1", "te_standins")
 def test_the_two_specs_name_only_the_moe_pre_mlp_norm_differently() -> None:
     """What the mapping is for: only the MoE layers' (prelude, core, coda with edge_mlp moe) pre-MLP norms."""
-    keys = {spec: {t.key for t in nested_values(build_model_only(spec).sharded_state_dict())}
-            for spec in ("te", "local")}
+    keys = {
+        spec: {t.key for t in nested_values(build_model_only(spec).sharded_state_dict())} for spec in ("te", "local")
+    }
 
     def norms(key: str) -> set[str]:
         return {key.replace("core.0.passes.0.", layer).replace("weight", param)
@@ -125,11 +126,19 @@ def test_only_a_key_the_checkpoint_lacks_is_renamed_and_only_to_one_it_holds() -
     def sharded(key: str) -> ShardedTensor:
         return ShardedTensor.from_rank_offsets(key, torch.zeros(2))
 
-    request = {"a": sharded(LOCAL_KEY), "b": sharded("prelude.0.mlp.linear_fc1.layer_norm_weight"),
-               "c": sharded(f"optimizer.exp_avg.{LOCAL_KEY}"), "d": sharded("coda.0.mlp.linear_fc1.layer_norm_bias")}
+    request = {
+        "a": sharded(LOCAL_KEY),
+        "b": sharded("prelude.0.mlp.linear_fc1.layer_norm_weight"),
+        "c": sharded(f"optimizer.exp_avg.{LOCAL_KEY}"),
+        "d": sharded("coda.0.mlp.linear_fc1.layer_norm_bias"),
+    }
     saved = {TE_KEY, "prelude.0.mlp.linear_fc1.layer_norm_weight", f"optimizer.exp_avg.{TE_KEY}"}
     assert map_spec_keys(request, saved) == [(LOCAL_KEY, TE_KEY), (f"optimizer.exp_avg.{LOCAL_KEY}",
                                                                    f"optimizer.exp_avg.{TE_KEY}")]  # fmt: skip
     # a dense layer's fused norm is in the checkpoint as it is; a key with no alias saved stays (DCP names it)
-    assert [t.key for t in request.values()] == [TE_KEY, "prelude.0.mlp.linear_fc1.layer_norm_weight",
-                                                 f"optimizer.exp_avg.{TE_KEY}", "coda.0.mlp.linear_fc1.layer_norm_bias"]
+    assert [t.key for t in request.values()] == [
+        TE_KEY,
+        "prelude.0.mlp.linear_fc1.layer_norm_weight",
+        f"optimizer.exp_avg.{TE_KEY}",
+        "coda.0.mlp.linear_fc1.layer_norm_bias",
+    ]

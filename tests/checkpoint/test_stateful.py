@@ -70,8 +70,14 @@ def test_every_named_object_round_trips_and_a_new_one_starts_fresh(parts) -> Non
         _param(tensors).add_(1.0)
     scheduler.num_steps = 0  # megatron's scheduler steps on from its current count when it loads
     counter, added = Counter(), Counter(9, "added after the save")
-    again = Checkpointer(job.checkpoint, public_dict(job), mesh, run_dir, tensors,
-                         {"scheduler": scheduler, "counter": counter, "added": added})
+    again = Checkpointer(
+        job.checkpoint,
+        public_dict(job),
+        mesh,
+        run_dir,
+        tensors,
+        {"scheduler": scheduler, "counter": counter, "added": added},
+    )
     again.restore(RunFiles(run_dir).step_dir(3), read_trainer_state(RunFiles(run_dir).step_dir(3)))
     assert (counter.n, counter.label) == (5, "saved")
     assert (added.n, added.label) == (9, "added after the save")  # no state in the checkpoint: kept fresh

@@ -68,8 +68,7 @@ def reader_threads() -> list[threading.Thread]:
 
 @pytest.mark.parametrize("fmt", ["mds", "wds"])
 @pytest.mark.parametrize("depth", [0, 1, 2])
-def test_batches_read_ahead_are_the_batches_read_in_place(request: pytest.FixtureRequest, fmt: str,
-                                                          depth: int) -> None:
+def test_batches_read_ahead_are_the_batches_read_in_place(request: pytest.FixtureRequest, fmt: str, depth: int) -> None:
     cfg = request.getfixturevalue(f"prepared_{fmt}")
     plain, fetched = make(cfg), PrefetchedBatches(make(cfg), depth=depth)
     for _ in range(8):
@@ -147,8 +146,9 @@ def damaged_copy(cfg: DataConfig, dest: Path) -> tuple[DataConfig, int]:
     raise AssertionError("no step reads a new shard")
 
 
-def test_an_error_in_the_reader_thread_surfaces_on_the_training_thread(prepared_mds: DataConfig,
-                                                                       tmp_path: Path) -> None:
+def test_an_error_in_the_reader_thread_surfaces_on_the_training_thread(
+    prepared_mds: DataConfig, tmp_path: Path
+) -> None:
     cfg, bad = damaged_copy(prepared_mds, tmp_path / "ds")
     plain = make(cfg)
     steps(plain, bad)
@@ -169,8 +169,9 @@ def test_an_error_in_the_reader_thread_surfaces_on_the_training_thread(prepared_
     fetched.close()
 
 
-def test_pinned_only_with_cuda_and_on_the_training_threads_device(prepared_mds: DataConfig,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pinned_only_with_cuda_and_on_the_training_threads_device(
+    prepared_mds: DataConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """CPU contract of the CUDA path: with CUDA every micro-batch handed out is the copy ``pin_memory()``
     returned, made in the reader thread after it selected the training thread's device; without CUDA
     ``pin_memory()`` is never called. (This machine has no GPU: the CUDA calls are stand-ins that record.)"""

@@ -93,8 +93,15 @@ def test_config_refuses_what_it_cannot_generate() -> None:
         build(DataConfig, {"seq_len": 8, "streams": [{"path": "x"}],
                            "prepare": {"source": "synthetic", "output": "x", "synthetic": {}}})  # fmt: skip
     with pytest.raises(ConfigError, match="a synthetic source labels each byte"):
-        build(DataConfig, {"seq_len": 8, "streams": [{"path": "x"}], "tokenizer": {"kind": "tiktoken", "name": "gpt2"},
-                           "prepare": {"source": "synthetic", "output": "x", "max_tokens": 99, "synthetic": {}}})
+        build(
+            DataConfig,
+            {
+                "seq_len": 8,
+                "streams": [{"path": "x"}],
+                "tokenizer": {"kind": "tiktoken", "name": "gpt2"},
+                "prepare": {"source": "synthetic", "output": "x", "max_tokens": 99, "synthetic": {}},
+            },
+        )
     with pytest.raises(ConfigError, match="set it exactly when prepare"):
         build(DataConfig, {"seq_len": 8, "streams": [{"path": "x"}], "prepare": {"output": "x", "synthetic": {}}})
     with pytest.raises(ConfigError, match="max_depth"):

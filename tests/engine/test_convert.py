@@ -98,8 +98,7 @@ def test_a_converted_checkpoint_resumes_on_the_other_engine(runs: Path, tmp_path
         assert got == pytest.approx(want, abs=TOLERANCE)
 
 
-def test_a_weights_only_conversion_evaluates_to_the_same_loss_per_loop(runs: Path, tmp_path: Path,
-                                                                       mesh1: Any) -> None:
+def test_a_weights_only_conversion_evaluates_to_the_same_loss_per_loop(runs: Path, tmp_path: Path, mesh1: Any) -> None:
     from elastic_pretrain.checkpoint.store import CheckpointStore, is_deepspeed
     from elastic_pretrain.engine.convert import convert
 

@@ -21,9 +21,19 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 # mixed depth from the first step, every parameter partitioned (each module call gathers): at 2 ranks steps 2-4
 # run full ghost passes (the resumed run's steps 3-4 among them)
-ZERO3 = ["engine=deepspeed", "parallel=single", "deepspeed.zero_stage=3", "deepspeed.param_persistence_threshold=0",
-         "schedule.sampler=independent_rank", "schedule.switch_at=0.0", "schedule.one_loop_fraction=0.3",
-         "train.steps=4", "train.global_batch_size=8", "checkpoint.interval=1", "checkpoint.keep_last=2"]
+ZERO3 = [
+    "engine=deepspeed",
+    "parallel=single",
+    "deepspeed.zero_stage=3",
+    "deepspeed.param_persistence_threshold=0",
+    "schedule.sampler=independent_rank",
+    "schedule.switch_at=0.0",
+    "schedule.one_loop_fraction=0.3",
+    "train.steps=4",
+    "train.global_batch_size=8",
+    "checkpoint.interval=1",
+    "checkpoint.keep_last=2",
+]
 
 
 def ds_tensors(step: Path) -> dict[str, torch.Tensor]:
@@ -81,8 +91,16 @@ def test_zero3_resume_is_bitwise(tmp_path: Path, nproc: int) -> None:
 
 # fixed depth: the same micro-batches at the same ℓ whatever the world size (the data loader deals the global batch
 # by position), so a run resumed at another world size continues the uninterrupted one up to summation order
-RESHARD = ["engine=deepspeed", "parallel=single", "schedule.sampler=fixed", "schedule.switch_at=1.0", "train.steps=4",
-           "train.global_batch_size=8", "checkpoint.interval=1", "checkpoint.keep_last=4"]
+RESHARD = [
+    "engine=deepspeed",
+    "parallel=single",
+    "schedule.sampler=fixed",
+    "schedule.switch_at=1.0",
+    "train.steps=4",
+    "train.global_batch_size=8",
+    "checkpoint.interval=1",
+    "checkpoint.keep_last=4",
+]
 RESHARD_TOLERANCE = 1e-5  # the engines' parity tolerance (tests/engine/test_engine_parity.py): reduction order only
 
 

@@ -22,9 +22,18 @@ pytest.importorskip("deepspeed")
 
 
 class StandInFusedAdam(torch.optim.Optimizer):
-    def __init__(self, params: Any, lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
-                 weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True) -> None:
+    def __init__(
+        self,
+        params: Any,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+    ) -> None:
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.adam_w_mode = 1 if adam_w_mode else 0
@@ -79,14 +88,21 @@ def _engine(device_type: str, stage: int, seed: int) -> Any:
 
     deepspeed = import_deepspeed()
     os.environ.setdefault("LOCAL_RANK", "0")
-    job = load_job(REPO / "jobs" / "tiny-cpu.yaml", ["parallel=single", "engine=deepspeed",
-                                                     f"deepspeed.zero_stage={stage}"])
+    job = load_job(
+        REPO / "jobs" / "tiny-cpu.yaml", ["parallel=single", "engine=deepspeed", f"deepspeed.zero_stage={stage}"]
+    )
     generated = ds_config(job, dp_size=1, device_type=device_type)
-    config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
-              "optimizer": generated["optimizer"], "zero_allow_untested_optimizer": True,
-              "zero_force_ds_cpu_optimizer": False, "steps_per_print": 10**9,
-              # gloo has no side streams: overlap is the CUDA config's only other difference (test_engine_config)
-              "zero_optimization": {**generated["zero_optimization"], "overlap_comm": False}}
+    config = {
+        "train_batch_size": 2,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": generated["optimizer"],
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**9,
+        # gloo has no side streams: overlap is the CUDA config's only other difference (test_engine_config)
+        "zero_optimization": {**generated["zero_optimization"], "overlap_comm": False},
+    }
     torch.manual_seed(seed)
     model = _Wrapped(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -108,8 +124,9 @@ def _params(engine: Any) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize(("saved_on", "resumed_on"), [("cpu", "cuda"), ("cuda", "cpu")])
-def test_a_checkpoint_of_one_adam_resumes_under_the_other(mesh1, monkeypatch, tmp_path: Path, stage: int,
-                                                          saved_on: str, resumed_on: str) -> None:
+def test_a_checkpoint_of_one_adam_resumes_under_the_other(
+    mesh1, monkeypatch, tmp_path: Path, stage: int, saved_on: str, resumed_on: str
+) -> None:
     import deepspeed.ops.adam
 
     from elastic_pretrain.engine.deepspeed import DeepSpeedTensors

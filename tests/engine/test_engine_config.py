@@ -44,17 +44,39 @@ def test_zero3_takes_ranks_that_draw_their_own_loop_counts() -> None:
         load_job(JOB, ["parallel=single", "engine=deepspeed", "deepspeed.zero_stage=3", "model.kv_training=last_loop"])
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match=r"offload_optimizer=nvme .* use deepspeed.offload_optimizer=cpu"):
-        load_job(JOB, ["parallel=single", "engine=deepspeed", "deepspeed.zero_stage=3", "deepspeed.nvme_path=/tmp",
-                       "deepspeed.offload_optimizer=nvme"])
-    job = load_job(JOB, ["parallel=single", "engine=deepspeed", "deepspeed.zero_stage=3", "model.kv_training=last_loop",
-                         "schedule.switch_at=1.0", "schedule.sampler=fixed"])
+        load_job(
+            JOB,
+            [
+                "parallel=single",
+                "engine=deepspeed",
+                "deepspeed.zero_stage=3",
+                "deepspeed.nvme_path=/tmp",
+                "deepspeed.offload_optimizer=nvme",
+            ],
+        )
+    job = load_job(
+        JOB,
+        [
+            "parallel=single",
+            "engine=deepspeed",
+            "deepspeed.zero_stage=3",
+            "model.kv_training=last_loop",
+            "schedule.switch_at=1.0",
+            "schedule.sampler=fixed",
+        ],
+    )
     assert ds_config(job, dp_size=2)["zero_optimization"]["stage3_param_persistence_threshold"] == 100_000
 
 
 @pytest.mark.parametrize(
     ("overrides", "fix"),
-    [(["schedule.balance=compute", "deepspeed.zero_stage=3"], "use deepspeed.zero_stage=2 .*or schedule.balance=off"),
-     (["schedule.exit_axis=layer"], "schedule.exit_axis=loop")],
+    [
+        (
+            ["schedule.balance=compute", "deepspeed.zero_stage=3"],
+            "use deepspeed.zero_stage=2 .*or schedule.balance=off",
+        ),
+        (["schedule.exit_axis=layer"], "schedule.exit_axis=loop"),
+    ],
 )
 def test_schedules_the_deepspeed_step_cannot_run_are_refused(overrides: list[str], fix: str) -> None:
     with pytest.raises(ConfigError, match=fix) as err:
@@ -65,8 +87,9 @@ def test_schedules_the_deepspeed_step_cannot_run_are_refused(overrides: list[str
 def test_compute_balanced_depth_runs_on_zero_1_and_2() -> None:
     """Unequal micro-batch counts per rank: the DeepSpeed step accumulates them locally (engine/deepspeed.py)."""
     for stage in (1, 2):
-        job = load_job(JOB, ["parallel=single", "engine=deepspeed", "schedule.balance=compute",
-                             f"deepspeed.zero_stage={stage}"])
+        job = load_job(
+            JOB, ["parallel=single", "engine=deepspeed", "schedule.balance=compute", f"deepspeed.zero_stage={stage}"]
+        )
         assert job.schedule.balance == "compute"
 
 
@@ -78,8 +101,17 @@ def test_offload_settings_are_checked() -> None:
 
 
 def test_the_generated_config_takes_everything_from_the_job() -> None:
-    job = load_job(JOB, ["parallel=single", "engine=deepspeed", "deepspeed.zero_stage=1",
-                         "deepspeed.offload_optimizer=cpu", "train.clip_grad=0.5", "train.weight_decay=0.01"])
+    job = load_job(
+        JOB,
+        [
+            "parallel=single",
+            "engine=deepspeed",
+            "deepspeed.zero_stage=1",
+            "deepspeed.offload_optimizer=cpu",
+            "train.clip_grad=0.5",
+            "train.weight_decay=0.01",
+        ],
+    )
     cfg = ds_config(job, dp_size=2)
     t = job.train
     assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"]) == (t.global_batch_size, t.micro_batch_size)
@@ -103,8 +135,11 @@ def test_the_deepspeed_pin_is_the_locked_and_installed_version() -> None:
     import tomllib
 
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["deepspeed"]
-    lock = [line for line in (REPO / "requirements" / "lock-cpu.txt").read_text().splitlines()
-            if line.startswith("deepspeed==")]
+    lock = [
+        line
+        for line in (REPO / "requirements" / "lock-cpu.txt").read_text().splitlines()
+        if line.startswith("deepspeed==")
+    ]
     assert extra == lock == [f"deepspeed=={importlib.metadata.version('deepspeed')}"]
     setup = (REPO / "scripts" / "setup.sh").read_text()
     assert 'DS_BUILD_OPS=0 "${PIP[@]}" --no-deps -r requirements/lock-cpu.txt' in setup
@@ -170,6 +205,7 @@ def test_on_cuda_deepspeed_overlaps_communication_and_builds_its_fused_adam(stag
     # the two differ in exactly these two keys
     cuda["zero_optimization"]["overlap_comm"], cuda["optimizer"]["params"]["torch_adam"] = False, True
     assert cuda == cpu
-    offload = load_job(JOB, ["parallel=single", "engine=deepspeed", f"deepspeed.zero_stage={stage}",
-                             "deepspeed.offload_optimizer=cpu"])
+    offload = load_job(
+        JOB, ["parallel=single", "engine=deepspeed", f"deepspeed.zero_stage={stage}", "deepspeed.offload_optimizer=cpu"]
+    )
     assert _deepspeed_choice(ds_config(offload, dp_size=1, device_type="cuda")) == (True, torch.optim.AdamW)

@@ -20,15 +20,24 @@ from tests.checkpoint.runs import COMMON, history, train
 pytest.importorskip("deepspeed")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-STEPS = ["train.steps=20", "train.global_batch_size=8", "train.eval_sequences=4", "checkpoint.interval=0",
-         "parallel=single"]
+STEPS = [
+    "train.steps=20",
+    "train.global_batch_size=8",
+    "train.eval_sequences=4",
+    "checkpoint.interval=0",
+    "parallel=single",
+]
 DEPTH = {
     "fixed": ["schedule.sampler=fixed", "schedule.switch_at=1.0"],
     # mixed from the first step, no one-loop override bias: ranks run different passes in one update
     "mixed": ["schedule.sampler=independent_rank", "schedule.switch_at=0.0", "schedule.one_loop_fraction=0.3"],
     # ELR's route replay: passes >= 1 reuse pass 0's expert choices (the router still learns from live gates)
-    "mixed-replay": ["schedule.sampler=independent_rank", "schedule.switch_at=0.0", "schedule.one_loop_fraction=0.3",
-                     "model.route_replay=true"],
+    "mixed-replay": [
+        "schedule.sampler=independent_rank",
+        "schedule.switch_at=0.0",
+        "schedule.one_loop_fraction=0.3",
+        "model.route_replay=true",
+    ],
 }
 TOLERANCE = 1e-5
 # ZeRO-3 at mixed depth: every parameter partitioned (none kept whole below DeepSpeed's 1e5-element default, which
@@ -39,8 +48,14 @@ ENGINES = {"megatron": ["engine=megatron"], "deepspeed": ["engine=deepspeed"]}
 
 # compute-balanced mixed depth (schedule.balance=compute): 2 micro-batches per replica, M = 4 dealt so that ranks run
 # 1 + 3 or 2 + 2 of them (the DeepSpeed step accumulates a rank's own locally; ZeRO-2); 10 steps keep it cheap
-BALANCED = ["schedule.sampler=independent_rank", "schedule.switch_at=0.0", "schedule.one_loop_fraction=0.3",
-            "schedule.balance=compute", "train.global_batch_size=16", "train.steps=10"]
+BALANCED = [
+    "schedule.sampler=independent_rank",
+    "schedule.switch_at=0.0",
+    "schedule.one_loop_fraction=0.3",
+    "schedule.balance=compute",
+    "train.global_batch_size=16",
+    "train.steps=10",
+]
 
 
 def test_compute_balanced_depth_gives_the_same_losses_on_both_engines(tmp_path: Path) -> None:
@@ -61,16 +76,24 @@ def test_compute_balanced_depth_gives_the_same_losses_on_both_engines(tmp_path: 
         assert b["loss"] == pytest.approx(a["loss"], abs=TOLERANCE), (a["step"], a["loss"], b["loss"])
         assert a["loss_by_loops"].keys() == b["loss_by_loops"].keys()
     job = load_job(REPO / "jobs" / "tiny-cpu.yaml", [*COMMON, "engine=deepspeed", *STEPS, *BALANCED])
-    ctl = ScheduleController(job.schedule, max_loops=job.model.max_loops,
-                             total_tokens=job.train.steps * job.tokens_per_step, seed=job.train.seed)
-    counts = [tuple(len(ctl.balanced_plans(step=s, micro_batches=2, replica=r, replicas=2)) for r in range(2))
-              for s in range(10)]
+    ctl = ScheduleController(
+        job.schedule,
+        max_loops=job.model.max_loops,
+        total_tokens=job.train.steps * job.tokens_per_step,
+        seed=job.train.seed,
+    )
+    counts = [
+        tuple(len(ctl.balanced_plans(step=s, micro_batches=2, replica=r, replicas=2)) for r in range(2))
+        for s in range(10)
+    ]
     assert any(c[0] != c[1] for c in counts), counts  # some step dealt 1 + 3
 
 
 # CI runs mixed depth (megatron, ZeRO-2, ZeRO-3); fixed depth and route replay are --long
-@pytest.mark.parametrize("depth", [pytest.param("fixed", marks=pytest.mark.long), "mixed",
-                                   pytest.param("mixed-replay", marks=pytest.mark.long)])
+@pytest.mark.parametrize(
+    "depth",
+    [pytest.param("fixed", marks=pytest.mark.long), "mixed", pytest.param("mixed-replay", marks=pytest.mark.long)],
+)
 def test_both_engines_give_the_same_losses(tmp_path: Path, depth: str) -> None:
     runs = {}
     engines = {**ENGINES, "zero3": ZERO3} if depth == "mixed" else ENGINES

@@ -18,14 +18,27 @@ from elastic_pretrain.parallel.mesh import ParallelConfig
 
 
 def tiny(**kw: Any) -> ModelConfig:
-    base = dict(hidden_size=32, num_heads=4, ffn_hidden_size=64, prelude_layers=1, coda_layers=1, core_layers=2,
-                num_experts=4, loops=2, flatten=2, moe_top_k=2, moe_ffn_hidden_size=32, moe_z_loss_coeff=1e-3,
-                moe_aux_loss_coeff=1e-2)
+    base = dict(
+        hidden_size=32,
+        num_heads=4,
+        ffn_hidden_size=64,
+        prelude_layers=1,
+        coda_layers=1,
+        core_layers=2,
+        num_experts=4,
+        loops=2,
+        flatten=2,
+        moe_top_k=2,
+        moe_ffn_hidden_size=32,
+        moe_z_loss_coeff=1e-3,
+        moe_aux_loss_coeff=1e-2,
+    )
     return ModelConfig(**{**base, **kw})
 
 
-def run(cfg: ModelConfig, *, ghosts: str, loops: int, sync_loops: int | None,
-        exits: tuple[int, ...] = ()) -> dict[str, Any]:
+def run(
+    cfg: ModelConfig, *, ghosts: str, loops: int, sync_loops: int | None, exits: tuple[int, ...] = ()
+) -> dict[str, Any]:
     torch.manual_seed(0)
     net = build_model(cfg, ParallelConfig()).train()
     net.ghosts = ghosts
@@ -35,11 +48,15 @@ def run(cfg: ModelConfig, *, ghosts: str, loops: int, sync_loops: int | None,
             net.loop_conditioning.out.weight.normal_(0, 0.02)
     names = {m: n for n, m in net.named_modules()}
     calls: list[str] = []  # modules that own parameters, in call order (what ZeRO-3 gathers for)
-    handles = [m.register_forward_pre_hook(lambda m, _: calls.append(names[m]))
-               for m in net.modules() if any(True for _ in m.parameters(recurse=False))]
+    handles = [
+        m.register_forward_pre_hook(lambda m, _: calls.append(names[m]))
+        for m in net.modules()
+        if any(True for _ in m.parameters(recurse=False))
+    ]
     grad_order: list[str] = []  # parameters in the order their gradients are ready (ZeRO-3's reduce hooks)
-    handles += [p.register_post_accumulate_grad_hook(lambda p, n=n: grad_order.append(n))
-                for n, p in net.named_parameters()]
+    handles += [
+        p.register_post_accumulate_grad_hook(lambda p, n=n: grad_order.append(n)) for n, p in net.named_parameters()
+    ]
     tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(3))
     clear_aux_losses_tracker()
     out = net(tokens[:, :-1], labels=tokens[:, 1:], loops=loops, exits=exits or (loops,), sync_loops=sync_loops)
@@ -100,7 +117,10 @@ def test_full_ghost_passes_count_as_whole_passes_of_hardware_flops() -> None:
     deep = DepthCounts(loops=4.0, exits=1.0, ghost_passes=0.0)
     useful = DepthCounts(loops=2.0, exits=1.0, ghost_passes=0.0)
     assert step_flops(cfg, full, **kw).hardware == pytest.approx(step_flops(cfg, deep, **kw).model)
-    assert step_flops(cfg, useful, **kw).model < step_flops(cfg, one_token, **kw).hardware < step_flops(
-        cfg, full, **kw).hardware
+    assert (
+        step_flops(cfg, useful, **kw).model
+        < step_flops(cfg, one_token, **kw).hardware
+        < step_flops(cfg, full, **kw).hardware
+    )
     assert step_flops(cfg, full, **kw).model == step_flops(cfg, useful, **kw).model
     assert full.efficiency == one_token.efficiency == 0.5

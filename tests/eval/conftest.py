@@ -46,7 +46,16 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default job, two steps in one process: a base checkpoint for eval / generate / decider jobs."""
     cli("prepare-data", "stdlib-code")
     run = tmp_path_factory.mktemp("eval-run") / "tiny"
-    cli("train", "jobs/tiny-cpu.yaml", "--run-dir", str(run), "parallel=single", "train.steps=2",
-        "train.warmup_steps=1", "train.eval_sequences=4", "train.eval_interval=0",
-        "tracking.system_metrics=false")  # fmt: skip  (local MLflow store: eval logs next to the training run)
+    cli(
+        "train",
+        "jobs/tiny-cpu.yaml",
+        "--run-dir",
+        str(run),
+        "parallel=single",
+        "train.steps=2",
+        "train.warmup_steps=1",
+        "train.eval_sequences=4",
+        "train.eval_interval=0",
+        "tracking.system_metrics=false",
+    )  # fmt: skip  (local MLflow store: eval logs next to the training run)
     return run

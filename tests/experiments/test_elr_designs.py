@@ -36,8 +36,13 @@ def test_every_job_builds_and_runs_forward(path: Path, mesh1: object) -> None:
 
     job = load_job(path)
     cfg = job.model
-    ScheduleController(job.schedule, max_loops=cfg.max_loops, total_tokens=job.train.steps * job.tokens_per_step,
-                       seed=job.train.seed, layers=cfg.core_layers_built)
+    ScheduleController(
+        job.schedule,
+        max_loops=cfg.max_loops,
+        total_tokens=job.train.steps * job.tokens_per_step,
+        seed=job.train.seed,
+        layers=cfg.core_layers_built,
+    )
     net = build_model(cfg, ParallelConfig()).eval()
     tokens = torch.randint(0, cfg.vocab_size, (2, 17))
     with torch.no_grad():
@@ -48,8 +53,12 @@ def test_every_job_builds_and_runs_forward(path: Path, mesh1: object) -> None:
 def _plans(path: Path) -> list[int]:
     """ℓ of every training micro-batch of the job, replayed from its seed."""
     job = load_job(path)
-    ctl = ScheduleController(job.schedule, max_loops=job.model.max_loops,
-                             total_tokens=job.train.steps * job.tokens_per_step, seed=job.train.seed)
+    ctl = ScheduleController(
+        job.schedule,
+        max_loops=job.model.max_loops,
+        total_tokens=job.train.steps * job.tokens_per_step,
+        seed=job.train.seed,
+    )
     out = []
     for step in range(job.train.steps):
         ctl.update(step=step, tokens_seen=step * job.tokens_per_step)

@@ -45,8 +45,19 @@ def test_the_trained_arm_is_late_switch_with_the_trained_mode_only() -> None:
 
 
 def test_measure_scores_the_continuation_against_the_per_loop_forward(mesh1) -> None:
-    cfg = ModelConfig(hidden_size=32, num_heads=4, ffn_hidden_size=64, prelude_layers=1, coda_layers=1,
-                      core_layers=2, num_experts=4, loops=3, flatten=1, moe_top_k=2, moe_ffn_hidden_size=32)
+    cfg = ModelConfig(
+        hidden_size=32,
+        num_heads=4,
+        ffn_hidden_size=64,
+        prelude_layers=1,
+        coda_layers=1,
+        core_layers=2,
+        num_experts=4,
+        loops=3,
+        flatten=1,
+        moe_top_k=2,
+        moe_ffn_hidden_size=32,
+    )
     torch.manual_seed(0)
     net = build_model(cfg, ParallelConfig(), recompute="none").eval()
     ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(4))
@@ -73,8 +84,15 @@ def test_measure_scores_the_continuation_against_the_per_loop_forward(mesh1) -> 
     assert "depth_gain" not in arm_metrics({3: m})  # a report stored before it was measured
 
 
-def _modes(per: float, last: float, ref: float, pre: float, *, acc: tuple[float, float] = (0.5, 0.49),
-           core: tuple[float, float] = (512.0, 128.0)) -> dict[str, dict[str, float]]:
+def _modes(
+    per: float,
+    last: float,
+    ref: float,
+    pre: float,
+    *,
+    acc: tuple[float, float] = (0.5, 0.49),
+    core: tuple[float, float] = (512.0, 128.0),
+) -> dict[str, dict[str, float]]:
     row = {"tokens": 10.0, "kv_bytes_per_token": 0.0}
     return {
         "per-loop": {**row, "loss": per, "accuracy": acc[0], "core_kv_bytes_per_token": core[0]},

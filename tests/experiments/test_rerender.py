@@ -145,9 +145,10 @@ def test_rerender_rewrites_every_stored_report_from_its_own_numbers(tmp_path: Pa
         # nothing but the claim and seed-noise tables (and the question above them) changed in the report
         before = (REPO / "docs/results" / path.name).with_suffix(".md").read_text()
         after = path.with_suffix(".md").read_text()
-        assert before.split("## How this report was made")[1].split("## Seed noise")[0] == after.split(
-            "## How this report was made"
-        )[1].split("## Seed noise")[0]
+        assert (
+            before.split("## How this report was made")[1].split("## Seed noise")[0]
+            == after.split("## How this report was made")[1].split("## Seed noise")[0]
+        )
         assert before.split("## Setup", 1)[1] == after.split("## Setup", 1)[1]
 
 

@@ -15,8 +15,22 @@ from tests.conftest import REPO, VENV_BIN
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_quick_run_reports_every_sampler(tmp_path):
-    proc = subprocess.run([str(VENV_BIN / "elastic-pretrain"), "experiment", "samplers", "--quick", "--seeds", "1",
-                           "--runs", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=1700)
+    proc = subprocess.run(
+        [
+            str(VENV_BIN / "elastic-pretrain"),
+            "experiment",
+            "samplers",
+            "--quick",
+            "--seeds",
+            "1",
+            "--runs",
+            str(tmp_path),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1700,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     numbers = json.loads((tmp_path / "results" / "samplers.json").read_text())
     over = " + one_loop_fraction 0.15"
@@ -27,7 +41,11 @@ def test_quick_run_reports_every_sampler(tmp_path):
         "per-step": "per_step" + over,
     }
     assert {job: (lay["world_size"], lay["dp"], lay["ep"]) for job, lay in numbers["layouts"].items()} == {
-        "balanced": (2, 2, 1), "independent-rank": (2, 2, 1), "one-loop": (2, 2, 1), "per-step": (2, 2, 1)}
+        "balanced": (2, 2, 1),
+        "independent-rank": (2, 2, 1),
+        "one-loop": (2, 2, 1),
+        "per-step": (2, 2, 1),
+    }
     # one seed: no interval, so the premise (depth pays) is not established and gates every sampler claim
     gated = "not resolved — premise absent"
     assert [c["verdict"] for c in numbers["claims"]] == ["no", gated, "no", gated, gated]

@@ -173,8 +173,16 @@ def test_export_files_and_config(mesh1, tmp_path: Path) -> None:
     net = build(tiny(), conditioning=False)
     export(net, tmp_path / "hf")
     names = sorted(p.name for p in (tmp_path / "hf").iterdir())
-    assert {"config.json", "generation_config.json", "model.safetensors", "modeling_elastic.py", "tokenizer.json",
-            "configuration_elastic.py", "tokenizer_config.json", "elastic_pretrain.json"} <= set(names)
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "modeling_elastic.py",
+        "tokenizer.json",
+        "configuration_elastic.py",
+        "tokenizer_config.json",
+        "elastic_pretrain.json",
+    } <= set(names)
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert cfg["max_loops"] == 4 and cfg["core_layers"] == 1 and cfg["num_experts"] == 8  # built shape (flatten 2)
     assert cfg["loop_conditioning"] is False and cfg["decider_hidden_size"] is None and cfg["eos_token_id"] == 256

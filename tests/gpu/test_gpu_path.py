@@ -13,8 +13,19 @@ from elastic_pretrain.parallel.mesh import ParallelConfig
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 PAR = ParallelConfig()
-SHAPE = dict(hidden_size=256, num_heads=8, ffn_hidden_size=512, prelude_layers=1, coda_layers=1, core_layers=2,
-             num_experts=4, loops=2, flatten=2, moe_ffn_hidden_size=256, route_replay=True)
+SHAPE = dict(
+    hidden_size=256,
+    num_heads=8,
+    ffn_hidden_size=512,
+    prelude_layers=1,
+    coda_layers=1,
+    core_layers=2,
+    num_experts=4,
+    loops=2,
+    flatten=2,
+    moe_ffn_hidden_size=256,
+    route_replay=True,
+)
 
 
 def tokens(b: int = 2, s: int = 256) -> torch.Tensor:
@@ -76,10 +87,23 @@ def test_memory_estimate_per_pass_growth_matches_the_measured_peak(mesh):
     from elastic_pretrain.parallel.memory import estimate_memory
     from tests.conftest import REPO
 
-    job = load_job(REPO / "jobs" / "tiny-cpu.yaml", [
-        "parallel=single", "model.hidden_size=1024", "model.num_heads=16", "model.ffn_hidden_size=4096",
-        "model.moe_ffn_hidden_size=512", "model.core_layers=2", "model.flatten=1", "model.loops=4",
-        "model.dtype=bf16", "data.seq_len=2048", "train.micro_batch_size=2", "train.global_batch_size=2"])
+    job = load_job(
+        REPO / "jobs" / "tiny-cpu.yaml",
+        [
+            "parallel=single",
+            "model.hidden_size=1024",
+            "model.num_heads=16",
+            "model.ffn_hidden_size=4096",
+            "model.moe_ffn_hidden_size=512",
+            "model.core_layers=2",
+            "model.flatten=1",
+            "model.loops=4",
+            "model.dtype=bf16",
+            "data.seq_len=2048",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=2",
+        ],
+    )
     est = estimate_memory(job, 1).stages[0].activation_bytes["none"]
     net = pm.build_model(job.model, PAR).train()
     x = tokens(2, 2048)

@@ -27,8 +27,20 @@ PAR = ParallelConfig()
 
 
 def edge_moe(**kw: Any) -> ModelConfig:
-    base = dict(hidden_size=32, num_heads=4, ffn_hidden_size=64, prelude_layers=1, coda_layers=1, core_layers=2,
-                num_experts=4, loops=3, flatten=1, moe_top_k=2, moe_ffn_hidden_size=32, edge_mlp="moe")
+    base = dict(
+        hidden_size=32,
+        num_heads=4,
+        ffn_hidden_size=64,
+        prelude_layers=1,
+        coda_layers=1,
+        core_layers=2,
+        num_experts=4,
+        loops=3,
+        flatten=1,
+        moe_top_k=2,
+        moe_ffn_hidden_size=32,
+        edge_mlp="moe",
+    )
     return ModelConfig(**{**base, **kw})
 
 
@@ -90,8 +102,9 @@ PLANS = {
 }
 
 
-@pytest.mark.parametrize(("recompute", "replay"), [("none", False), ("pass", True)],
-                         ids=["plain", "recompute-pass-route-replay"])
+@pytest.mark.parametrize(
+    ("recompute", "replay"), [("none", False), ("pass", True)], ids=["plain", "recompute-pass-route-replay"]
+)
 @pytest.mark.parametrize("plans", list(PLANS.values()), ids=list(PLANS))
 def test_members_with_different_plans_issue_the_same_all_to_alls(mesh1, plans, recompute, replay):
     torch.manual_seed(0)
@@ -113,10 +126,19 @@ def test_pipeline_with_moe_edge_layers_refuses_telescopic_exits_under_expert_par
     from tests.conftest import REPO
 
     job = REPO / "jobs" / "tiny-cpu.yaml"
-    pp_ep = ["parallel=cpu-pp2", "parallel.expert=2", "model.edge_mlp=moe", "schedule.sampler=telescopic",
-             "model.loop_conditioning=false", "model.flatten=1"]
-    with pytest.raises(ConfigError, match=r"model.edge_mlp=moe with parallel.pipeline > 1 and parallel.expert > 1.*"
-                                          r"use model.edge_mlp=dense, parallel.pipeline=1, or a sampler"):
+    pp_ep = [
+        "parallel=cpu-pp2",
+        "parallel.expert=2",
+        "model.edge_mlp=moe",
+        "schedule.sampler=telescopic",
+        "model.loop_conditioning=false",
+        "model.flatten=1",
+    ]
+    with pytest.raises(
+        ConfigError,
+        match=r"model.edge_mlp=moe with parallel.pipeline > 1 and parallel.expert > 1.*"
+        r"use model.edge_mlp=dense, parallel.pipeline=1, or a sampler",
+    ):
         load_job(job, pp_ep)
     for fix in ("model.edge_mlp=dense", "parallel.expert=1", "schedule.sampler=independent_rank"):
         load_job(job, [*pp_ep, fix])  # each fix is accepted

@@ -12,8 +12,19 @@ PAR = ParallelConfig()
 
 
 def tiny(**kw) -> ModelConfig:
-    base = dict(hidden_size=32, num_heads=4, ffn_hidden_size=64, core_layers=2, num_experts=4, loops=2, flatten=2,
-                moe_top_k=2, moe_ffn_hidden_size=32, prelude_layers=1, coda_layers=1)
+    base = dict(
+        hidden_size=32,
+        num_heads=4,
+        ffn_hidden_size=64,
+        core_layers=2,
+        num_experts=4,
+        loops=2,
+        flatten=2,
+        moe_top_k=2,
+        moe_ffn_hidden_size=32,
+        prelude_layers=1,
+        coda_layers=1,
+    )
     return ModelConfig(**{**base, **kw})
 
 
@@ -143,7 +154,7 @@ def test_routing_probe_matches_a_naive_computation(mesh1):
         probs = torch.softmax(logits.double(), -1)
         top = probs.topk(3, -1)
         load = torch.bincount(top.indices[:, :2].reshape(-1), minlength=cfg.experts_built).double()
-        overlap = (top.indices[:, :2, None] == torch.softmax(logits0.double(), -1).topk(2, -1).indices[:, None, :])
+        overlap = top.indices[:, :2, None] == torch.softmax(logits0.double(), -1).topk(2, -1).indices[:, None, :]
         want = {
             "confidence": probs.max(-1).values.mean(),
             "margin": (top.values[:, 1] - top.values[:, 2]).mean(),

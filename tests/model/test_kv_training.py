@@ -28,8 +28,20 @@ LOOPS = 3
 
 
 def tiny(**kw) -> ModelConfig:
-    base = dict(hidden_size=32, num_heads=4, ffn_hidden_size=64, prelude_layers=1, coda_layers=1, core_layers=2,
-                num_experts=4, loops=LOOPS, flatten=1, moe_top_k=2, moe_ffn_hidden_size=32, kv_training="last_loop")
+    base = dict(
+        hidden_size=32,
+        num_heads=4,
+        ffn_hidden_size=64,
+        prelude_layers=1,
+        coda_layers=1,
+        core_layers=2,
+        num_experts=4,
+        loops=LOOPS,
+        flatten=1,
+        moe_top_k=2,
+        moe_ffn_hidden_size=32,
+        kv_training="last_loop",
+    )
     return ModelConfig(**{**base, **kw})
 
 
@@ -137,16 +149,19 @@ def test_what_the_mode_cannot_express_is_refused(mesh1):
         build_model(tiny(), ParallelConfig(pipeline=2))
 
 
-@pytest.mark.parametrize("override", ["schedule.sampler=telescopic",
-                                      "schedule.sampler=fixed_exits;schedule.exits=[1,2]"])
+@pytest.mark.parametrize(
+    "override", ["schedule.sampler=telescopic", "schedule.sampler=fixed_exits;schedule.exits=[1,2]"]
+)
 def test_a_job_the_mode_cannot_run_is_refused_before_it_starts(override):
     from elastic_pretrain.job_loader import load_job
     from tests.conftest import REPO
 
     load_job(REPO / "jobs" / "tiny-cpu.yaml", ["model.kv_training=last_loop"])  # the mode itself is accepted
     with pytest.raises(ConfigError, match="kv_training=same_pass"):
-        load_job(REPO / "jobs" / "tiny-cpu.yaml",
-                 ["model.kv_training=last_loop", "model.loop_conditioning=false", *override.split(";")])
+        load_job(
+            REPO / "jobs" / "tiny-cpu.yaml",
+            ["model.kv_training=last_loop", "model.loop_conditioning=false", *override.split(";")],
+        )
 
 
 def test_evaluation_at_several_loops_runs_one_forward_per_loop(mesh1):

@@ -15,8 +15,17 @@ PAR = ParallelConfig()
 
 
 def tiny(**kw) -> ModelConfig:
-    base = dict(hidden_size=32, num_heads=4, ffn_hidden_size=64, core_layers=2, num_experts=4, loops=2,
-                moe_top_k=2, moe_ffn_hidden_size=32, moe_z_loss_coeff=0.0)
+    base = dict(
+        hidden_size=32,
+        num_heads=4,
+        ffn_hidden_size=64,
+        core_layers=2,
+        num_experts=4,
+        loops=2,
+        moe_top_k=2,
+        moe_ffn_hidden_size=32,
+        moe_z_loss_coeff=0.0,
+    )
     return ModelConfig(**{**base, **kw})
 
 
@@ -27,10 +36,15 @@ def test_parity_with_megatron_gpt_model(mesh1):
     cfg = tiny(loops=1, loop_conditioning=False)
     torch.manual_seed(0)
     ours = build_model(cfg, PAR).eval()
-    gpt = GPTModel(config=transformer_config(cfg, PAR), transformer_layer_spec=layer_specs(cfg).moe,
-                   vocab_size=padded_vocab_size(cfg.vocab_size, 1), max_sequence_length=64,
-                   position_embedding_type="rope", rotary_base=cfg.rope_base,
-                   share_embeddings_and_output_weights=False).eval()
+    gpt = GPTModel(
+        config=transformer_config(cfg, PAR),
+        transformer_layer_spec=layer_specs(cfg).moe,
+        vocab_size=padded_vocab_size(cfg.vocab_size, 1),
+        max_sequence_length=64,
+        position_embedding_type="rope",
+        rotary_base=cfg.rope_base,
+        share_embeddings_and_output_weights=False,
+    ).eval()
     mapped = {}
     for name, tensor in ours.state_dict().items():
         if name.startswith("core."):

@@ -14,8 +14,19 @@ from elastic_pretrain.parallel.mesh import ParallelConfig
 from tests.conftest import REPO
 
 PAR = ParallelConfig()
-BASE = dict(vocab_size=300, hidden_size=32, num_heads=4, ffn_hidden_size=48, core_layers=2, num_experts=4, loops=2,
-            moe_top_k=2, moe_ffn_hidden_size=24, prelude_layers=1, coda_layers=1)
+BASE = dict(
+    vocab_size=300,
+    hidden_size=32,
+    num_heads=4,
+    ffn_hidden_size=48,
+    core_layers=2,
+    num_experts=4,
+    loops=2,
+    moe_top_k=2,
+    moe_ffn_hidden_size=24,
+    prelude_layers=1,
+    coda_layers=1,
+)
 SHAPES = {
     "default": {},
     "gqa-qknorm": dict(num_query_groups=2, qk_norm=True),

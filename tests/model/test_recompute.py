@@ -21,9 +21,21 @@ PAR = ParallelConfig()
 
 
 def tiny(**kw) -> ModelConfig:
-    base = dict(hidden_size=32, num_heads=4, ffn_hidden_size=64, prelude_layers=1, coda_layers=1, core_layers=2,
-                num_experts=4, loops=2, flatten=2, moe_top_k=2, moe_ffn_hidden_size=32, moe_z_loss_coeff=1e-3,
-                route_replay=True)
+    base = dict(
+        hidden_size=32,
+        num_heads=4,
+        ffn_hidden_size=64,
+        prelude_layers=1,
+        coda_layers=1,
+        core_layers=2,
+        num_experts=4,
+        loops=2,
+        flatten=2,
+        moe_top_k=2,
+        moe_ffn_hidden_size=32,
+        moe_z_loss_coeff=1e-3,
+        route_replay=True,
+    )
     return ModelConfig(**{**base, **kw})
 
 

@@ -30,9 +30,23 @@ TOL = dict(rtol=1e-5, atol=1e-6)
 
 
 def tiny(**kw) -> ModelConfig:
-    base = dict(hidden_size=32, num_heads=4, ffn_hidden_size=64, prelude_layers=1, coda_layers=1, core_layers=2,
-                num_experts=4, loops=2, flatten=2, moe_top_k=2, moe_ffn_hidden_size=32, moe_z_loss_coeff=0.0,
-                moe_aux_loss_coeff=0.0, route_replay=True, loop_conditioning=False)
+    base = dict(
+        hidden_size=32,
+        num_heads=4,
+        ffn_hidden_size=64,
+        prelude_layers=1,
+        coda_layers=1,
+        core_layers=2,
+        num_experts=4,
+        loops=2,
+        flatten=2,
+        moe_top_k=2,
+        moe_ffn_hidden_size=32,
+        moe_z_loss_coeff=0.0,
+        moe_aux_loss_coeff=0.0,
+        route_replay=True,
+        loop_conditioning=False,
+    )
     return ModelConfig(**{**base, **kw})
 
 
@@ -56,8 +70,9 @@ def step(cfg: ModelConfig, *, loops: int, exits=(), recompute: str = "none", sta
 @pytest.mark.parametrize("recompute", ["none", "pass"])
 def test_dispatch_replay_equals_router_replay(mesh1, recompute):
     ref_out, ref_grads, ref_net = step(tiny(route_replay_impl="router"), loops=3, exits=(1, 2))
-    out, grads, net = step(tiny(route_replay_impl="dispatch"), loops=3, exits=(1, 2), recompute=recompute,
-                           state=ref_net.state_dict())
+    out, grads, net = step(
+        tiny(route_replay_impl="dispatch"), loops=3, exits=(1, 2), recompute=recompute, state=ref_net.state_dict()
+    )
     assert out.keys() == ref_out.keys()
     for e in out:
         torch.testing.assert_close(out[e], ref_out[e], **TOL)
@@ -90,7 +105,8 @@ def test_gates_equal_megatron_router_replay(score, pre):
     rr.target_topk_idx = topk_NK
     rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
     probs_NE, _ = moe_utils.topk_routing_with_score_function(
-        logits_NE, 3, use_pre_softmax=pre, scaling_factor=2.5, score_function=score, router_replay=rr)
+        logits_NE, 3, use_pre_softmax=pre, scaling_factor=2.5, score_function=score, router_replay=rr
+    )
     ours_NK = replay_gates(logits_NE, topk_NK, Cfg)
     # Both sides compute the score in float32 (megatron: softmax(dtype=float32), sigmoid(x.float())), ours on
     # the k gathered logits, megatron's on all E: the vector kernels put the elements in different SIMD lanes
@@ -115,6 +131,7 @@ def test_replayed_passes_skip_topk_and_dispatch_counting(mesh1, monkeypatch, rec
         def wrapped(self, *a, **kw):
             calls[name] += 1
             return original(self, *a, **kw)
+
         return wrapped
 
     monkeypatch.setattr(router.TopKRouter, "routing", spy("routing", router.TopKRouter.routing))

@@ -82,14 +82,31 @@ def te_standins(monkeypatch):
 
 
 def tiny(**kw: Any) -> ModelConfig:
-    base = dict(hidden_size=32, num_heads=4, ffn_hidden_size=64, prelude_layers=1, coda_layers=1, core_layers=2,
-                num_experts=4, loops=2, flatten=2, moe_top_k=2, moe_ffn_hidden_size=32, moe_z_loss_coeff=0.0)
+    base = dict(
+        hidden_size=32,
+        num_heads=4,
+        ffn_hidden_size=64,
+        prelude_layers=1,
+        coda_layers=1,
+        core_layers=2,
+        num_experts=4,
+        loops=2,
+        flatten=2,
+        moe_top_k=2,
+        moe_ffn_hidden_size=32,
+        moe_z_loss_coeff=0.0,
+    )
     return ModelConfig(**{**base, **kw})
 
 
 def build(cfg: ModelConfig, backend: str, decider: DeciderConfig | None = None) -> LoopedMoEModel:
-    return LoopedMoEModel(cfg, transformer_config(cfg, PAR), layer_specs(cfg, backend),  # type: ignore[arg-type]
-                          padded_vocab=padded_vocab_size(cfg.vocab_size, 1), decider=decider)
+    return LoopedMoEModel(
+        cfg,
+        transformer_config(cfg, PAR),
+        layer_specs(cfg, backend),  # type: ignore[arg-type]
+        padded_vocab=padded_vocab_size(cfg.vocab_size, 1),
+        decider=decider,
+    )
 
 
 def is_norm(module: Any) -> bool:
@@ -130,16 +147,19 @@ def to_te_names(state: dict[str, torch.Tensor], te_keys: set[str]) -> dict[str, 
     for name, t in state.items():
         if name not in te_keys:
             suffix = "layer_norm_weight" if name.endswith(".weight") else "layer_norm_bias"
-            for local, fused in ((".input_layernorm.", ".self_attention.linear_qkv."), (".pre_mlp_layernorm.",
-                                                                                      ".mlp.linear_fc1.")):
+            for local, fused in (
+                (".input_layernorm.", ".self_attention.linear_qkv."),
+                (".pre_mlp_layernorm.", ".mlp.linear_fc1."),
+            ):
                 if local in name:
                     name = name.split(local)[0] + fused + suffix
         out[name] = t
     return out
 
 
-@pytest.mark.parametrize(("normalization", "backbone"),
-                         [("RMSNorm", "per_token"), ("LayerNorm", "per_token"), ("RMSNorm", "joint")])
+@pytest.mark.parametrize(
+    ("normalization", "backbone"), [("RMSNorm", "per_token"), ("LayerNorm", "per_token"), ("RMSNorm", "joint")]
+)
 def test_te_spec_computes_what_the_local_spec_computes(mesh1, te_standins, normalization, backbone):
     """Same weights → same logits at every ℓ, with the loop-conditioning heads on, and the same decider
     outputs (per-token depth, the default backbone, and the joint all-exits run): the heads and the decider
@@ -185,4 +205,5 @@ def test_the_local_spec_is_announced_once_per_process(caplog: pytest.LogCaptureF
         for _ in range(3):
             layer_specs(tiny(), "local")
     assert [r.getMessage() for r in caplog.records].count(
-        "no Transformer Engine/CUDA: using megatron-core's local layer spec (torch modules)") == 1
+        "no Transformer Engine/CUDA: using megatron-core's local layer spec (torch modules)"
+    ) == 1

@@ -11,9 +11,19 @@ import pytest
 
 from elastic_pretrain.parallel import cpu_compat
 
-EXPECTED = ["rng_tracker", "cuda_device_noops", "moe_te_general_gemm", "cuda_streams", "moe_alltoall_splits",
-            "sp_torch_norm", "cuda_device_shim", "tensor_type_string", "checkpoint_rng",
-            "sharded_tensor_init_data", "eager_jit_fuser"]
+EXPECTED = [
+    "rng_tracker",
+    "cuda_device_noops",
+    "moe_te_general_gemm",
+    "cuda_streams",
+    "moe_alltoall_splits",
+    "sp_torch_norm",
+    "cuda_device_shim",
+    "tensor_type_string",
+    "checkpoint_rng",
+    "sharded_tensor_init_data",
+    "eager_jit_fuser",
+]
 
 
 def test_megatron_version_is_the_one_patched():

@@ -23,8 +23,14 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("equiv")
-    subprocess.run([sys.executable, str(SCRIPT), "ref", str(out)], check=True, cwd=REPO, timeout=300,
-                   capture_output=True, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)})
+    subprocess.run(
+        [sys.executable, str(SCRIPT), "ref", str(out)],
+        check=True,
+        cwd=REPO,
+        timeout=300,
+        capture_output=True,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)},
+    )
     torchrun(SCRIPT, "tp2,ep2", str(out), nproc=2, env={"PYTHONPATH": str(REPO)})  # both layouts, one launch
     return out
 

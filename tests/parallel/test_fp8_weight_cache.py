@@ -48,8 +48,15 @@ def main_grads(params: dict[str, torch.Tensor], config: dict[str, bool]) -> dict
     tokens = torch.randint(0, MODEL.vocab_size, (MICRO, ROWS, SEQ + 1), generator=torch.Generator().manual_seed(3))
     micro = [MicroBatch(tokens[i], DepthPlan(2, (2,), group_loops=2)) for i in range(MICRO)]
     model.zero_grad_buffer()
-    get_forward_backward_func()(forward_step_func=_forward_step, data_iterator=iter(micro), model=[model],
-                                num_microbatches=MICRO, seq_length=SEQ, micro_batch_size=ROWS, forward_only=False)
+    get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=iter(micro),
+        model=[model],
+        num_microbatches=MICRO,
+        seq_length=SEQ,
+        micro_batch_size=ROWS,
+        forward_only=False,
+    )
     return {n: p.main_grad.detach().clone() for n, p in net.named_parameters()}
 
 

@@ -20,8 +20,16 @@ from tests.conftest import REPO, VENV_BIN
 # the tests of what a machine without CUDA + TE does (skipped on one that has them)
 without_gpu_kernels = pytest.mark.skipif(fusions.cuda_te_available(), reason="CUDA and Transformer Engine present")
 
-SWITCHES = ("bias_activation_fusion", "bias_dropout_fusion", "masked_softmax_fusion", "apply_rope_fusion",
-            "cross_entropy_loss_fusion", "moe_permute_fusion", "moe_router_fusion", "moe_grouped_gemm")
+SWITCHES = (
+    "bias_activation_fusion",
+    "bias_dropout_fusion",
+    "masked_softmax_fusion",
+    "apply_rope_fusion",
+    "cross_entropy_loss_fusion",
+    "moe_permute_fusion",
+    "moe_router_fusion",
+    "moe_grouped_gemm",
+)
 
 
 def resolved_kwargs(monkeypatch, model: ModelConfig, **options: Any) -> dict[str, Any]:
@@ -66,11 +74,14 @@ def test_flex_dispatcher_needs_deepep(monkeypatch):
         fusions.resolve(ModelConfig(moe_dispatcher="flex"))
 
 
-@pytest.mark.parametrize(("override", "message"), [
-    (dict(fusions="on"), "model.fusions=on needs CUDA and Transformer Engine"),
-    (dict(moe_grouped_gemm="on"), "model.moe_grouped_gemm=on needs CUDA and Transformer Engine"),
-    (dict(moe_dispatcher="flex"), "model.moe_dispatcher=flex needs CUDA"),
-])
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        (dict(fusions="on"), "model.fusions=on needs CUDA and Transformer Engine"),
+        (dict(moe_grouped_gemm="on"), "model.moe_grouped_gemm=on needs CUDA and Transformer Engine"),
+        (dict(moe_dispatcher="flex"), "model.moe_dispatcher=flex needs CUDA"),
+    ],
+)
 @without_gpu_kernels
 def test_explicit_request_on_cpu_is_refused(override, message):
     with pytest.raises(ConfigError, match=message):
@@ -80,14 +91,27 @@ def test_explicit_request_on_cpu_is_refused(override, message):
 @without_gpu_kernels
 def test_cli_prints_one_line_naming_the_fix(tmp_path):
     proc = subprocess.run(
-        [str(VENV_BIN / "elastic-pretrain"), "train", "jobs/tiny-cpu.yaml", "parallel=single", "model.fusions=on",
-         "--run-dir", str(tmp_path / "run"), "tracking.backend=none"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [
+            str(VENV_BIN / "elastic-pretrain"),
+            "train",
+            "jobs/tiny-cpu.yaml",
+            "parallel=single",
+            "model.fusions=on",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "tracking.backend=none",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
-    assert errors == ["elastic-pretrain train: error: model.fusions=on needs CUDA and Transformer Engine, which this "
-                      "machine lacks: use model.fusions=auto (on where they exist) or off"]
+    assert errors == [
+        "elastic-pretrain train: error: model.fusions=on needs CUDA and Transformer Engine, which this "
+        "machine lacks: use model.fusions=auto (on where they exist) or off"
+    ]
 
 
 def test_unquoted_on_off_in_yaml_are_the_switch_values():
@@ -102,12 +126,16 @@ def test_unquoted_on_off_in_yaml_are_the_switch_values():
         build(ModelConfig, {"dtype": True})  # no on/off among its values: still refused
 
 
-@pytest.mark.parametrize(("cuda_te", "apex", "main_grad", "layers", "head"), [
-    (False, False, True, False, False),  # a CPU machine (this one): nothing changes
-    (True, True, True, True, True),  # CUDA + TE + Apex, the trainer's model (megatron DDP)
-    (True, False, True, True, False),  # CUDA + TE without Apex: TE's linears only, the output layer unfused
-    (True, True, False, False, False),  # a bare model (DeepSpeed, benches): no main_grad to accumulate into
-], ids=["cpu", "cuda-te-apex", "cuda-te-no-apex", "no-main-grad"])
+@pytest.mark.parametrize(
+    ("cuda_te", "apex", "main_grad", "layers", "head"),
+    [
+        (False, False, True, False, False),  # a CPU machine (this one): nothing changes
+        (True, True, True, True, True),  # CUDA + TE + Apex, the trainer's model (megatron DDP)
+        (True, False, True, True, False),  # CUDA + TE without Apex: TE's linears only, the output layer unfused
+        (True, True, False, False, False),  # a bare model (DeepSpeed, benches): no main_grad to accumulate into
+    ],
+    ids=["cpu", "cuda-te-apex", "cuda-te-no-apex", "no-main-grad"],
+)
 def test_fused_weight_gradient_accumulation_resolves_per_machine(monkeypatch, cuda_te, apex, main_grad, layers, head):
     """Issue 30, item 6: without it the ℓ passes' weight gradients of a shared expert are summed in bf16 by
     autograd before reaching the fp32 main_grad. With TE's fused accumulation every pass's wgrad GEMM adds

@@ -27,8 +27,12 @@ from bench.gpu_check import PLAN, SETUP_S, TOTAL_BUDGET_S, Section, run_sections
 from tests.conftest import REPO, VENV_BIN
 
 SCRIPT = REPO / "bench" / "gpu_check.sh"
-ENV = {"PATH": f"{VENV_BIN}:/usr/bin:/bin", "PYTHON": str(VENV_BIN / "python"), "OMP_NUM_THREADS": "1",
-       "PYTHONPATH": str(REPO)}
+ENV = {
+    "PATH": f"{VENV_BIN}:/usr/bin:/bin",
+    "PYTHON": str(VENV_BIN / "python"),
+    "OMP_NUM_THREADS": "1",
+    "PYTHONPATH": str(REPO),
+}
 
 
 def test_dry_run_prints_the_plan_within_eight_minutes():
@@ -41,14 +45,20 @@ def test_dry_run_prints_the_plan_within_eight_minutes():
     total = sum(int(b) for _, _, b in rows)
     assert total <= TOTAL_BUDGET_S == 480
     assert f"total {total} s" in proc.stdout and f"budgets summing to {total} s (limit 480 s" in proc.stdout
-    only = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--only", "memory", "trainer"], capture_output=True,
-                          text=True, env=ENV, timeout=60)
+    only = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run", "--only", "memory", "trainer"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
+    )
     assert re.findall(r"^\s+\d+\s+(\w+)", only.stdout, flags=re.M) == ["setup", "trainer", "memory"]  # plan order
 
 
 def test_an_unknown_section_is_refused_naming_the_sections():
-    proc = subprocess.run(["bash", str(SCRIPT), "--dry-run", "--only", "trainr"], capture_output=True, text=True,
-                          env=ENV, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "--dry-run", "--only", "trainr"], capture_output=True, text=True, env=ENV, timeout=60
+    )
     assert proc.returncode == 2
     assert "invalid choice: 'trainr'" in proc.stderr and "'trainer'" in proc.stderr
 
@@ -87,15 +97,18 @@ def section(name: str, fn: str, budget: int = 30, te: bool = False) -> Section:
 
 
 def fake_ctx(skip_te: bool = False) -> SimpleNamespace:
-    return SimpleNamespace(skip_te=skip_te, failures=0, ran=[], deadline=0.0,
-                           remaining=lambda: 1.0)
+    return SimpleNamespace(skip_te=skip_te, failures=0, ran=[], deadline=0.0, remaining=lambda: 1.0)
 
 
 def test_a_section_over_its_budget_is_stopped_and_the_next_runs():
     ctx = fake_ctx()
     lines: list[str] = []
-    results = run_sections([section("slow", "sleeps", budget=1), section("after", "passes")], ctx,
-                           deadline=time.monotonic() + 100, out=lines.append)
+    results = run_sections(
+        [section("slow", "sleeps", budget=1), section("after", "passes")],
+        ctx,
+        deadline=time.monotonic() + 100,
+        out=lines.append,
+    )
     assert [(r.name, r.status) for r in results] == [("slow", "stopped"), ("after", "ok")]
     assert "overran its 1 s budget" in results[0].note and ctx.ran == ["passes"]
     assert any("slow: stopped at its budget" in line for line in lines)
@@ -104,8 +117,9 @@ def test_a_section_over_its_budget_is_stopped_and_the_next_runs():
 def test_a_subprocess_of_an_overrunning_section_is_killed():
     ctx = fake_ctx()
     before = {p.pid for p in _sleep_children()}
-    results = run_sections([section("slow", "sleeps_in_run", budget=1)], ctx, deadline=time.monotonic() + 100,
-                           out=lambda s: None)
+    results = run_sections(
+        [section("slow", "sleeps_in_run", budget=1)], ctx, deadline=time.monotonic() + 100, out=lambda s: None
+    )
     assert results[0].status == "stopped"
     assert {p.pid for p in _sleep_children()} - before == set()  # subprocess.run killed its child on the way out
 
@@ -117,11 +131,19 @@ def _sleep_children() -> list[SimpleNamespace]:
 
 def test_failures_errors_skips_and_a_spent_budget_are_reported():
     ctx = fake_ctx(skip_te=True)
-    plan = [section("check", "fails_a_check"), section("boom", "raises"), section("needs_te", "passes", te=True),
-            section("fine", "passes")]
+    plan = [
+        section("check", "fails_a_check"),
+        section("boom", "raises"),
+        section("needs_te", "passes", te=True),
+        section("fine", "passes"),
+    ]
     results = run_sections(plan, ctx, deadline=time.monotonic() + 100, out=lambda s: None)
-    assert [(r.name, r.status) for r in results] == [("check", "FAIL"), ("boom", "error"), ("needs_te", "skipped"),
-                                                     ("fine", "ok")]
+    assert [(r.name, r.status) for r in results] == [
+        ("check", "FAIL"),
+        ("boom", "error"),
+        ("needs_te", "skipped"),
+        ("fine", "ok"),
+    ]
     assert results[1].note == "ValueError: broken section"
     spent = run_sections([section("late", "passes")], fake_ctx(), deadline=time.monotonic() - 1, out=lambda s: None)
     assert [(r.name, r.status) for r in spent] == [("late", "not started")]
@@ -147,8 +169,14 @@ def test_the_resume_verdict():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_toy_run_runs_every_section_on_cpu():
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_check.py"), "--toy"], cwd=REPO,
-                          capture_output=True, text=True, timeout=880, env={**ENV, "MLFLOW_DISABLE_TELEMETRY": "true"})
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "gpu_check.py"), "--toy"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=880,
+        env={**ENV, "MLFLOW_DISABLE_TELEMETRY": "true"},
+    )
     out = proc.stdout
     assert proc.returncode == 0, out[-5000:] + proc.stderr[-3000:]
     for name in gpu_check.SECTIONS:
@@ -168,8 +196,14 @@ def test_toy_run_runs_every_section_on_cpu():
 def test_the_shell_stops_a_section_at_the_overall_budget_and_still_prints_the_summary(tmp_path: Path):
     # the trainer section stalls (GPU_CHECK_STALL): how long a real one takes depends on the machine
     env = {**ENV, "GPU_CHECK_BUDGET": "40", "GPU_CHECK_STALL": "trainer", "MLFLOW_DISABLE_TELEMETRY": "true"}
-    proc = subprocess.run(["bash", str(SCRIPT), "--toy", "--only", "env", "trainer", "memory"], cwd=REPO,
-                          capture_output=True, text=True, timeout=280, env=env)
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "--toy", "--only", "env", "trainer", "memory"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        env=env,
+    )
     out = proc.stdout
     assert proc.returncode == 1, out[-3000:] + proc.stderr[-3000:]
     assert re.search(r"^  trainer\s+stopped\s", out, flags=re.M), out[-3000:]

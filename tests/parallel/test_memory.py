@@ -31,20 +31,26 @@ def job_1rank(*overrides: str):
 
 
 def test_estimate_imports_no_torch():
-    code = ("import sys; from elastic_pretrain.job_loader import load_job; "
-            "from elastic_pretrain.parallel.memory import estimate_memory; "
-            "estimate_memory(load_job('jobs/tiny-cpu.yaml', []), 2).lines(); "
-            "heavy = [m for m in ('torch', 'megatron') if m in sys.modules]; assert not heavy, heavy")
+    code = (
+        "import sys; from elastic_pretrain.job_loader import load_job; "
+        "from elastic_pretrain.parallel.memory import estimate_memory; "
+        "estimate_memory(load_job('jobs/tiny-cpu.yaml', []), 2).lines(); "
+        "heavy = [m for m in ('torch', 'megatron') if m in sys.modules]; assert not heavy, heavy"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 
 
-@pytest.mark.parametrize("overrides", [
-    (),
-    ("model.normalization=LayerNorm", "model.attention=tied"),
-    ("model.edge_mlp=moe", "model.loop_conditioning=false", "model.tie_embeddings=true", "model.vocab_size=300"),
-    ("model.dtype=bf16", "model.flatten=1", "model.prelude_layers=0"),
-    ("decider",),
-], ids=["tiny-cpu", "layernorm-tied", "moe-edges-tied-embeddings", "bf16-unflattened", "decider"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        (),
+        ("model.normalization=LayerNorm", "model.attention=tied"),
+        ("model.edge_mlp=moe", "model.loop_conditioning=false", "model.tie_embeddings=true", "model.vocab_size=300"),
+        ("model.dtype=bf16", "model.flatten=1", "model.prelude_layers=0"),
+        ("decider",),
+    ],
+    ids=["tiny-cpu", "layernorm-tied", "moe-edges-tied-embeddings", "bf16-unflattened", "decider"],
+)
 def test_parameter_counts_and_bytes_are_exact(mesh1, overrides):
     job = job_1rank(*[o for o in overrides if o != "decider"])
     if "decider" in overrides:
@@ -61,8 +67,13 @@ def test_expert_parallel_splits_experts_and_data_parallel_shards_optimizer_state
     one = estimate_memory(load_job(JOB, ["parallel=single"]), 1).stages[0]
     two = estimate_memory(load_job(JOB, []), 2).stages[0]  # cpu-ep2: 2 ranks, DP 2, EP 2
     job = load_job(JOB, [])
-    experts = job.model.core_layers_built * job.model.experts_built * 3 * job.model.hidden_size * \
-        job.model.moe_ffn_hidden_size
+    experts = (
+        job.model.core_layers_built
+        * job.model.experts_built
+        * 3
+        * job.model.hidden_size
+        * job.model.moe_ffn_hidden_size
+    )
     assert one.params - two.params == experts // 2
     dense = two.params - experts // 2
     assert two.optimizer_bytes == 8 * (-(-dense // 2) + experts // 2)  # dense over DP 2; experts over EDP 1
@@ -89,8 +100,7 @@ def saved_bytes(job, loops: int, recompute: str) -> int:
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_activation_estimate_matches_saved_bytes_within_15_percent(mesh1, dtype):
     """The tiny-cpu shape (not among the fitted ones) at seq 40, micro-batch 3."""
-    job = job_1rank(f"model.dtype={dtype}", "data.seq_len=40", "train.micro_batch_size=3",
-                    "train.global_batch_size=3")
+    job = job_1rank(f"model.dtype={dtype}", "data.seq_len=40", "train.micro_batch_size=3", "train.global_batch_size=3")
     est = estimate_memory(job, 1, spec="local").stages[0].activation_bytes
     none = {ell: saved_bytes(job, ell, "none") for ell in (1, 2, 4)}
     one_pass = none[2] - none[1]  # the pass being recomputed is live again during its backward
@@ -128,8 +138,13 @@ def test_routing_imbalance_scales_the_expert_activations_of_the_most_loaded_rank
         st = estimate_memory(job, 128, maxvio=v).stages[0]
         assert st.imbalance_bytes["none"] == {ell: v * ell * 8 * per_layer_pass for ell in (1, 2, 3, 4)}
         assert st.imbalance_bytes["pass"] == {ell: v * 8 * per_layer_pass for ell in (1, 2, 3, 4)}  # one pass live
-        assert st.total(4, "none") == (st.static_bytes + st.activation_bytes["none"][4]
-                                       + st.imbalance_bytes["none"][4] + st.dispatch_bytes + st.nccl_bytes)
+        assert st.total(4, "none") == (
+            st.static_bytes
+            + st.activation_bytes["none"][4]
+            + st.imbalance_bytes["none"][4]
+            + st.dispatch_bytes
+            + st.nccl_bytes
+        )
     # zero where it must be: a balanced router, or EP 1 (one rank holds every token whatever the routing)
     balanced = estimate_memory(job, 128, maxvio=0).stages[0]
     assert all(b == 0 for acts in balanced.imbalance_bytes.values() for b in acts.values())
@@ -172,14 +187,26 @@ def test_parse_bytes():
 
 def test_estimate_command():
     cli = str(VENV_BIN / "elastic-pretrain")
-    proc = subprocess.run([cli, "estimate", "jobs/tiny-cpu.yaml", "--world-size", "2", "--gpu-memory", "16GiB",
-                           "train.recompute=pass"], cwd=REPO, capture_output=True, text=True, timeout=60, check=True)
+    proc = subprocess.run(
+        [cli, "estimate", "jobs/tiny-cpu.yaml", "--world-size", "2", "--gpu-memory", "16GiB", "train.recompute=pass"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert "stage 0:" in proc.stdout and "largest micro-batch that fits 16GiB" in proc.stdout
     assert "train.recompute=pass" in proc.stdout
     assert "imbalance " in proc.stdout and "MaxVio 0.5" in proc.stdout and "all-to-all " in proc.stdout
-    neg = subprocess.run([cli, "estimate", "jobs/tiny-cpu.yaml", "--maxvio", "-1"], cwd=REPO, capture_output=True,
-                         text=True, timeout=60)
+    neg = subprocess.run(
+        [cli, "estimate", "jobs/tiny-cpu.yaml", "--maxvio", "-1"], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert neg.returncode == 2 and neg.stderr.strip().endswith("got -1.0") and "--maxvio" in neg.stderr
-    bad = subprocess.run([cli, "estimate", "jobs/tiny-cpu.yaml", "--world-size", "3"], cwd=REPO, capture_output=True,
-                         text=True, timeout=60)
+    bad = subprocess.run(
+        [cli, "estimate", "jobs/tiny-cpu.yaml", "--world-size", "3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "parallel.expert" in bad.stderr

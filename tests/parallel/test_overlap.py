@@ -32,8 +32,9 @@ from tests.dist.overlap_grads import MODEL
 PLANS = [[(3, (3,)), (1, (1,)), (2, (1, 2))], [(1, (1,)), (2, (2,)), (1, (1,))]]  # per step: (ℓ, exits)
 
 
-@pytest.mark.parametrize(("recompute", "replay"), [("none", None), ("pass", None), ("pass", "dispatch"),
-                                                  ("none", "router")])
+@pytest.mark.parametrize(
+    ("recompute", "replay"), [("none", None), ("pass", None), ("pass", "dispatch"), ("none", "router")]
+)
 def test_expected_hooks_equal_the_hooks_that_fire(mesh1, recompute, replay):
     cfg = dataclasses.replace(MODEL, route_replay=replay is not None, route_replay_impl=replay or "dispatch")
     net = build_model(cfg, ParallelConfig(), recompute=recompute)
@@ -49,12 +50,19 @@ def test_expected_hooks_equal_the_hooks_that_fire(mesh1, recompute, replay):
     tokens = torch.randint(0, MODEL.vocab_size, (len(PLANS), 3, 2, 17), generator=torch.Generator().manual_seed(0))
     for s, step in enumerate(PLANS):
         model.zero_grad_buffer()
-        micro = [MicroBatch(tokens[s, i], DepthPlan(ell, exits, group_loops=ell))
-                 for i, (ell, exits) in enumerate(step)]
+        micro = [
+            MicroBatch(tokens[s, i], DepthPlan(ell, exits, group_loops=ell)) for i, (ell, exits) in enumerate(step)
+        ]
         with overlapped_step(model, _forward_step, len(micro)) as forward_step:
-            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro), model=[model],
-                                        num_microbatches=len(micro), seq_length=16, micro_batch_size=2,
-                                        forward_only=False)
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro),
+                model=[model],
+                num_microbatches=len(micro),
+                seq_length=16,
+                micro_batch_size=2,
+                forward_only=False,
+            )
         assert ledger.fired == ledger.expected  # parameter by parameter: nothing missed, nothing extra
         assert ledger.overlapped == buckets  # so every bucket started before finish_grad_sync
         # a hook per micro-batch, or per pass under per-pass recompute (shared router); pass 3 only if ℓ = 3
@@ -109,8 +117,11 @@ def test_param_gather_option(mesh1):
     from elastic_pretrain.train.session import build_optimizer
 
     for gather, distributed in (("overlap", True), ("overlap", False), ("after_step", True)):
-        job = _job("parallel.grad_reduce=overlap", f"parallel.param_gather={gather}",
-                   f"train.distributed_optimizer={str(distributed).lower()}")
+        job = _job(
+            "parallel.grad_reduce=overlap",
+            f"parallel.param_gather={gather}",
+            f"train.distributed_optimizer={str(distributed).lower()}",
+        )
         net = build_model(job.model, job.parallel)
         model = wrap_ddp(job, net)
         assert isinstance(model, DepthOverlapDDP)
@@ -121,8 +132,13 @@ def test_param_gather_option(mesh1):
         assert hooked == (set(net.modules()) if on else set())
         # parallel.bucket_size=0: the rule, from this rank's parameters at DP 1
         assert model.ddp_config.bucket_size == bucket_size_for(sum(p.numel() for p in net.parameters()), 1)
-    assert wrap_ddp(_job("parallel.grad_reduce=overlap", "parallel.bucket_size=5000"),
-                    build_model(_job().model, ParallelConfig())).ddp_config.bucket_size == 5000
+    assert (
+        wrap_ddp(
+            _job("parallel.grad_reduce=overlap", "parallel.bucket_size=5000"),
+            build_model(_job().model, ParallelConfig()),
+        ).ddp_config.bucket_size
+        == 5000
+    )
     assert _job().parallel.param_gather == "after_step"  # the CPU path is unchanged
     with pytest.raises(ConfigError, match=r"param_gather=overlap needs grad_reduce=overlap.*parallel\.grad_reduce="):
         _job("parallel.param_gather=overlap")
@@ -140,8 +156,13 @@ def _train(gather: str, steps: int) -> tuple[list[float], dict[str, torch.Tensor
     from elastic_pretrain.train.step import TrainStep
 
     torch.manual_seed(5)
-    job = _job("parallel.grad_reduce=overlap", f"parallel.param_gather={gather}", "train.lr=1e-2",
-               "train.warmup_steps=0", "train.distributed_optimizer=true")
+    job = _job(
+        "parallel.grad_reduce=overlap",
+        f"parallel.param_gather={gather}",
+        "train.lr=1e-2",
+        "train.warmup_steps=0",
+        "train.distributed_optimizer=true",
+    )
     net = build_model(MODEL, ParallelConfig())
     net.conditioning_active = True
     # buckets of <= 1000 parameters: pass 2's attention fills buckets of its own, which step 2 (ℓ <= 2) leaves
@@ -153,8 +174,9 @@ def _train(gather: str, steps: int) -> tuple[list[float], dict[str, torch.Tensor
     losses, pending = [], []
     for s in range(steps):
         plans = PLANS[s % len(PLANS)]
-        got = step([MicroBatch(tokens[s, i], DepthPlan(ell, exits, group_loops=ell))
-                    for i, (ell, exits) in enumerate(plans)])
+        got = step(
+            [MicroBatch(tokens[s, i], DepthPlan(ell, exits, group_loops=ell)) for i, (ell, exits) in enumerate(plans)]
+        )
         losses.append(got.loss)
         pending.append(sum(g.param_gather_handle is not None for lane in model.ledger.lanes for g in lane))
     return losses, {n: p.detach().clone() for n, p in net.named_parameters()}, pending

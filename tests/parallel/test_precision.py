@@ -34,19 +34,47 @@ def test_fp8_on_a_machine_without_cuda_and_te_is_refused_not_dropped(mesh1):
     ("overrides", "message"),
     [
         (["model.fp8=delayed"], r"model.fp8=delayed needs model.dtype=bf16"),
-        (["model.fp8=tensorwise", "model.dtype=bf16", "model.hidden_size=72", "model.num_heads=4"],
-         r"model.hidden_size=72 is not a multiple of 16"),
-        (["model.fp8=mxfp8", "model.dtype=bf16", "model.hidden_size=80", "model.moe_ffn_hidden_size=96"],
-         r"model.hidden_size=80 is not a multiple of 32"),
-        (["model.fp8=blockwise", "model.dtype=bf16", "model.hidden_size=96", "model.moe_ffn_hidden_size=96",
-          "data.seq_len=20", "train.micro_batch_size=1", "train.global_batch_size=2"],
-         r"20 tokens per micro-batch .* not a multiple of 16"),
-        (["model.fp8=tensorwise", "model.dtype=bf16", "model.hidden_size=96", "model.moe_ffn_hidden_size=96",
-          "model.ffn_hidden_size=272", "parallel=cpu-tp2"],
-         r"model.ffn_hidden_size=272 is not a multiple of 32"),  # 136 per TP rank
-        (["model.fp8=delayed", "model.dtype=bf16", "model.hidden_size=96", "model.moe_ffn_hidden_size=96",
-          "train.recompute=pass"],
-         r"model.fp8=delayed with train.recompute=pass.*model.fp8=tensorwise"),
+        (
+            ["model.fp8=tensorwise", "model.dtype=bf16", "model.hidden_size=72", "model.num_heads=4"],
+            r"model.hidden_size=72 is not a multiple of 16",
+        ),
+        (
+            ["model.fp8=mxfp8", "model.dtype=bf16", "model.hidden_size=80", "model.moe_ffn_hidden_size=96"],
+            r"model.hidden_size=80 is not a multiple of 32",
+        ),
+        (
+            [
+                "model.fp8=blockwise",
+                "model.dtype=bf16",
+                "model.hidden_size=96",
+                "model.moe_ffn_hidden_size=96",
+                "data.seq_len=20",
+                "train.micro_batch_size=1",
+                "train.global_batch_size=2",
+            ],
+            r"20 tokens per micro-batch .* not a multiple of 16",
+        ),
+        (
+            [
+                "model.fp8=tensorwise",
+                "model.dtype=bf16",
+                "model.hidden_size=96",
+                "model.moe_ffn_hidden_size=96",
+                "model.ffn_hidden_size=272",
+                "parallel=cpu-tp2",
+            ],
+            r"model.ffn_hidden_size=272 is not a multiple of 32",
+        ),  # 136 per TP rank
+        (
+            [
+                "model.fp8=delayed",
+                "model.dtype=bf16",
+                "model.hidden_size=96",
+                "model.moe_ffn_hidden_size=96",
+                "train.recompute=pass",
+            ],
+            r"model.fp8=delayed with train.recompute=pass.*model.fp8=tensorwise",
+        ),
     ],
 )
 def test_fp8_incompatible_shapes_are_refused_when_the_job_is_read(overrides, message):
@@ -55,13 +83,16 @@ def test_fp8_incompatible_shapes_are_refused_when_the_job_is_read(overrides, mes
 
 
 def test_an_fp8_compatible_job_validates():
-    job = load_job(REPO / "jobs" / "tiny-cpu.yaml",
-                   ["model.fp8=tensorwise", "model.dtype=bf16", "model.hidden_size=96", "model.moe_ffn_hidden_size=96"])
+    job = load_job(
+        REPO / "jobs" / "tiny-cpu.yaml",
+        ["model.fp8=tensorwise", "model.dtype=bf16", "model.hidden_size=96", "model.moe_ffn_hidden_size=96"],
+    )
     assert job.model.fp8 == "tensorwise"
 
 
-@pytest.mark.parametrize(("recipe", "fmt"), [("delayed", "hybrid"), ("tensorwise", "hybrid"),
-                                             ("blockwise", "e4m3"), ("mxfp8", "e4m3")])
+@pytest.mark.parametrize(
+    ("recipe", "fmt"), [("delayed", "hybrid"), ("tensorwise", "hybrid"), ("blockwise", "e4m3"), ("mxfp8", "e4m3")]
+)
 def test_transformer_config_gets_the_recipe(mesh1, monkeypatch, recipe, fmt):
     """With TE and CUDA present (stood in: megatron's TE version checks and our availability probe)."""
     from megatron.core.transformer import transformer_config as tc
@@ -76,12 +107,15 @@ def test_transformer_config_gets_the_recipe(mesh1, monkeypatch, recipe, fmt):
     assert pm.transformer_config(ModelConfig(**FP8_SHAPE), PAR).fp8 is None
 
 
-@pytest.mark.parametrize(("recipe", "capability", "fix"), [
-    ("mxfp8", (9, 0), "compute capability 10.0 or higher (Blackwell); this one is 9.0: set model.fp8=blockwise"),
-    ("blockwise", (8, 9), "compute capability 9.0 or higher (Hopper); this one is 8.9: set model.fp8=tensorwise"),
-    ("tensorwise", (8, 0), "compute capability 8.9 or higher (Ada or Hopper); this one is 8.0: set model.fp8=off"),
-    ("delayed", (8, 0), "compute capability 8.9 or higher (Ada or Hopper); this one is 8.0: set model.fp8=off"),
-])
+@pytest.mark.parametrize(
+    ("recipe", "capability", "fix"),
+    [
+        ("mxfp8", (9, 0), "compute capability 10.0 or higher (Blackwell); this one is 9.0: set model.fp8=blockwise"),
+        ("blockwise", (8, 9), "compute capability 9.0 or higher (Hopper); this one is 8.9: set model.fp8=tensorwise"),
+        ("tensorwise", (8, 0), "compute capability 8.9 or higher (Ada or Hopper); this one is 8.0: set model.fp8=off"),
+        ("delayed", (8, 0), "compute capability 8.9 or higher (Ada or Hopper); this one is 8.0: set model.fp8=off"),
+    ],
+)
 def test_a_recipe_the_gpu_cannot_run_is_refused_when_the_model_is_built(mesh1, monkeypatch, recipe, capability, fix):
     """Transformer Engine would only assert inside the first forward; the refusal names the recipe to use."""
     from megatron.core.transformer import transformer_config as tc
@@ -119,8 +153,15 @@ def fp8_model(monkeypatch, recipe: str, recompute: str = "none"):
     and the depth of autocasts recorded at every attention / MLP linear call."""
     from megatron.core import fp8_utils
 
-    cfg = ModelConfig(**{**FP8_SHAPE, "dtype": "fp32"}, prelude_layers=1, coda_layers=1, core_layers=2, flatten=2,
-                      loops=2, num_experts=2)
+    cfg = ModelConfig(
+        **{**FP8_SHAPE, "dtype": "fp32"},
+        prelude_layers=1,
+        coda_layers=1,
+        core_layers=2,
+        flatten=2,
+        loops=2,
+        num_experts=2,
+    )
     torch.manual_seed(0)
     net = pm.build_model(cfg, PAR, recompute=recompute).train()
     monkeypatch.setattr(net.config, "fp8", "hybrid" if recipe in ("delayed", "tensorwise") else "e4m3")
@@ -137,8 +178,9 @@ def fp8_model(monkeypatch, recipe: str, recompute: str = "none"):
 PRELUDE, CORE, CODA = 0, 1, 2  # megatron layer numbers 1, 2, 3 -> layer_no 0, 1, 2 (core_layers_built = 1)
 
 
-@pytest.mark.parametrize(("recipe", "recompute"), [("tensorwise", "none"), ("tensorwise", "pass"),
-                                                   ("blockwise", "none"), ("mxfp8", "none")])
+@pytest.mark.parametrize(
+    ("recipe", "recompute"), [("tensorwise", "none"), ("tensorwise", "pass"), ("blockwise", "none"), ("mxfp8", "none")]
+)
 def test_current_and_block_scaling_enter_the_autocast_around_every_layer_call(mesh1, monkeypatch, recipe, recompute):
     """As megatron's TransformerBlock for every recipe but ``delayed``: per layer (scales are per call)."""
     cfg, net, autocast, depths = fp8_model(monkeypatch, recipe, recompute)

@@ -104,13 +104,33 @@ def test_train_eval_and_checkpoints_pass_strict_mode_at_world_size_2(tmp_path):
     subprocess.run([cli, "prepare-data", "stdlib-code"], cwd=REPO, check=True, capture_output=True, timeout=300)
     run_dir = tmp_path / "run"
     env = {**os.environ, ENV: "1", "OMP_NUM_THREADS": "1"}
-    common = ["--nproc-per-node", "2", "--run-dir", str(run_dir), "train.warmup_steps=1", "train.log_interval=1",
-              "train.eval_interval=2", "train.eval_sequences=8", "train.routing_interval=1", "checkpoint.interval=2",
-              "tracking.backend=none", "train.global_batch_size=8", "model.hidden_size=32", "model.num_heads=2",
-              "model.ffn_hidden_size=64", "model.moe_ffn_hidden_size=32"]
+    common = [
+        "--nproc-per-node",
+        "2",
+        "--run-dir",
+        str(run_dir),
+        "train.warmup_steps=1",
+        "train.log_interval=1",
+        "train.eval_interval=2",
+        "train.eval_sequences=8",
+        "train.routing_interval=1",
+        "checkpoint.interval=2",
+        "tracking.backend=none",
+        "train.global_batch_size=8",
+        "model.hidden_size=32",
+        "model.num_heads=2",
+        "model.ffn_hidden_size=64",
+        "model.moe_ffn_hidden_size=32",
+    ]
     for steps in (3, 4):  # the second run resumes from the step-2 checkpoint: a load under the mode
-        proc = subprocess.run([cli, "train", "jobs/tiny-cpu.yaml", f"train.steps={steps}", *common],
-                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [cli, "train", "jobs/tiny-cpu.yaml", f"train.steps={steps}", *common],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     out = proc.stdout
     assert "resum" in out.lower(), out[-2000:]
@@ -126,11 +146,34 @@ def test_pipeline_passes_strict_mode_at_world_size_2(tmp_path):
     subprocess.run([cli, "prepare-data", "stdlib-code"], cwd=REPO, check=True, capture_output=True, timeout=300)
     env = {**os.environ, ENV: "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
-        [cli, "train", "jobs/tiny-cpu.yaml", "--nproc-per-node", "2", "--run-dir", str(tmp_path / "run"),
-         "parallel=cpu-pp2", "model.flatten=1", "train.steps=3", "train.warmup_steps=1", "train.eval_interval=2",
-         "train.eval_sequences=16", "train.routing_interval=1", "checkpoint.interval=2", "tracking.backend=none",
-         "train.global_batch_size=8", "model.hidden_size=32", "model.num_heads=2", "model.ffn_hidden_size=64",
-         "model.moe_ffn_hidden_size=32"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        [
+            cli,
+            "train",
+            "jobs/tiny-cpu.yaml",
+            "--nproc-per-node",
+            "2",
+            "--run-dir",
+            str(tmp_path / "run"),
+            "parallel=cpu-pp2",
+            "model.flatten=1",
+            "train.steps=3",
+            "train.warmup_steps=1",
+            "train.eval_interval=2",
+            "train.eval_sequences=16",
+            "train.routing_interval=1",
+            "checkpoint.interval=2",
+            "tracking.backend=none",
+            "train.global_batch_size=8",
+            "model.hidden_size=32",
+            "model.num_heads=2",
+            "model.ffn_hidden_size=64",
+            "model.moe_ffn_hidden_size=32",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "checkpoint step 2 committed" in proc.stdout and "eval      2:" in proc.stdout

@@ -65,23 +65,47 @@ def tiny(*overrides: str):
         (5, ["parallel.tensor=2"], r"world size 5 is not divisible by tensor\*pipeline = 2"),
         (3, ["parallel.tensor=3", "parallel.expert=1"], r"parallel.tensor=3 does not divide the vocabulary padding"),
         (8, ["parallel.tensor=8", "parallel.expert=1"], r"parallel.tensor=8 does not divide model.num_heads=4"),
-        (4, ["parallel.tensor=4", "parallel.expert=1", "model.num_heads=8", "model.num_query_groups=2"],
-         r"parallel.tensor=4 does not divide model.num_query_groups \(key/value heads\)=2"),
-        (4, ["parallel.tensor=4", "parallel.expert=1", "model.ffn_hidden_size=250"],
-         r"parallel.tensor=4 does not divide model.ffn_hidden_size=250"),
+        (
+            4,
+            ["parallel.tensor=4", "parallel.expert=1", "model.num_heads=8", "model.num_query_groups=2"],
+            r"parallel.tensor=4 does not divide model.num_query_groups \(key/value heads\)=2",
+        ),
+        (
+            4,
+            ["parallel.tensor=4", "parallel.expert=1", "model.ffn_hidden_size=250"],
+            r"parallel.tensor=4 does not divide model.ffn_hidden_size=250",
+        ),
         (16, ["parallel.expert=16"], r"parallel.expert=16 does not divide the experts built \(8 = model.num_experts 4"),
-        (4, ["parallel.pipeline=2", "parallel.expert=1", "model.flatten=2"],
-         r"parallel.pipeline=2 must divide the core layers built \(1"),
-        (4, ["parallel.pipeline=4", "parallel.expert=1", "model.core_layers=4", "model.flatten=1",
-             "train.global_batch_size=12", "train.micro_batch_size=4"],
-         r"parallel.pipeline=4 needs at least 4 micro-batches per step and replica, got 3"),
-        (4, ["train.global_batch_size=24"],
-         r"train.global_batch_size=24 is not divisible by micro_batch_size\*data_parallel = 4\*4"),
+        (
+            4,
+            ["parallel.pipeline=2", "parallel.expert=1", "model.flatten=2"],
+            r"parallel.pipeline=2 must divide the core layers built \(1",
+        ),
+        (
+            4,
+            [
+                "parallel.pipeline=4",
+                "parallel.expert=1",
+                "model.core_layers=4",
+                "model.flatten=1",
+                "train.global_batch_size=12",
+                "train.micro_batch_size=4",
+            ],
+            r"parallel.pipeline=4 needs at least 4 micro-batches per step and replica, got 3",
+        ),
+        (
+            4,
+            ["train.global_batch_size=24"],
+            r"train.global_batch_size=24 is not divisible by micro_batch_size\*data_parallel = 4\*4",
+        ),
         (6, ["parallel.expert=1", "train.global_batch_size=20"], r"make it a multiple of 24"),
         (4, ["parallel.tensor=2", "parallel.sequence_parallel='off'"], r"sequence_parallel=off with parallel.tensor=2"),
         (2, ["parallel.sequence_parallel='on'"], r"sequence_parallel=on with parallel.tensor=1 splits nothing"),
-        (4, ["parallel.tensor=4", "parallel.expert=1", "data.seq_len=130"],
-         r"data.seq_len=130 is not divisible by parallel.tensor=4"),
+        (
+            4,
+            ["parallel.tensor=4", "parallel.expert=1", "data.seq_len=130"],
+            r"data.seq_len=130 is not divisible by parallel.tensor=4",
+        ),
         (2, ["model.vocab_size=200"], r"model.vocab_size=200 is smaller than the tokenizer's vocabulary 257"),
     ],
 )
@@ -100,13 +124,13 @@ def test_a_good_layout_is_described() -> None:
 def test_config_command_checks_the_world_size() -> None:
     """`elastic-pretrain config JOB --world-size N`: a loadable YAML with the layout as comments, or exit 2."""
     cli = [sys.executable, "-m", "elastic_pretrain.cli", "config"]
-    ok = subprocess.run([*cli, "jobs/gpu-16node.yaml", "--world-size", "128"], cwd=REPO, capture_output=True,
-                        text=True)
+    ok = subprocess.run([*cli, "jobs/gpu-16node.yaml", "--world-size", "128"], cwd=REPO, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
     assert "# layout: world 128 = TP 1 x PP 1 x DP 128; EP 8" in ok.stdout
     assert "# parameters: 5.16 B total, 1.01 B active" in ok.stdout
-    bad = subprocess.run([*cli, "jobs/gpu-16node.yaml", "--world-size", "100"], cwd=REPO, capture_output=True,
-                         text=True)
+    bad = subprocess.run(
+        [*cli, "jobs/gpu-16node.yaml", "--world-size", "100"], cwd=REPO, capture_output=True, text=True
+    )
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.count("\n") == 1 and "parallel.expert=8 does not divide" in bad.stderr
 
@@ -125,8 +149,9 @@ def test_memory_over_the_gpu_names_a_setting_that_fits(gpu_memory: str, fix: str
         check_memory(job, 128, job.slurm.gpu_memory_bytes)
     assert str(err.value).endswith(fix) or fix in str(err.value)
     if "micro_batch_size=1" in fix:  # the advice works
-        smaller = load_job(REPO / "jobs" / "gpu-16node.yaml", [f"slurm.gpu_memory={gpu_memory}",
-                                                                "train.micro_batch_size=1"])
+        smaller = load_job(
+            REPO / "jobs" / "gpu-16node.yaml", [f"slurm.gpu_memory={gpu_memory}", "train.micro_batch_size=1"]
+        )
         check_memory(smaller, 128, smaller.slurm.gpu_memory_bytes)
         assert estimate_memory(smaller, 128).peak("none") < 0.9 * smaller.slurm.gpu_memory_bytes
 
@@ -138,8 +163,12 @@ def test_bad_gpu_memory_is_refused_when_the_job_loads() -> None:
 
 @pytest.mark.parametrize(
     ("preset", "job", "world"),
-    [("gpu-8", "gpu-1node", 8), ("gpu-node-tp2-ep4", "gpu-1node", 8), ("gpu-16", "gpu-2node", 16),
-     ("gpu-128", "gpu-16node", 128)],
+    [
+        ("gpu-8", "gpu-1node", 8),
+        ("gpu-node-tp2-ep4", "gpu-1node", 8),
+        ("gpu-16", "gpu-2node", 16),
+        ("gpu-128", "gpu-16node", 128),
+    ],
 )
 def test_every_gpu_mesh_preset_takes_a_shipped_model(preset: str, job: str, world: int) -> None:
     cfg = load_job(REPO / "jobs" / f"{job}.yaml", [f"parallel={preset}"])

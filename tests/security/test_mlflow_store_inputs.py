@@ -166,9 +166,7 @@ def test_a_store_that_writes_artifacts_elsewhere_is_refused(
     assert f"keeps its artifacts at {elsewhere.as_uri()}" in _one_line(err.value)
 
 
-def test_eval_refuses_the_store_before_evaluating(
-    tmp_path: Path, template: tuple[Path, str], recorder: Any
-) -> None:
+def test_eval_refuses_the_store_before_evaluating(tmp_path: Path, template: tuple[Path, str], recorder: Any) -> None:
     """``eval`` checks the run directory's store before it computes anything (eval_tracking), and logs nothing."""
     from elastic_pretrain.eval.commands import eval_tracking
     from elastic_pretrain.job_loader import load_job
@@ -419,4 +417,3 @@ def test_eval_of_a_bare_step_folder_creates_no_store(
     expected = {"step_2", "step_2/trainer.json"}
     assert made == (expected if layout == "bare" else {"checkpoints", *(f"checkpoints/{p}" for p in expected)}), made
     assert "is not in a run directory" in _one_line(capsys.readouterr().err.strip())
-

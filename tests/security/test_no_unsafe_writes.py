@@ -193,8 +193,10 @@ def _call_write(node: ast.Call, streams: set[str], safe_stream) -> str | None:  
     args = node.args
     if func == "open":
         mode = kw.get("mode", args[1] if len(args) > 1 else None)
-        return f"open(.., {mode.value!r})" if _writes_mode(mode) and isinstance(mode, ast.Constant) else (
-            "open(.., <mode>)" if _writes_mode(mode) else None
+        return (
+            f"open(.., {mode.value!r})"
+            if _writes_mode(mode) and isinstance(mode, ast.Constant)
+            else ("open(.., <mode>)" if _writes_mode(mode) else None)
         )
     if func == "os.open":
         flags = {n.attr for a in args[1:2] for n in ast.walk(a) if isinstance(n, ast.Attribute)}

@@ -82,8 +82,9 @@ def test_deep_nesting_that_json_decodes_is_refused_too(tmp_path: Path) -> None:
         read_trainer_state(ckpt)
 
 
-def test_deep_commit_marker_is_skipped_by_the_listing_and_refused_by_verify(tmp_path: Path,
-                                                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_deep_commit_marker_is_skipped_by_the_listing_and_refused_by_verify(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     ckpt = commit_step(tmp_path, 2, "{}")
     good = commit_step(tmp_path, 1, "{}")
     (ckpt / "COMMITTED").write_text(DEEP)
@@ -193,14 +194,22 @@ BAD_CONTROLLERS = {
     "negative seed": ({"phase": "fixed", "switch_step": None, "seed": -1}, "controller.seed is -1"),
     "seed 10**30": ({"phase": "fixed", "switch_step": None, "seed": 10**30}, "controller.seed"),
     # the run's token horizon (issue 33: a larger train.steps keeps the switch point): a positive count
-    "total_tokens 0": ({"phase": "fixed", "switch_step": None, "seed": 1, "total_tokens": 0},
-                       "controller.total_tokens is 0"),
-    "total_tokens 10**30": ({"phase": "fixed", "switch_step": None, "seed": 1, "total_tokens": 10**30},
-                            "controller.total_tokens"),
-    "total_tokens a string": ({"phase": "fixed", "switch_step": None, "seed": 1, "total_tokens": "300"},
-                              "controller.total_tokens"),
-    "total_tokens null": ({"phase": "fixed", "switch_step": None, "seed": 1, "total_tokens": None},
-                          "controller.total_tokens is None"),
+    "total_tokens 0": (
+        {"phase": "fixed", "switch_step": None, "seed": 1, "total_tokens": 0},
+        "controller.total_tokens is 0",
+    ),
+    "total_tokens 10**30": (
+        {"phase": "fixed", "switch_step": None, "seed": 1, "total_tokens": 10**30},
+        "controller.total_tokens",
+    ),
+    "total_tokens a string": (
+        {"phase": "fixed", "switch_step": None, "seed": 1, "total_tokens": "300"},
+        "controller.total_tokens",
+    ),
+    "total_tokens null": (
+        {"phase": "fixed", "switch_step": None, "seed": 1, "total_tokens": None},
+        "controller.total_tokens is None",
+    ),
 }
 
 
@@ -358,8 +367,9 @@ def test_metadata_sizes_beyond_the_data_files_are_refused(model_ckpt: Path, monk
     _never_built(monkeypatch)
     with pytest.raises(UserError) as err:
         load_model(model_ckpt)
-    assert re.search(r"declares 76,80\d,\d{3},\d{3} bytes of tensors, but its data files hold 2,\d{3},\d{3} bytes",
-                     one_line(err))
+    assert re.search(
+        r"declares 76,80\d,\d{3},\d{3} bytes of tensors, but its data files hold 2,\d{3},\d{3} bytes", one_line(err)
+    )
 
     item, info = next(iter(meta.storage_data.items()))  # and an item placed past the end of its file
     meta.storage_data[item] = dataclasses.replace(info, offset=(path / info.relative_path).stat().st_size)
@@ -375,8 +385,12 @@ def test_a_deepspeed_checkpoint_is_bounded_by_its_files(tmp_path: Path) -> None:
 
     job = tiny_job(tmp_path)
     meta = {"trainer": {"step": 2, "tokens": 64, "elapsed_s": 1.0}, "config": public_dict(job)}
-    ckpt = commit_step(tmp_path / "ds", 2, meta,
-                       lambda tmp: (tmp / "model_optim" / "mp_rank_00_model_states.pt").write_bytes(b"\0" * 2_000_000))
+    ckpt = commit_step(
+        tmp_path / "ds",
+        2,
+        meta,
+        lambda tmp: (tmp / "model_optim" / "mp_rank_00_model_states.pt").write_bytes(b"\0" * 2_000_000),
+    )
     check_model_fits(ckpt, job.model)  # 675 K parameters: 1.35 MB at bf16
     big = load_job(REPO / "jobs" / "tiny-cpu.yaml", ["parallel=single", "model.hidden_size=192"]).model
     with pytest.raises(UserError, match=r"builds 1\.81 M parameters, but the checkpoint's tensors hold 1\.00 M"):

@@ -21,8 +21,12 @@ REPO = Path(__file__).resolve().parents[2]
 # The default job without its name, on a small prepared corpus (submit validates the whole job and checks its
 # data before calling sbatch).
 BASE = "".join(
-    line for line in (REPO / "jobs" / "tiny-cpu.yaml").read_text().replace("data: stdlib-code", "data: tiny")
-    .splitlines(True) if not line.startswith("name:")
+    line
+    for line in (REPO / "jobs" / "tiny-cpu.yaml")
+    .read_text()
+    .replace("data: stdlib-code", "data: tiny")
+    .splitlines(True)
+    if not line.startswith("name:")
 )
 
 

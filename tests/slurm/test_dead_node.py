@@ -113,6 +113,7 @@ def test_dead_node_requeues_and_resumes_from_the_last_committed_checkpoint(
         wait_for(requeued, timeout=DOWN_TIMEOUT_S, what="the job to be requeued", run_dir=run_dir, job_id=job_id)
         assert node_state(DEAD).startswith("down"), node_state(DEAD)
         assert not files.finished.exists()
+
         # a requeued job first waits out Slurm's requeue begin-time delay (reason BeginTime), then waits for
         # the node: ReqNodeNotAvail, UnavailableNodes:node4
         def waits_for_the_node() -> bool:

@@ -46,8 +46,9 @@ def logged_losses(log: str) -> dict[int, str]:
     return {int(s): v for s, v in re.findall(rf"step +(\d+)/{STEPS} .*?loss ([0-9.]+)", log)}
 
 
-def test_deepspeed_job_is_preempted_requeued_and_resumes(slurm_cluster: Cluster, tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_deepspeed_job_is_preempted_requeued_and_resumes(
+    slurm_cluster: Cluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     run_dir = tmp_path / "deepspeed"
     monkeypatch.chdir(REPO)  # the job's working directory: data/ and cache/ paths are relative to it
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)  # the run's own local store

@@ -40,9 +40,13 @@ def render_job(name: str, **slurm: object) -> str:
     fields = {"python": "/lustre/llm/venv/bin/python", "partition": "gpu", "account": "llm", **slurm}
     cfg = dataclasses.replace(job.slurm, **fields)
     run_dir = SITE / "runs" / name
-    spec = LaunchSpec(job_name=job.name, run_dir=run_dir, workdir=SITE,
-                      trainer=trainer_command(run_dir),
-                      env=job_environment(job.parallel, gpus=cfg.gpus_per_node > 0))
+    spec = LaunchSpec(
+        job_name=job.name,
+        run_dir=run_dir,
+        workdir=SITE,
+        trainer=trainer_command(run_dir),
+        env=job_environment(job.parallel, gpus=cfg.gpus_per_node > 0),
+    )
     return render(cfg, spec)
 
 
@@ -73,8 +77,10 @@ def test_what_a_gpu_cluster_needs_is_in_the_script() -> None:
         for key, value in NCCL_PRESET.items():
             assert f"export {key}={value}" in script
     assert "--container-image" not in plain and "PYTHON=/lustre/llm/venv/bin/python" in plain
-    assert ("--container-image=/lustre/llm/images/elastic-pretrain-25.10.sqsh "
-            "--container-workdir=/lustre/llm/elastic-pretrain --container-mounts=/lustre:/lustre") in boxed
+    assert (
+        "--container-image=/lustre/llm/images/elastic-pretrain-25.10.sqsh "
+        "--container-workdir=/lustre/llm/elastic-pretrain --container-mounts=/lustre:/lustre"
+    ) in boxed
     assert "PYTHON=python" in boxed  # the container's interpreter, not the login node's
 
 
@@ -94,8 +100,9 @@ def test_cuda_device_max_connections_follows_the_layout(job: str, overrides: lis
 
 
 def test_slurm_env_overrides_the_preset_and_derived_values() -> None:
-    script = render_job("gpu-2node", env={"NCCL_DEBUG": "INFO", "CUDA_DEVICE_MAX_CONNECTIONS": "8",
-                                          "NCCL_SOCKET_IFNAME": "ib0"})
+    script = render_job(
+        "gpu-2node", env={"NCCL_DEBUG": "INFO", "CUDA_DEVICE_MAX_CONNECTIONS": "8", "NCCL_SOCKET_IFNAME": "ib0"}
+    )
     exports = re.findall(r"^export (\w+)=(.*)$", script, flags=re.M)
     keys = [k for k, _ in exports]
     assert len(keys) == len(set(keys)), "a variable exported twice"
@@ -105,8 +112,9 @@ def test_slurm_env_overrides_the_preset_and_derived_values() -> None:
 
 
 def test_cpu_nodes_get_no_gpu_options_or_nccl_preset() -> None:
-    script = render(SlurmConfig(nodes=2), LaunchSpec(job_name="t", run_dir=Path("/r"), workdir=Path("/w"),
-                                                     trainer=["-m", "x"]))
+    script = render(
+        SlurmConfig(nodes=2), LaunchSpec(job_name="t", run_dir=Path("/r"), workdir=Path("/w"), trainer=["-m", "x"])
+    )
     assert "SRUN_EXTRA=()" in script and "TORCHRUN_EXTRA=()" in script
     assert "NCCL" not in "".join(ln for ln in script.splitlines() if ln.startswith("export"))
 
@@ -120,8 +128,10 @@ def test_numa_binding_reaches_torchrun() -> None:
     ("slurm", "message"),
     [
         ({"container_mounts": ["/data"]}, "slurm.container_mounts/container_workdir: set only with"),
-        ({"container_image": "nvcr.io#nvidia/pytorch:25.10-py3", "container_mounts": ["data:/data"]},
-         "slurm.container_mounts: 'data:/data' is not SRC:DST"),
+        (
+            {"container_image": "nvcr.io#nvidia/pytorch:25.10-py3", "container_mounts": ["data:/data"]},
+            "slurm.container_mounts: 'data:/data' is not SRC:DST",
+        ),
         ({"container_image": "my image"}, "slurm.container_image: 'my image' is not an image name"),
         ({"container_image": "img.sqsh", "container_workdir": "rel"}, "must be an absolute path"),
     ],
@@ -132,15 +142,19 @@ def test_bad_container_settings_are_one_line_errors(slurm: dict[str, object], me
 
 
 def test_the_run_directory_must_be_mounted_into_the_container() -> None:
-    with pytest.raises(ConfigError, match=re.escape(
-        "the run directory /lustre/llm/elastic-pretrain/runs/gpu-16node is not mounted into the container: add "
-        "a mount that holds it at the same path (e.g. /lustre:/lustre)"
-    )):
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "the run directory /lustre/llm/elastic-pretrain/runs/gpu-16node is not mounted into the container: add "
+            "a mount that holds it at the same path (e.g. /lustre:/lustre)"
+        ),
+    ):
         render_job("gpu-16node", container_image="img.sqsh", container_mounts=["/scratch:/scratch"])
 
 
-def test_submit_dry_run_checks_the_allocation(capsys: pytest.CaptureFixture[str],
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_submit_dry_run_checks_the_allocation(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(REPO)
     main(["submit", "jobs/gpu-16node.yaml", "--dry-run"])  # refused here (no corpus: tests/slurm/test_preflight.py)
     out, err = capsys.readouterr()
@@ -162,8 +176,14 @@ def master_port_function() -> str:
 
 def master_ports(cluster: str, job_ids: list[int], host: str = "127.0.0.1") -> list[int]:
     code = master_port_function() + '\nfor id in "$@"; do master_port "$CLUSTER" "$id" "$HOST"; done\n'
-    proc = subprocess.run(["bash", "-c", code, "ports", *map(str, job_ids)], capture_output=True, text=True,
-                          env={**os.environ, "CLUSTER": cluster, "HOST": host}, check=True, timeout=120)
+    proc = subprocess.run(
+        ["bash", "-c", code, "ports", *map(str, job_ids)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CLUSTER": cluster, "HOST": host},
+        check=True,
+        timeout=120,
+    )
     return [int(p) for p in proc.stdout.split()]
 
 
@@ -204,8 +224,11 @@ def _exports_in_bash(script: str, env: dict[str, str]) -> dict[str, str]:
     lines = [ln for ln in script.splitlines() if ln.startswith(("export ", "[ -n"))]
     keys = ("PYTORCH_CUDA_ALLOC_CONF", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
     code = "\n".join([*lines, *(f'printf "%s\\0" "${{{k}-}}"' for k in keys)])
-    out = subprocess.run(["bash", "-c", code], env={"PATH": "/usr/bin:/bin", **env}, capture_output=True,
-                         check=True).stdout.decode().split("\0")
+    out = (
+        subprocess.run(["bash", "-c", code], env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, check=True)
+        .stdout.decode()
+        .split("\0")
+    )
     return dict(zip(keys, out))
 
 
@@ -213,18 +236,26 @@ def test_allocator_and_flight_recorder_defaults_reach_the_sbatch_script_and_yiel
     """Issue 31 item 4: expandable segments, and flight-recorder dumps in the run directory, not /tmp."""
     run_dir = SITE / "runs" / "gpu-16node"
     got = _exports_in_bash(render_job("gpu-16node"), {})
-    assert got == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
-                   "TORCH_FR_DUMP_TEMP_FILE": f"{run_dir}/nccl_trace_rank_",
-                   "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{run_dir}/nccl_trace_rank_"}
+    assert got == {
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+        "TORCH_FR_DUMP_TEMP_FILE": f"{run_dir}/nccl_trace_rank_",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{run_dir}/nccl_trace_rank_",
+    }
     # set where sbatch ran (sbatch passes the environment on), or in slurm.env: the user's value wins
-    assert _exports_in_bash(render_job("gpu-16node"), {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"})[
-        "PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:512"
+    assert (
+        _exports_in_bash(render_job("gpu-16node"), {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"})[
+            "PYTORCH_CUDA_ALLOC_CONF"
+        ]
+        == "max_split_size_mb:512"
+    )
     user = _exports_in_bash(render_job("gpu-16node", env={"TORCH_FR_DUMP_TEMP_FILE": "/scratch/fr_"}), {})
     assert user["TORCH_FR_DUMP_TEMP_FILE"] == "/scratch/fr_"
     # a run directory with shell characters stays one literal path
     odd = Path("/r/a b$(touch x)'\"")
-    script = render(SlurmConfig(nodes=1, gpus_per_node=8), LaunchSpec(job_name="t", run_dir=odd,
-                                                                      workdir=Path("/w"), trainer=["-m", "x"]))
+    script = render(
+        SlurmConfig(nodes=1, gpus_per_node=8),
+        LaunchSpec(job_name="t", run_dir=odd, workdir=Path("/w"), trainer=["-m", "x"]),
+    )
     assert _exports_in_bash(script, {})["TORCH_FR_DUMP_TEMP_FILE"] == f"{odd}/nccl_trace_rank_"
 
 

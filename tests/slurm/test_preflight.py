@@ -106,8 +106,9 @@ def finish(run_dir: Path, job_file: Path, steps: int) -> None:
     files.finished.write_text(json.dumps({"step": steps, "tokens": 1}))
 
 
-def test_a_finished_run_directory_is_refused_unless_trained_further(tiny: Path, site: Path,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_finished_run_directory_is_refused_unless_trained_further(
+    tiny: Path, site: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     finish(site / "runs" / "tiny", tiny, 300)
     code, _, err = run_cli(["submit", str(tiny), "--nodes", "2", "--dry-run"], capsys)
     assert code == 2 and f"# refused: {site / 'runs' / 'tiny'} has finished training at step 300" in err
@@ -128,8 +129,9 @@ def fake_sbatch(site: Path, monkeypatch: pytest.MonkeyPatch, job_id: str = "4242
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
 
 
-def test_the_job_is_snapshotted_into_the_run_at_submit(tiny: Path, site: Path, capsys: pytest.CaptureFixture[str],
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_job_is_snapshotted_into_the_run_at_submit(
+    tiny: Path, site: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every (re)start trains the job as submitted: the trainer reads <run_dir>/slurm/job.yaml (presets and
     overrides resolved), not the job YAML, which may be edited while the job waits or runs."""
     fake_sbatch(site, monkeypatch)
@@ -147,9 +149,9 @@ def test_the_job_is_snapshotted_into_the_run_at_submit(tiny: Path, site: Path, c
     assert to_dict(load_job(files.job_snapshot)) == expected
 
 
-def test_training_further_takes_the_old_finished_marker_away(tiny: Path, site: Path,
-                                                            capsys: pytest.CaptureFixture[str],
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_training_further_takes_the_old_finished_marker_away(
+    tiny: Path, site: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The batch script ends a job whose run has FINISHED as finished: a finished run submitted again to train
     further must not keep the old marker (the trainer would remove it only once it starts)."""
     fake_sbatch(site, monkeypatch)
@@ -159,7 +161,8 @@ def test_training_further_takes_the_old_finished_marker_away(tiny: Path, site: P
 
 
 def test_a_refused_sbatch_leaves_the_run_finished_and_a_planted_marker_link_is_not_followed(
-        tiny: Path, site: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    tiny: Path, site: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Nothing submitted: FINISHED is back byte for byte. A FINISHED that is a link (a run directory from
     someone else) is refused in one line before sbatch, and neither read nor written through (issue 35)."""
     bin_dir = site / "bin"
@@ -190,8 +193,10 @@ def setup_block(script: str) -> str:
 
 
 def run_setup(lines: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
-    script = render(SlurmConfig(nodes=2, setup=lines), LaunchSpec(job_name="t", run_dir=Path("/r"),
-                                                                  workdir=Path("/w"), trainer=["-m", "x"]))
+    script = render(
+        SlurmConfig(nodes=2, setup=lines),
+        LaunchSpec(job_name="t", run_dir=Path("/r"), workdir=Path("/w"), trainer=["-m", "x"]),
+    )
     code = 'log() { echo "[log] $*"; }\n' + setup_block(script) + '\necho "SITE=$SITE PATH=$PATH"\n'
     return subprocess.run(["bash", "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=60)
 

@@ -173,8 +173,9 @@ def test_preempted_real_run_resumes_same_mlflow_run_and_matches_reference_bitwis
     ref_dir = jobs["reference"].run_dir
     wait_job_end(jobs["reference"].job_id, ref_dir, timeout=END_TIMEOUT_S)
     # bitwise numerics; the estimated ghost time is a wall-clock value (as tests/checkpoint/runs.py TIMING_KEYS)
-    ours, ref = ([{k: v for k, v in h.items() if k != "ghost_time_s"} for h in summary(d)["history"]]
-                 for d in (run_dir, ref_dir))
+    ours, ref = (
+        [{k: v for k, v in h.items() if k != "ghost_time_s"} for h in summary(d)["history"]] for d in (run_dir, ref_dir)
+    )
     assert [h["step"] for h in ours] == list(range(1, STEPS + 1))
     # bitwise: the same floats, per step and per loop count, before and after the resume
     assert ours == ref, next(f"step {a['step']}: {a} != {b}" for a, b in zip(ours, ref) if a != b)

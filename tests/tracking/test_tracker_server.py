@@ -87,7 +87,11 @@ def test_short_run_logs_metrics_params_tags_artifacts(
 
 
 def test_runs_command_table_and_errors(
-    mlflow_server: Any, fast_cfg: Callable[..., TrackingConfig], tmp_path: Path, capsys: Any, dead_uri: str,
+    mlflow_server: Any,
+    fast_cfg: Callable[..., TrackingConfig],
+    tmp_path: Path,
+    capsys: Any,
+    dead_uri: str,
     no_env_uri: None,
 ) -> None:
     tracker = create_tracker(

@@ -21,8 +21,10 @@ def controller(**kw) -> ScheduleController:
 
 
 def deal(ctl: ScheduleController, step: int, replicas: int, ep: int, micro: int) -> list[list]:
-    return [ctl.balanced_plans(step=step, micro_batches=micro, replica=r, replicas=replicas, layout=lay)
-            for r, lay in enumerate(layouts(replicas, ep))]
+    return [
+        ctl.balanced_plans(step=step, micro_batches=micro, replica=r, replicas=replicas, layout=lay)
+        for r, lay in enumerate(layouts(replicas, ep))
+    ]
 
 
 @pytest.mark.parametrize(("replicas", "ep"), [(2, 1), (4, 1), (8, 2), (16, 4)])
@@ -90,8 +92,14 @@ def test_balanced_mixed_depth_reaches_the_target(ranks, ep):
     e = simulate(cfg, max_loops=4, replicas=ranks, ep_size=ep, micro_batches=8, steps=5 if ranks == 64 else 20)
     assert e.mean == 1.0 and e.step_balance >= 0.95
     if ranks == 64:
-        grouped = simulate(ScheduleConfig(sampler="independent_rank", switch_at=0.0, depth_group="expert_group"),
-                           max_loops=4, replicas=ranks, ep_size=ep, micro_batches=8, steps=5)
+        grouped = simulate(
+            ScheduleConfig(sampler="independent_rank", switch_at=0.0, depth_group="expert_group"),
+            max_loops=4,
+            replicas=ranks,
+            ep_size=ep,
+            micro_batches=8,
+            steps=5,
+        )
         assert grouped.step_balance < 0.95 < e.step_balance
 
 

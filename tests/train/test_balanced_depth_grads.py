@@ -27,8 +27,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 def out(tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("balanced_depth")
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
-    subprocess.run([sys.executable, str(SCRIPT), "ref", str(out)], check=True, cwd=REPO, timeout=300,
-                   capture_output=True, env=env)
+    subprocess.run(
+        [sys.executable, str(SCRIPT), "ref", str(out)], check=True, cwd=REPO, timeout=300, capture_output=True, env=env
+    )
     torchrun(SCRIPT, "dist", str(out), nproc=2, timeout=400, env={"PYTHONPATH": str(REPO)})
     return out
 
@@ -50,8 +51,9 @@ def test_balanced_deal_gradient_is_the_global_token_mean(out, case):
             assert res["by_loops"][k] == pytest.approx(v, rel=1e-5)
         for name, got in res["grads"].items():
             want = ref["grads"][global_name(name, res["ep"], model_cfg().experts_built // (2 if case == "ep2" else 1))]
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, n=name, r=rank: f"{case} rank {r} {n}: {m}")
+            torch.testing.assert_close(
+                got, want, rtol=1e-4, atol=1e-6, msg=lambda m, n=name, r=rank: f"{case} rank {r} {n}: {m}"
+            )
 
 
 def test_megatron_default_weighting_would_bias_an_unequal_deal(out):

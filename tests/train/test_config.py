@@ -85,20 +85,29 @@ def test_malformed_yaml_names_the_line(tmp_path: Path):
         (["train", "jobs/missing.yaml"], "jobs/missing.yaml: no such file"),
         (["train"], "the following arguments are required"),
         # issue 33: without a launcher the job runs as one rank; the EP error named no launcher flag
-        (["train", "jobs/tiny-cpu.yaml", "train.steps=10", "train.warmup_steps=1"],
-         "add --nproc-per-node 2 (this job's smallest world size), or run it as one process with parallel=single"),
+        (
+            ["train", "jobs/tiny-cpu.yaml", "train.steps=10", "train.warmup_steps=1"],
+            "add --nproc-per-node 2 (this job's smallest world size), or run it as one process with parallel=single",
+        ),
         (["train", "jobs/tiny-cpu.yaml", "--nproc-per-node", "0"], "0: give at least 1 process per node"),
-        (["train", "jobs/tiny-cpu.yaml", "--nproc-per-node", "2", "--run-dir", "README.md"],
-         "run directory README.md exists and is not a directory: pick another --run-dir"),
-        (["train", "jobs/tiny-cpu.yaml", "--nproc-per-node", "2", "--run-dir", "README.md/run"],
-         "run directory README.md/run: Not a directory"),
-        (["train", "jobs/tiny-cpu.yaml", "--nproc-per-node", "2", "model.hidden_size=100"],
-         "head dimension 25, which rotary position embeddings need even: use hidden_size 104"),
+        (
+            ["train", "jobs/tiny-cpu.yaml", "--nproc-per-node", "2", "--run-dir", "README.md"],
+            "run directory README.md exists and is not a directory: pick another --run-dir",
+        ),
+        (
+            ["train", "jobs/tiny-cpu.yaml", "--nproc-per-node", "2", "--run-dir", "README.md/run"],
+            "run directory README.md/run: Not a directory",
+        ),
+        (
+            ["train", "jobs/tiny-cpu.yaml", "--nproc-per-node", "2", "model.hidden_size=100"],
+            "head dimension 25, which rotary position embeddings need even: use hidden_size 104",
+        ),
     ],
 )
 def test_cli_errors_are_one_line_without_traceback(args, message):
-    proc = subprocess.run([str(VENV_BIN / "elastic-pretrain"), *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [str(VENV_BIN / "elastic-pretrain"), *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and message in lines[0], proc.stderr
@@ -106,8 +115,14 @@ def test_cli_errors_are_one_line_without_traceback(args, message):
 
 
 def test_config_command_prints_the_resolved_job():
-    proc = subprocess.run([str(VENV_BIN / "elastic-pretrain"), "config", "jobs/tiny-cpu.yaml", "model.loops=3"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+    proc = subprocess.run(
+        [str(VENV_BIN / "elastic-pretrain"), "config", "jobs/tiny-cpu.yaml", "model.loops=3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
     assert "loops: 3" in proc.stdout and "expert: 2" in proc.stdout
 
 

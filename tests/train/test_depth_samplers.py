@@ -16,7 +16,7 @@ def test_local_group_max_equals_the_collective_and_efficiency_at_4_ranks():
     and depth efficiency 1.0 when EP groups draw together (≥ 0.95, the issue's target)."""
     proc = torchrun(REPO / "tests" / "dist" / "local_group_max.py", nproc=4, timeout=600)
     line = next(x for x in proc.stdout.splitlines() if x.startswith("LOCAL "))
-    ranks = json.loads(line[len("LOCAL "):])
+    ranks = json.loads(line[len("LOCAL ") :])
     assert [r["group"] for r in ranks] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert all(r["key"] == {"0": 0, "1": 0, "2": 2, "3": 2} for r in ranks)
     for r in ranks:  # every rank reports the same global efficiency

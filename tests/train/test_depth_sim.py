@@ -12,8 +12,9 @@ ELR = {"sampler": "independent_rank", "switch_at": 0.0}
 
 
 def eff(ranks: int, ep: int, micro: int = 4, steps: int = 30, **kw):
-    return simulate(ScheduleConfig(**{**ELR, **kw}), max_loops=4, replicas=ranks, ep_size=ep, micro_batches=micro,
-                    steps=steps)
+    return simulate(
+        ScheduleConfig(**{**ELR, **kw}), max_loops=4, replicas=ranks, ep_size=ep, micro_batches=micro, steps=steps
+    )
 
 
 def test_independent_rank_idles_more_as_the_expert_group_grows():
@@ -53,8 +54,12 @@ def test_progress_note_and_run_summary():
     assert depth_note({}) == ""
     assert depth_note({"depth_efficiency": 0.7444, "ghost_time_s": 0.123}) == " depth eff 0.744 ghost 0.12s"
     assert depth_note({"depth_efficiency": 1.0, "depth_balance": 0.9751, "ghost_time_s": 0.0}) == (
-        " depth eff 1.000 bal 0.975 ghost 0.00s")
-    history = [{"step": 1}, {"step": 2, "depth_efficiency": 1.0, "ghost_time_s": 0.0},
-               {"step": 3, "depth_efficiency": 0.5, "ghost_time_s": 0.25}]
+        " depth eff 1.000 bal 0.975 ghost 0.00s"
+    )
+    history = [
+        {"step": 1},
+        {"step": 2, "depth_efficiency": 1.0, "ghost_time_s": 0.0},
+        {"step": 3, "depth_efficiency": 0.5, "ghost_time_s": 0.25},
+    ]
     assert depth_summary(history) == {"depth_efficiency": 0.75, "ghost_time_s": 0.25}
     assert depth_summary([{"step": 1}]) == {}

@@ -29,8 +29,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 def out(tmp_path_factory: pytest.TempPathFactory):
     out = tmp_path_factory.mktemp("edge_moe_ep")
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
-    subprocess.run([sys.executable, str(SCRIPT), "ref", str(out)], check=True, cwd=REPO, timeout=200,
-                   capture_output=True, env=env)
+    subprocess.run(
+        [sys.executable, str(SCRIPT), "ref", str(out)], check=True, cwd=REPO, timeout=200, capture_output=True, env=env
+    )
     torchrun(SCRIPT, "ep2", str(out), nproc=2, timeout=250, env={"PYTHONPATH": str(REPO)})
     return out
 
@@ -49,5 +50,6 @@ def test_ep2_with_moe_edge_layers_matches_one_process(out, case):
         assert coda, "the coda's experts are expert-parallel here"
         for name, got in res["grads"].items():
             want = ref["grads"][global_name(name, res["ep"], 2)]
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+            torch.testing.assert_close(
+                got, want, rtol=1e-4, atol=1e-6, msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}"
+            )

@@ -28,9 +28,19 @@ SET = REPO / "jobs/experiments/exit-schedules"
 
 
 def stack(**kw) -> ModelConfig:
-    base = dict(hidden_size=32, num_heads=4, ffn_hidden_size=64, core_layers=4, num_experts=4, loops=1,
-                moe_top_k=2, moe_ffn_hidden_size=32, moe_z_loss_coeff=0.0, moe_aux_loss_coeff=0.0,
-                loop_conditioning=False)
+    base = dict(
+        hidden_size=32,
+        num_heads=4,
+        ffn_hidden_size=64,
+        core_layers=4,
+        num_experts=4,
+        loops=1,
+        moe_top_k=2,
+        moe_ffn_hidden_size=32,
+        moe_z_loss_coeff=0.0,
+        moe_aux_loss_coeff=0.0,
+        loop_conditioning=False,
+    )
     return ModelConfig(**{**base, **kw})
 
 
@@ -76,8 +86,7 @@ def test_layer_exit_equals_a_k_layer_model_with_the_same_weights(mesh1):
     full = build_model(cfg, PAR).eval()
     k = 2
     short = build_model(stack(prelude_layers=1, coda_layers=1, core_layers=k), PAR).eval()
-    state = {n: t for n, t in full.state_dict().items()
-             if not n.startswith("core.") or int(n.split(".")[1]) < k}
+    state = {n: t for n, t in full.state_dict().items() if not n.startswith("core.") or int(n.split(".")[1]) < k}
     missing, unexpected = short.load_state_dict(state, strict=False)
     assert not [m for m in missing if not m.endswith("_extra_state")] and not unexpected
     ids = tokens(cfg)[:, :-1]
@@ -99,8 +108,9 @@ def test_layer_exit_gradient_reaches_only_layers_up_to_k(mesh1):
 
     def grads(exits: tuple[int, ...]) -> dict[str, torch.Tensor]:
         model.zero_grad(set_to_none=True)
-        objective, _, _ = _loss_func(DepthPlan(1, exits, axis="layer"),
-                                     model(ids, labels=labels, loops=1, exits=exits, exit_axis="layer"))
+        objective, _, _ = _loss_func(
+            DepthPlan(1, exits, axis="layer"), model(ids, labels=labels, loops=1, exits=exits, exit_axis="layer")
+        )
         objective.backward()
         return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -109,8 +119,10 @@ def test_layer_exit_gradient_reaches_only_layers_up_to_k(mesh1):
         layer = int(name.split(".")[1]) if name.startswith("core.") else None
         if layer is not None and layer >= 2:
             torch.testing.assert_close(g, anchor[name], rtol=0, atol=0)
-    assert not torch.equal(both["core.0.passes.0.self_attention.linear_qkv.weight"],
-                           anchor["core.0.passes.0.self_attention.linear_qkv.weight"])
+    assert not torch.equal(
+        both["core.0.passes.0.self_attention.linear_qkv.weight"],
+        anchor["core.0.passes.0.self_attention.linear_qkv.weight"],
+    )
 
 
 @pytest.mark.parametrize("conditioned", [False, True], ids=["plain", "loop-conditioning-on"])
@@ -147,7 +159,8 @@ def test_layer_axis_plans():
     fixed = ScheduleController(ScheduleConfig(exit_axis="layer"), max_loops=1, total_tokens=10, seed=0, layers=N)
     assert fixed.plan(step=0, micro=0, replica=0) == DepthPlan(1, (N,), group_loops=1, axis="layer")
     assert layer_ctl(sampler="fixed_exits", exits=[8, 2, 4]).plan(step=0, micro=0, replica=0) == DepthPlan(
-        1, (2, 4, 8), group_loops=1, axis="layer")
+        1, (2, 4, 8), group_loops=1, axis="layer"
+    )
     plans = [layer_ctl(sampler="telescopic").plan(step=s, micro=m, replica=0) for s in range(300) for m in range(2)]
     assert all(p.loops == 1 and p.axis == "layer" and p.exits[-1] == N and len(p.exits) == 2 for p in plans)
     assert {p.exits[0] for p in plans} == set(range(1, N))
@@ -172,8 +185,9 @@ def test_one_draw_keeps_the_earlier_stream():
 def _matched_pair(weights: list[float] | None = None) -> tuple[ScheduleController, ScheduleController]:
     depths = list(range(1, N)) if weights else [2, 4]
     sparse = layer_ctl(sampler="fixed_exits", exits=[2, 4, N])
-    tele = layer_ctl(sampler="telescopic", telescopic_depths=depths, telescopic_weights=weights or [1.0, 1.0],
-                     telescopic_draws=2)
+    tele = layer_ctl(
+        sampler="telescopic", telescopic_depths=depths, telescopic_weights=weights or [1.0, 1.0], telescopic_draws=2
+    )
     return sparse, tele
 
 
@@ -256,32 +270,64 @@ def test_exit_schedule_jobs_are_matched_in_training_flops():
     from elastic_pretrain.train.mfu import DepthCounts, step_flops
 
     job = load_job(SET / "sparse-exits.yaml")
-    per_token = step_flops(job.model, DepthCounts(loops=1, exits=3, ghost_passes=0), seq_len=job.data.seq_len,
-                           micro_batch_tokens=1).model
+    per_token = step_flops(
+        job.model, DepthCounts(loops=1, exits=3, ghost_passes=0), seq_len=job.data.seq_len, micro_batch_tokens=1
+    ).model
     assert flops["sparse-exits"] == pytest.approx(20 * job.tokens_per_step * per_token, rel=1e-12)
 
 
 # --- contradictory settings: one line naming the fix ---------------------------------------------------
 TINY = REPO / "jobs/tiny-cpu.yaml"
-LAYER = ["model.loops=1", "model.flatten=1", "model.core_layers=4", "parallel=single", "schedule.exit_axis=layer",
-         "schedule.sampler=telescopic", "schedule.switch_at=0.0"]
+LAYER = [
+    "model.loops=1",
+    "model.flatten=1",
+    "model.core_layers=4",
+    "parallel=single",
+    "schedule.exit_axis=layer",
+    "schedule.sampler=telescopic",
+    "schedule.switch_at=0.0",
+]
 
 
-@pytest.mark.parametrize(("overrides", "match"), [
-    (["model.loops=2"], r"L_max = model.loops \* model.flatten = 2 passes: set model.loops=1 and model.flatten=1"),
-    (["schedule.telescopic_depths=[1,5]"], r"exit/depth 5 is outside \[1, 4\] \(exit_axis: layer counts core "),
-    (["schedule.sampler=fixed_exits", "schedule.exits=[1,2]"], r"must include the full stack 4 .* add it, e\.g\. "
-                                                                 r"exits: \[1, 2, 4\]"),
-    (["schedule.sampler=independent_rank"], r"draws loop counts.*use sampler telescopic, fixed_exits or fixed"),
-    (["schedule.telescopic_draws=4"], r"only 3 depth\(s\) below the anchor 4 .* lower telescopic_draws"),
-    (["schedule.sampler=fixed_exits", "schedule.exits=[2,4]", "schedule.telescopic_draws=2"],
-     r"applies to sampler telescopic only"),
-    (["parallel=cpu-pp2"], r"parallel.pipeline=2 does not run with schedule.exit_axis=layer.*set parallel.pipeline=1"),
-    (["train.recompute=pass"], r"train.recompute=pass does not run .* set train.recompute=selective"),
-    (["model.kv_training=last_loop", "schedule.sampler=fixed"], r"model.kv_training=last_loop does not run .* set "
-                                                                 r"model.kv_training=same_pass"),
-], ids=["looped", "out-of-range", "no-anchor", "loop-sampler", "too-many-draws", "draws-elsewhere", "pipeline",
-        "recompute", "kv"])
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        (["model.loops=2"], r"L_max = model.loops \* model.flatten = 2 passes: set model.loops=1 and model.flatten=1"),
+        (["schedule.telescopic_depths=[1,5]"], r"exit/depth 5 is outside \[1, 4\] \(exit_axis: layer counts core "),
+        (
+            ["schedule.sampler=fixed_exits", "schedule.exits=[1,2]"],
+            r"must include the full stack 4 .* add it, e\.g\. "
+            r"exits: \[1, 2, 4\]",
+        ),
+        (["schedule.sampler=independent_rank"], r"draws loop counts.*use sampler telescopic, fixed_exits or fixed"),
+        (["schedule.telescopic_draws=4"], r"only 3 depth\(s\) below the anchor 4 .* lower telescopic_draws"),
+        (
+            ["schedule.sampler=fixed_exits", "schedule.exits=[2,4]", "schedule.telescopic_draws=2"],
+            r"applies to sampler telescopic only",
+        ),
+        (
+            ["parallel=cpu-pp2"],
+            r"parallel.pipeline=2 does not run with schedule.exit_axis=layer.*set parallel.pipeline=1",
+        ),
+        (["train.recompute=pass"], r"train.recompute=pass does not run .* set train.recompute=selective"),
+        (
+            ["model.kv_training=last_loop", "schedule.sampler=fixed"],
+            r"model.kv_training=last_loop does not run .* set "
+            r"model.kv_training=same_pass",
+        ),
+    ],
+    ids=[
+        "looped",
+        "out-of-range",
+        "no-anchor",
+        "loop-sampler",
+        "too-many-draws",
+        "draws-elsewhere",
+        "pipeline",
+        "recompute",
+        "kv",
+    ],
+)
 def test_contradictory_layer_axis_settings_are_refused_in_one_line(overrides, match):
     with pytest.raises(ConfigError, match=match) as err:
         load_job(TINY, LAYER + overrides)
@@ -299,6 +345,7 @@ def test_layer_axis_job_builds_with_loop_conditioning_on():
 def test_telescopic_without_a_prefix_depth_supervises_the_anchor_once():
     """No depth below the anchor to draw (anchor ℓ = 1): the plan is the anchor alone — before, the anchor was
     listed twice and its loss counted twice in the objective."""
-    c = ScheduleController(ScheduleConfig(sampler="telescopic", switch_at=0.0, loops=1), max_loops=4,
-                           total_tokens=10, seed=0)
+    c = ScheduleController(
+        ScheduleConfig(sampler="telescopic", switch_at=0.0, loops=1), max_loops=4, total_tokens=10, seed=0
+    )
     assert c.plan(step=0, micro=0, replica=0) == DepthPlan(1, (1,))

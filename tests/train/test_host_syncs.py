@@ -29,8 +29,19 @@ from elastic_pretrain.train.session import build_optimizer
 from elastic_pretrain.train.step import TrainStep
 from tests.dist.equivalence import wrap_ddp_for_test
 
-MODEL = ModelConfig(hidden_size=32, num_heads=4, ffn_hidden_size=64, prelude_layers=1, coda_layers=1, core_layers=1,
-                    num_experts=4, loops=4, flatten=1, moe_top_k=2, moe_ffn_hidden_size=32)
+MODEL = ModelConfig(
+    hidden_size=32,
+    num_heads=4,
+    ffn_hidden_size=64,
+    prelude_layers=1,
+    coda_layers=1,
+    core_layers=1,
+    num_experts=4,
+    loops=4,
+    flatten=1,
+    moe_top_k=2,
+    moe_ffn_hidden_size=32,
+)
 ROWS, SEQ = 2, 16
 # (ℓ, supervised exits) per micro-batch of each measured step
 STEPS = [[(1, (1,))], [(2, (2,))], [(4, (4,))], [(4, (2, 4)), (1, (1,)), (3, (3,))]]
@@ -41,15 +52,20 @@ def _syncs_per_step(core_layers: int, replay: bool) -> list[tuple[int, dict[str,
     cfg = dataclasses.replace(MODEL, core_layers=core_layers, route_replay=replay)
     net = build_model(cfg, ParallelConfig(), recompute="none")
     model = wrap_ddp_for_test(net)
-    job = SimpleNamespace(model=cfg, train=TrainConfig(steps=9, warmup_steps=0, lr=1e-3, clip_grad=1.0,
-                                                       distributed_optimizer=False))
+    job = SimpleNamespace(
+        model=cfg, train=TrainConfig(steps=9, warmup_steps=0, lr=1e-3, clip_grad=1.0, distributed_optimizer=False)
+    )
     optimizer, scheduler = build_optimizer(job, model)  # type: ignore[arg-type]
     step = TrainStep(model, optimizer, scheduler, seq_len=SEQ, micro_batch_size=ROWS, max_loops=cfg.max_loops)
     gen = torch.Generator().manual_seed(0)
     out = []
     for plan in [STEPS[0], *STEPS]:  # the first step also builds the optimizer state: not measured
-        micro = [MicroBatch(torch.randint(0, cfg.vocab_size, (ROWS, SEQ + 1), generator=gen),
-                            DepthPlan(ell, exits, group_loops=ell)) for ell, exits in plan]
+        micro = [
+            MicroBatch(
+                torch.randint(0, cfg.vocab_size, (ROWS, SEQ + 1), generator=gen), DepthPlan(ell, exits, group_loops=ell)
+            )
+            for ell, exits in plan
+        ]
         with count_host_syncs() as counter:
             step(micro)
         syncs = counter.device_syncs()

@@ -61,9 +61,17 @@ class RecordingTracker:
 
 
 def _job(tmp_path: Path, *overrides: str):
-    return load_job(REPO / "jobs" / "tiny-cpu.yaml", ["parallel=single", "train.steps=4", "train.warmup_steps=0",
-                                                       "train.log_interval=2", f"run_dir={tmp_path / 'run'}",
-                                                       *overrides])
+    return load_job(
+        REPO / "jobs" / "tiny-cpu.yaml",
+        [
+            "parallel=single",
+            "train.steps=4",
+            "train.warmup_steps=0",
+            "train.log_interval=2",
+            f"run_dir={tmp_path / 'run'}",
+            *overrides,
+        ],
+    )
 
 
 def _callbacks(job, peaks: MemoryPeaks | None) -> tuple[ProgressPrinter, TrackingCallback, RecordingTracker]:
@@ -118,8 +126,14 @@ def test_the_straggler_report_keeps_its_own_window(tmp_path, capsys) -> None:
     peaks = MemoryPeaks(cuda)
     progress, _, _ = _callbacks(_job(tmp_path), peaks)
     logged: dict[int, dict[str, float]] = {}
-    stragglers = StragglerReport(4, rank=0, is_logging_rank=True, log_metrics=lambda m, s: logged.update({s: m}),
-                                 clock=BusyClock(torch.device("cpu"), cpu_clock=lambda: 0.0), peaks=peaks)
+    stragglers = StragglerReport(
+        4,
+        rank=0,
+        is_logging_rank=True,
+        log_metrics=lambda m, s: logged.update({s: m}),
+        clock=BusyClock(torch.device("cpu"), cpu_clock=lambda: 0.0),
+        peaks=peaks,
+    )
     _train(cuda, [progress, stragglers], [1.0, 8.0, 3.0, 2.0])
     out = capsys.readouterr().out
     progress_lines = [ln for ln in out.splitlines() if ln.startswith("step ")]
@@ -137,8 +151,9 @@ def test_on_cpu_nothing_is_read_and_the_progress_line_is_unchanged(tmp_path, cap
     _train(StandInCudaMemory(), [progress, tracking], [1.0, 1.0])
     line = capsys.readouterr().out.splitlines()[0]
     tokens = f"{job.tokens_per_step / 0.5:,.0f}"
-    assert line == (f"step     2/4 [ 50.0%] loss 2.5000 (ℓ1=2.500) | lr 1.00e-03 | gnorm 1.25 | {tokens} tok/s | fixed"
-                    " | eta 1s")
+    assert line == (
+        f"step     2/4 [ 50.0%] loss 2.5000 (ℓ1=2.500) | lr 1.00e-03 | gnorm 1.25 | {tokens} tok/s | fixed | eta 1s"
+    )
     assert not any(k.startswith("memory/") for k in tracker.logged[2])
 
 

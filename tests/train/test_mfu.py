@@ -16,24 +16,38 @@ from elastic_pretrain.train.config import TrainConfig
 from elastic_pretrain.train.mfu import DepthCounts, device_peak, step_flops, utilisation
 from tests.conftest import REPO, torchrun
 
-CFG = ModelConfig(hidden_size=64, num_heads=4, ffn_hidden_size=128, prelude_layers=1, coda_layers=1, core_layers=2,
-                  num_experts=4, loops=2, flatten=2, moe_top_k=2, moe_ffn_hidden_size=32)
+CFG = ModelConfig(
+    hidden_size=64,
+    num_heads=4,
+    ffn_hidden_size=128,
+    prelude_layers=1,
+    coda_layers=1,
+    core_layers=2,
+    num_experts=4,
+    loops=2,
+    flatten=2,
+    moe_top_k=2,
+    moe_ffn_hidden_size=32,
+)
 SEQ = 128
 
 
-@pytest.mark.parametrize(("name", "precision", "tflops", "label"), [
-    ("NVIDIA H100 80GB HBM3", "bf16", 989, "H100 SXM bf16"),
-    ("NVIDIA H100 80GB HBM3", "fp8", 1979, "H100 SXM fp8"),
-    ("NVIDIA H100 PCIe", "bf16", 756, "H100 PCIe bf16"),
-    ("NVIDIA H100 NVL", "bf16", 835, "H100 NVL bf16"),
-    ("NVIDIA H100 NVL", "fp8", 1671, "H100 NVL fp8"),
-    ("NVIDIA H200", "bf16", 989, "H200 SXM bf16"),
-    ("NVIDIA H200 NVL", "bf16", 835, "H200 NVL bf16"),
-    ("NVIDIA A100-SXM4-80GB", "bf16", 312, "A100 bf16"),
-    ("NVIDIA A100-SXM4-80GB", "fp8", 312, "A100 bf16"),  # no FP8 tensor cores: the bf16 peak
-    ("NVIDIA B200", "bf16", 2250, "B200 bf16"),
-    ("NVIDIA B200", "fp8", 4500, "B200 fp8"),
-])
+@pytest.mark.parametrize(
+    ("name", "precision", "tflops", "label"),
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989, "H100 SXM bf16"),
+        ("NVIDIA H100 80GB HBM3", "fp8", 1979, "H100 SXM fp8"),
+        ("NVIDIA H100 PCIe", "bf16", 756, "H100 PCIe bf16"),
+        ("NVIDIA H100 NVL", "bf16", 835, "H100 NVL bf16"),
+        ("NVIDIA H100 NVL", "fp8", 1671, "H100 NVL fp8"),
+        ("NVIDIA H200", "bf16", 989, "H200 SXM bf16"),
+        ("NVIDIA H200 NVL", "bf16", 835, "H200 NVL bf16"),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312, "A100 bf16"),
+        ("NVIDIA A100-SXM4-80GB", "fp8", 312, "A100 bf16"),  # no FP8 tensor cores: the bf16 peak
+        ("NVIDIA B200", "bf16", 2250, "B200 bf16"),
+        ("NVIDIA B200", "fp8", 4500, "B200 fp8"),
+    ],
+)
 def test_peak_table_tells_gpu_models_apart(name, precision, tflops, label):
     peak, text = device_peak(None, precision=precision, device_name=name)
     assert peak == tflops * 1e12
@@ -98,7 +112,7 @@ def test_depth_is_the_global_mean_over_replicas():
     """2 ranks (EP=2, DP=2) with different ℓ per replica: every rank reports the global means."""
     proc = torchrun(REPO / "tests" / "dist" / "depth_counts.py", nproc=2, timeout=300)
     line = next(x for x in proc.stdout.splitlines() if x.startswith("DEPTH "))
-    per_rank = json.loads(line[len("DEPTH "):])
+    per_rank = json.loads(line[len("DEPTH ") :])
     # replica 0: ℓ = 1, 3 (exits 1 + 2); replica 1: ℓ = 4, 2 (exits 1 + 2). EP max per micro-batch: 4, 3
     # → ghost passes 3 + 0 on rank 0, 0 + 1 on rank 1
     assert per_rank == [[2.5, 1.5, 1.0], [2.5, 1.5, 1.0]]
@@ -129,8 +143,10 @@ def test_training_flops_relative_to_the_non_looped_baseline():
     job = load_job(REPO / "jobs" / "tiny-cpu.yaml")
     cfg, seq = job.model, job.data.seq_len
     base = baseline_flops_per_token(cfg, seq_len=seq)
-    per_token = {ell: step_flops(cfg, DepthCounts(loops=ell, exits=1, ghost_passes=0), seq_len=seq,
-                                 micro_batch_tokens=seq).model for ell in (1, 4)}
+    per_token = {
+        ell: step_flops(cfg, DepthCounts(loops=ell, exits=1, ghost_passes=0), seq_len=seq, micro_batch_tokens=seq).model
+        for ell in (1, 4)
+    }
     assert per_token[1] == base and 1.0 < per_token[4] / base < 4.0  # prelude, coda and head are paid once
     # ELR's late switch from one loop: 3/4 of the tokens at ℓ = 1, then (here) ℓ = 4
     state = TrainState(tokens=400, train_flops=300 * per_token[1] + 100 * per_token[4])

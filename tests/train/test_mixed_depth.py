@@ -28,8 +28,9 @@ def out(tmp_path_factory: pytest.TempPathFactory):
     """Every case in two launches: the one-process references, then the 4-process runs."""
     out = tmp_path_factory.mktemp("mixed_depth")
     env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO)}
-    subprocess.run([sys.executable, str(SCRIPT), "ref", str(out)], check=True, cwd=REPO, timeout=300,
-                   capture_output=True, env=env)
+    subprocess.run(
+        [sys.executable, str(SCRIPT), "ref", str(out)], check=True, cwd=REPO, timeout=300, capture_output=True, env=env
+    )
     torchrun(SCRIPT, "dist", str(out), nproc=4, timeout=400, env={"PYTHONPATH": str(REPO)})
     return out
 
@@ -37,8 +38,13 @@ def out(tmp_path_factory: pytest.TempPathFactory):
 @pytest.mark.parametrize(
     ("layout", "replay"),
     [("ep2", False), ("ep2", True), ("tp2ep2", True), ("ep2-recompute", True), ("ep2-lastloop", True)],
-    ids=["dp4xep2", "dp4xep2-route-replay", "tp2xep2-route-replay", "dp4xep2-route-replay-recompute-pass",
-         "dp4xep2-route-replay-kv-last-loop"],
+    ids=[
+        "dp4xep2",
+        "dp4xep2-route-replay",
+        "tp2xep2-route-replay",
+        "dp4xep2-route-replay-recompute-pass",
+        "dp4xep2-route-replay-kv-last-loop",
+    ],
 )
 def test_mixed_depth_across_an_expert_group_matches_one_process(out, layout, replay):
     ref_mode = {"tp2ep2": "ref2", "ep2-lastloop": "ref-lastloop"}.get(layout, "ref")
@@ -53,5 +59,6 @@ def test_mixed_depth_across_an_expert_group_matches_one_process(out, layout, rep
             assert res["by_loops"][k] == pytest.approx(v, rel=1e-5)
         for name, got in res["grads"].items():
             want = local_view(name, ref["grads"][global_name(name, res["ep"], 4)], got.shape, 2, res["tp"])
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}")
+            torch.testing.assert_close(
+                got, want, rtol=1e-4, atol=1e-6, msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}"
+            )

@@ -22,14 +22,26 @@ from tests.conftest import REPO, torchrun
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def _compare(out, layout: str, rank: int, recompute: str, grads: bool, suffix: str = "",
-             params: bool = True, loss_rtol: float = 0.0) -> None:
+def _compare(
+    out,
+    layout: str,
+    rank: int,
+    recompute: str,
+    grads: bool,
+    suffix: str = "",
+    params: bool = True,
+    loss_rtol: float = 0.0,
+) -> None:
     off = torch.load(out / f"{layout}_{recompute}-after_backward{suffix}_rank{rank}.pt", weights_only=True)
     on = torch.load(out / f"{layout}_{recompute}-overlap{suffix}_rank{rank}.pt", weights_only=True)
     assert off["error"] is None and on["error"] is None, on["error"] or off["error"]
     assert len(on["loss"]) == 3 and on["loss"][0] == off["loss"][0]  # same parameters: the same forward, bitwise
-    torch.testing.assert_close(torch.tensor(on["loss"][1:], dtype=torch.float64),
-                               torch.tensor(off["loss"][1:], dtype=torch.float64), rtol=loss_rtol, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(on["loss"][1:], dtype=torch.float64),
+        torch.tensor(off["loss"][1:], dtype=torch.float64),
+        rtol=loss_rtol,
+        atol=0,
+    )
     # the distributed optimizer's norm sums per-shard fp32 squares, and its shards follow the buckets
     # (megatron's single bucket without overlap): equal up to fp32 summation order, as is all it logs
     torch.testing.assert_close(on["grad_norm"], off["grad_norm"], rtol=0 if grads else 1e-6, atol=0)
@@ -43,8 +55,14 @@ def _compare(out, layout: str, rank: int, recompute: str, grads: bool, suffix: s
 
 
 def test_overlapped_reduction_equals_the_reduction_after_backward_at_ep2(tmp_path):
-    torchrun(REPO / "tests" / "dist" / "overlap_grads.py", "ep2", str(tmp_path), nproc=2, timeout=500,
-             env={"PYTHONPATH": str(REPO)})
+    torchrun(
+        REPO / "tests" / "dist" / "overlap_grads.py",
+        "ep2",
+        str(tmp_path),
+        nproc=2,
+        timeout=500,
+        env={"PYTHONPATH": str(REPO)},
+    )
     for rank in range(2):
         for recompute in ("none", "pass"):
             _compare(tmp_path, "ep2", rank, recompute, grads=True)
@@ -60,8 +78,14 @@ def test_overlapped_reduction_equals_the_reduction_after_backward_at_ep2(tmp_pat
 def test_overlapped_reduction_equals_the_reduction_after_backward_at_dp4_with_the_distributed_optimizer(tmp_path):
     """The GPU presets' default (issue 31 item 1): DP 4, reduce-scatter into optimizer shards; and with the
     parameter all-gathers overlapped (``parallel.param_gather: overlap``) bitwise equal to gathering in the step."""
-    torchrun(REPO / "tests" / "dist" / "overlap_grads.py", "dp4", str(tmp_path), nproc=4, timeout=500,
-             env={"PYTHONPATH": str(REPO)})
+    torchrun(
+        REPO / "tests" / "dist" / "overlap_grads.py",
+        "dp4",
+        str(tmp_path),
+        nproc=4,
+        timeout=500,
+        env={"PYTHONPATH": str(REPO)},
+    )
     # Not bitwise after the first step: gloo's reduce-scatter adds 4 ranks' fp32 gradients in an order set by an
     # element's position in the bucket, and the two paths bucket differently (megatron's single bucket vs
     # small ones), so reduced gradients differ in the last bits (at 2 ranks a + b = b + a: bitwise, above).
@@ -85,8 +109,14 @@ def test_overlapped_reduction_equals_the_reduction_after_backward_at_dp4_with_th
 
 @pytest.mark.long  # DP=1 here: the bucket schedule, not a reduction's arithmetic (EP=2 above is in CI)
 def test_overlapped_reduction_equals_the_reduction_after_backward_at_pp2(tmp_path):
-    torchrun(REPO / "tests" / "dist" / "overlap_grads.py", "pp2", str(tmp_path), nproc=2, timeout=500,
-             env={"PYTHONPATH": str(REPO)})
+    torchrun(
+        REPO / "tests" / "dist" / "overlap_grads.py",
+        "pp2",
+        str(tmp_path),
+        nproc=2,
+        timeout=500,
+        env={"PYTHONPATH": str(REPO)},
+    )
     for rank in range(2):  # stage 0, stage 1 (megatron gives stages after the first one bucket)
         for recompute in ("none", "pass"):
             _compare(tmp_path, "pp2", rank, recompute, grads=False)

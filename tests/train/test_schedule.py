@@ -171,6 +171,7 @@ def test_bad_schedules_are_clear_errors(kw, message):
 
 # --- step plans: the EP group's ℓ computed locally, orders, draws per EP group (issue 19) ---------------
 
+
 def _layout(group, key=None):
     from elastic_pretrain.schedule import ExpertLayout
 
@@ -217,8 +218,10 @@ def test_expert_group_draws_agree_inside_a_group_and_mix_across_groups():
     key = {0: 0, 1: 0, 2: 2, 3: 2}
     across = set()
     for step in range(10):
-        plans = {r: c.step_plans(step=step, micro_batches=4, replica=r, layout=_layout([key[r], key[r] + 1], key))
-                 for r in range(4)}
+        plans = {
+            r: c.step_plans(step=step, micro_batches=4, replica=r, layout=_layout([key[r], key[r] + 1], key))
+            for r in range(4)
+        }
         assert plans[0] == plans[1] and plans[2] == plans[3]
         assert all(p.group_loops == p.loops for r in plans for _, p in plans[r])  # no ghost passes
         across |= {(p0.loops, p2.loops) for (_, p0), (_, p2) in zip(plans[0], plans[2])}

@@ -126,12 +126,24 @@ def test_on_cpu_the_report_keeps_the_threads_cpu_time_and_opens_no_span() -> Non
 def test_the_real_step_records_its_span_around_the_step_without_a_host_wait(mesh1, monkeypatch) -> None:
     """``measured_step`` (both engines' step) opens the span before the step and closes it after, on the
     device the seam names; nothing in the step waits on the events."""
-    cfg = ModelConfig(hidden_size=32, num_heads=4, ffn_hidden_size=64, prelude_layers=1, coda_layers=1,
-                      core_layers=1, num_experts=4, loops=2, flatten=1, moe_top_k=2, moe_ffn_hidden_size=32)
+    cfg = ModelConfig(
+        hidden_size=32,
+        num_heads=4,
+        ffn_hidden_size=64,
+        prelude_layers=1,
+        coda_layers=1,
+        core_layers=1,
+        num_experts=4,
+        loops=2,
+        flatten=1,
+        moe_top_k=2,
+        moe_ffn_hidden_size=32,
+    )
     net = build_model(cfg, ParallelConfig(), recompute="none")
     model = wrap_ddp_for_test(net)
-    job = SimpleNamespace(model=cfg, train=TrainConfig(steps=2, warmup_steps=0, lr=1e-3, clip_grad=1.0,
-                                                       distributed_optimizer=False))
+    job = SimpleNamespace(
+        model=cfg, train=TrainConfig(steps=2, warmup_steps=0, lr=1e-3, clip_grad=1.0, distributed_optimizer=False)
+    )
     optimizer, scheduler = build_optimizer(job, model)  # type: ignore[arg-type]
     step = TrainStep(model, optimizer, scheduler, seq_len=16, micro_batch_size=2, max_loops=cfg.max_loops)
     stream = StandInStream()

@@ -17,10 +17,25 @@ def test_tiny_job_trains_and_reports_every_loop_count(tmp_path, monkeypatch):
     subprocess.run([cli, "prepare-data", "stdlib-code"], cwd=REPO, check=True, capture_output=True, timeout=300)
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [cli, "train", "jobs/tiny-cpu.yaml", "--nproc-per-node", "2", "--run-dir", str(run_dir),
-         "train.steps=30", "train.warmup_steps=5", "train.log_interval=10", "train.eval_interval=0",
-         "train.eval_sequences=16", "train.peak_tflops=0.1"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        [
+            cli,
+            "train",
+            "jobs/tiny-cpu.yaml",
+            "--nproc-per-node",
+            "2",
+            "--run-dir",
+            str(run_dir),
+            "train.steps=30",
+            "train.warmup_steps=5",
+            "train.log_interval=10",
+            "train.eval_interval=0",
+            "train.eval_sequences=16",
+            "train.peak_tflops=0.1",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "validation loss per loop count" in proc.stdout
@@ -49,8 +64,7 @@ def test_tiny_job_trains_and_reports_every_loop_count(tmp_path, monkeypatch):
     assert run.data.metrics["hfu"] >= run.data.metrics["mfu"] and 0 <= run.data.metrics["ghost_pass_fraction"] < 1
     # depth efficiency (issue 19): every step, the run's mean, MLflow, and the progress line once mixed
     assert all(0 < h["depth_efficiency"] <= 1 and h["ghost_time_s"] >= 0 for h in summary["history"])
-    assert summary["depth_efficiency"] == pytest.approx(
-        sum(h["depth_efficiency"] for h in summary["history"]) / 30)
+    assert summary["depth_efficiency"] == pytest.approx(sum(h["depth_efficiency"] for h in summary["history"]) / 30)
     assert run.data.metrics["depth_efficiency"] == pytest.approx(1 - run.data.metrics["ghost_pass_fraction"])
     assert "mixed depth eff " in proc.stdout and "loss (mixed ℓ)" in proc.stdout
     # issue 33: the banner gives the shape as the job file states it and as flattened, and one parameter line
@@ -67,17 +81,40 @@ def test_tiny_model_trains_from_webdataset_shards(tmp_path):
     """The other shard format end to end (one process): prepare WDS shards, train, loss decreases."""
     cli = str(VENV_BIN / "elastic-pretrain")
     out = tmp_path / "shards"
-    subprocess.run([cli, "prepare-data", "stdlib-code-wds", "prepare.max_tokens=1000000", f"prepare.output={out}"],
-                   cwd=REPO, check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [cli, "prepare-data", "stdlib-code-wds", "prepare.max_tokens=1000000", f"prepare.output={out}"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     run_dir = tmp_path / "wds"
     streams = f"data.streams=[{{path: {out}, split: train}}]"
     validation = f"data.validation={{path: {out}, split: val}}"
     proc = subprocess.run(
-        [cli, "train", "jobs/tiny-cpu.yaml", "data=stdlib-code-wds", streams, validation, "parallel=single",
-         "--run-dir", str(run_dir),
-         "train.steps=12", "train.warmup_steps=2", "train.lr=1e-2", "train.global_batch_size=4",
-         "train.eval_interval=0", "train.eval_sequences=4", "checkpoint.interval=0", "tracking.backend=none"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        [
+            cli,
+            "train",
+            "jobs/tiny-cpu.yaml",
+            "data=stdlib-code-wds",
+            streams,
+            validation,
+            "parallel=single",
+            "--run-dir",
+            str(run_dir),
+            "train.steps=12",
+            "train.warmup_steps=2",
+            "train.lr=1e-2",
+            "train.global_batch_size=4",
+            "train.eval_interval=0",
+            "train.eval_sequences=4",
+            "checkpoint.interval=0",
+            "tracking.backend=none",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     losses = [h["loss"] for h in json.loads((run_dir / "summary.json").read_text())["history"]]

@@ -52,8 +52,9 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
     return code, out, err
 
 
-def test_train_with_fewer_steps_than_trained_is_one_line(finished_run: RunFiles,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_with_fewer_steps_than_trained_is_one_line(
+    finished_run: RunFiles, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The issue's input: exited 0, trained nothing and reprinted 'trained 300 steps'."""
     code, out, err = run_cli(["train", "jobs/tiny-cpu.yaml", "--nproc-per-node", "2", "train.steps=100"], capsys)
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, (out, err)
@@ -61,8 +62,9 @@ def test_train_with_fewer_steps_than_trained_is_one_line(finished_run: RunFiles,
     assert "raise train.steps above 300" in err and "name=NEW" in err and "--run-dir runs/NEW" in err
 
 
-def test_train_on_a_finished_run_says_so_and_starts_nothing(finished_run: RunFiles,
-                                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_train_on_a_finished_run_says_so_and_starts_nothing(
+    finished_run: RunFiles, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, err = run_cli(["train", "jobs/tiny-cpu.yaml", "--nproc-per-node", "2"], capsys)
     assert code == 0 and err == "" and len(out.strip().splitlines()) == 1, (out, err)
     assert out.startswith("runs/tiny-cpu has trained 300 steps = train.steps: finished, nothing to train.")
@@ -73,8 +75,9 @@ def test_train_on_a_finished_run_says_so_and_starts_nothing(finished_run: RunFil
     assert code == 0 and "finished, nothing to train" in out
 
 
-def test_a_changed_model_shape_is_refused_before_any_rank_starts(finished_run: RunFiles,
-                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_changed_model_shape_is_refused_before_any_rank_starts(
+    finished_run: RunFiles, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The issue's input: ``run-default.sh train.steps=50 model.loops=3`` (its train line) stopped with "model
     shape changed" after the ranks' start-up, naming no way forward."""
     code, _, err = run_cli(["train", "jobs/tiny-cpu.yaml", "--nproc-per-node", "2", "train.steps=50",
@@ -124,8 +127,9 @@ def test_a_larger_train_steps_keeps_the_runs_lr_schedule(decay: str) -> None:
         resumed.step(increment=1)
         assert lr(resumed) == pytest.approx(lr(ran), rel=1e-12)
     assert lr(resumed) == pytest.approx(3e-4)
-    note = schedule_end_note(resumed, ScheduleController(ScheduleConfig(), max_loops=4, total_tokens=1, seed=0),
-                             step=300, steps=400)
+    note = schedule_end_note(
+        resumed, ScheduleController(ScheduleConfig(), max_loops=4, total_tokens=1, seed=0), step=300, steps=400
+    )
     assert note is not None and "steps 301..400 train at its end (learning rate 3.00e-04, fixed depth)" in note
     assert schedule_end_note(resumed, Any, step=300, steps=300) is None  # type: ignore[arg-type]
 

@@ -19,8 +19,10 @@ def _main(p: torch.nn.Parameter) -> torch.Tensor:
 
 @pytest.mark.parametrize("distributed", [False, True])
 def test_copy_pass0_reaches_the_bf16_main_params_of_the_copied_passes_only(mesh1, distributed):
-    job = load_job(REPO / "jobs" / "tiny-cpu.yaml",
-                   ["parallel=single", "model.dtype=bf16", f"train.distributed_optimizer={str(distributed).lower()}"])
+    job = load_job(
+        REPO / "jobs" / "tiny-cpu.yaml",
+        ["parallel=single", "model.dtype=bf16", f"train.distributed_optimizer={str(distributed).lower()}"],
+    )
     net = build_model(job.model, job.parallel)
     optimizer, _ = build_optimizer(job, wrap_ddp(job, net))
     core = net.core_layers()[0]

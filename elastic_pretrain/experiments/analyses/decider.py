@@ -150,7 +150,7 @@ def _method(ms: list[dict[str, Any]]) -> list[str]:
         "0.9`: only the largest gains, covering 90% of the total); reports made before issue 32 trained every arm "
         "with the cut (their `Jobs differ` line and run configs say which).",
         "Served: the same sweep (fewer thresholds) and fixed depth under the last-loop KV cache, token by token "
-        "against the cache `generate(loops=\"auto\")` keeps (each token's K/V from the last pass it ran); "
+        'against the cache `generate(loops="auto")` keeps (each token\'s K/V from the last pass it ran); '
         "`last_loop_frontier_vs_own_fixed` is the frontier score under that cache.",
         "Control: the same execution with a random stop rule (each pass, each token stops with probability q, "
         "seed 0). The per-seed quantities `minus_fixed`/`minus_random` are means over the thresholds strictly "
@@ -348,7 +348,7 @@ EXPERIMENT = Experiment(
             premise=DEPTH_PAYS,
         ),
         Claim(
-            paper=_SLOPE + " — served: ELR keeps \"only the last loop's KV cache\" at inference, and `generate` "
+            paper=_SLOPE + ' — served: ELR keeps "only the last loop\'s KV cache" at inference, and `generate` '
             "runs adaptive depth against it",
             source=TAH2,
             magnitude="not given (TaH2 does not combine the decider with a last-loop cache)",

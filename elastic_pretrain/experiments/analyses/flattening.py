@@ -30,8 +30,9 @@ def normalised_confidence(confidence: float, experts: int) -> float:
 def _confidence_gain(f: int) -> Any:
     """flatten{f}-untied minus flatten{f}-tied normalised confidence, from the stored raw confidences (E = 4f)."""
     e = REFERENCE_EXPERTS * f
-    return lambda m: normalised_confidence(m[f"flatten{f}-untied"]["confidence"], e) - normalised_confidence(
-        m[f"flatten{f}-tied"]["confidence"], e
+    return lambda m: (
+        normalised_confidence(m[f"flatten{f}-untied"]["confidence"], e)
+        - normalised_confidence(m[f"flatten{f}-tied"]["confidence"], e)
     )
 
 

@@ -150,7 +150,8 @@ def _reading(numbers: dict[str, Any], metrics: Metrics) -> list[str]:
 
 def _draw(numbers: dict[str, Any], axes: Any) -> None:
     for ax, (mode, ref, title) in zip(
-        axes, (("last-loop", "per-loop", "token by token"), ("prefill", "per-loop@cont", "after a parallel prefill")),
+        axes,
+        (("last-loop", "per-loop", "token by token"), ("prefill", "per-loop@cont", "after a parallel prefill")),
         strict=True,
     ):
         for name, by in numbers.items():

@@ -128,7 +128,8 @@ def analyse(ctx: Context) -> Findings:
         f"Loss at ℓ = {top}, lowest first: {ranked(deep)}.",
         "Loss at ℓ = 1, lowest first: " + ranked({r.name: metrics[r.name]["loss@1"] for r in ctx.runs}) + ".",
         "Training compute relative to the baseline (same tokens): "
-        + ", ".join(f"{r.name} {metrics[r.name]['compute']:.2f}x" for r in looped) + ".",
+        + ", ".join(f"{r.name} {metrics[r.name]['compute']:.2f}x" for r in looped)
+        + ".",
     ]
     return Findings(
         tables=[table(header, rows)],
@@ -144,7 +145,7 @@ def analyse(ctx: Context) -> Findings:
             "Baseline: the looped model trained at ℓ = 1 for the whole run (`sampler: fixed`, `fixed_loops: 1`), "
             "never switched and without conditioning heads: prelude, pass 0's attention and the 8-expert MoE "
             "layer, coda — one core pass's parameters and compute on the same tokens. ELR's loops are weight-tied, "
-            "so its non-recurrent baseline \"matched in parameters, data, and training horizon\" is its one-loop "
+            'so its non-recurrent baseline "matched in parameters, data, and training horizon" is its one-loop '
             "model; here passes 1..3 have their own (flattened) attention, which the baseline never runs. The "
             "`-noheads` arms' one-loop phase is this run's first steps (same initialisation, tokens and ℓ); arms with "
             "heads share the tokens, ℓ and every other parameter's initial value (the heads draw from a forked RNG).",
@@ -152,7 +153,7 @@ def analyse(ctx: Context) -> Findings:
             "published, whose loops are weight-tied; each is measured against `tied-baseline` and "
             "`tied-mixed-scratch` (the tied model draws fewer attention blocks, so its other initial values differ "
             "from the untied arms'). The untied arms give each pass its own attention (Foil, seeds/000: \"Each pass "
-            "gets its own attention parameters while the experts and routers stay shared\"), so the one-loop phase "
+            'gets its own attention parameters while the experts and routers stay shared"), so the one-loop phase '
             "leaves passes 1..3's attention untrained until the switch copies pass 0's into them: their claims are "
             "the Foil×ELR extension, not ELR's recipe, and say so in their source.",
             "L_max improvement retained = (baseline at ℓ = 1 − arm at ℓ = L_max) / (baseline at ℓ = 1 − "
@@ -162,6 +163,7 @@ def analyse(ctx: Context) -> Findings:
             "replayed from the seed (experiments/measure.py training_compute), divided by the baseline's.",
         ],
     )
+
 
 @dataclasses.dataclass(frozen=True)
 class Reading:
@@ -289,7 +291,7 @@ EXPERIMENT = Experiment(
         *(_retained(EXTENSION, f, LOOPS_HELP) for f in SWITCHES),
         *_five_loop(EXTENSION, LOOPS_HELP),
         Claim(
-            paper='"Mixed-depth training from scratch costs an estimated 1.62 times the baseline\'s training '
+            paper="\"Mixed-depth training from scratch costs an estimated 1.62 times the baseline's training "
             'compute, while switching only in the final quarter costs about 1.16 times"',
             source=EXTENSION.source,
             magnitude="1.16x vs 1.62x the baseline (−0.46)",

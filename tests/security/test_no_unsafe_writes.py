@@ -20,6 +20,15 @@ WRITER = "elastic_pretrain/files.py"  # the writer itself
 _FRESH_TMP = "into the .tmp-step_<N>/ that CheckpointStore.prepare just created empty (files.ensure_dir)"
 # (module path, enclosing function/class, what) -> why it is safe. Keep the reasons true.
 ALLOWED: dict[tuple[str, str, str], str] = {
+    # --- the shard-verification cache (data/verified.py): the user's own folder, not a run directory
+    ("elastic_pretrain/data/verified.py", "cache_dir", "path.mkdir"): (
+        "creates the user's own cache folder (0700) under $XDG_CACHE_HOME or ~/.cache, never a run directory, "
+        "checkpoint or export; it is then lstat'ed and not used when a link, not the user's, or writable by others"
+    ),
+    ("elastic_pretrain/data/verified.py", "_locked", "os.open(write flags)"): (
+        "an empty lock file opened O_NOFOLLOW (a planted link is refused) in the checked 0700 cache folder; "
+        "nothing is written to it (records go through files.write_atomic)"
+    ),
     # --- checkpoints: the store's own directories, and the libraries that write tensors into them
     ("elastic_pretrain/checkpoint/store.py", "CheckpointStore.commit", "os.replace"): (
         "renames the store's own .tmp-step_<N> (made by prepare) to step_<N>; a link at step_<N> is moved to "

@@ -146,3 +146,84 @@ def _accumulate(
         sums[i] += torch.stack([ce_BT[mask].sum(), correct_BT[mask].sum(), mask.sum().double()])
     mask = level_BT > 0
     sums[-1] += torch.stack([ce_BT[mask].sum(), correct_BT[mask].sum(), mask.sum().double()])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Where an adaptive model spends its passes (TaH2: "Extra compute goes where it moves the answer")
+@dataclasses.dataclass(frozen=True)
+class PassesByDifficulty:
+    """Mean core passes per true difficulty of the predicted token under one stop rule (``threshold``: the
+    decider's), and Spearman's rank correlation of passes with difficulty over the answer tokens
+    (``rho_answers``, difficulty >= 1) and over every token (``rho_all``, ordinary tokens as difficulty 0)."""
+
+    threshold: float
+    mean_passes: dict[int, float]
+    count: dict[int, int]
+    rho_answers: float
+    rho_all: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "threshold": self.threshold,
+            "mean_passes": {str(k): v for k, v in self.mean_passes.items()},
+            "count": {str(k): v for k, v in self.count.items()},
+            "rho_answers": self.rho_answers,
+            "rho_all": self.rho_all,
+        }
+
+    def row(self, levels: Sequence[int]) -> list[str]:
+        """Mean passes per level in ``levels`` (blank where absent), then the two correlations."""
+        cells = [f"{self.mean_passes[k]:.2f}" if k in self.mean_passes else "" for k in levels]
+        return [*cells, f"{self.rho_answers:+.3f}", f"{self.rho_all:+.3f}"]
+
+
+def _ranks(x: torch.Tensor) -> torch.Tensor:
+    """Ranks 1..n of a 1-D tensor, ties given their mean rank (float64)."""
+    x = x.double()
+    order = torch.argsort(x, stable=True)
+    ranks = torch.empty_like(x)
+    ranks[order] = torch.arange(1, x.numel() + 1, dtype=torch.float64)
+    values, inverse = torch.unique(x, return_inverse=True)
+    sums = torch.zeros(values.numel(), dtype=torch.float64).index_add_(0, inverse, ranks)
+    counts = torch.zeros(values.numel(), dtype=torch.float64).index_add_(0, inverse, torch.ones_like(ranks))
+    return (sums / counts)[inverse]
+
+
+def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
+    """Spearman's rank correlation (Pearson's on tie-averaged ranks) of two equally long 1-D tensors; 0 when
+    either is constant (no ordering to agree with) or has fewer than two values."""
+    if x.shape != y.shape or x.dim() != 1:
+        raise ValueError(f"spearman: shapes {tuple(x.shape)} and {tuple(y.shape)} are not two equal 1-D tensors")
+    if x.numel() < 2:
+        return 0.0
+    rx, ry = _ranks(x), _ranks(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    den = float((rx.square().sum() * ry.square().sum()).sqrt())
+    return float((rx * ry).sum()) / den if den > 0 else 0.0
+
+
+@torch.no_grad()
+def passes_by_difficulty(
+    model: Any, stop: Any, tokens_NT1: torch.Tensor, difficulty_NT1: torch.Tensor, *, threshold: float
+) -> PassesByDifficulty:
+    """Teacher-forced (per-loop KV) passes of every held-out prediction under ``stop`` (a stop rule: the
+    decider's ``stopper(threshold)``), grouped by the difficulty of the token it predicts (``difficulty[:,
+    1:]``: a prediction's difficulty is its label's)."""
+    from elastic_pretrain.model.inference import teacher_forced_loss
+
+    if tokens_NT1.shape != difficulty_NT1.shape:
+        raise ValueError(f"difficulty {tuple(difficulty_NT1.shape)} does not label tokens {tuple(tokens_NT1.shape)}")
+    tf = teacher_forced_loss(model, tokens_NT1, kv_cache="per-loop", stop=stop, keep_passes=True)
+    assert tf.passes_NT is not None
+    passes, level = tf.passes_NT.flatten().double(), difficulty_NT1[:, 1:].flatten()
+    levels = sorted(int(v) for v in level.unique())
+    mean = {k: float(passes[level == k].mean()) for k in levels}
+    count = {k: int((level == k).sum()) for k in levels}
+    answers = level > 0
+    return PassesByDifficulty(
+        threshold=threshold,
+        mean_passes=mean,
+        count=count,
+        rho_answers=spearman(passes[answers], level[answers].double()),
+        rho_all=spearman(passes, level.double()),
+    )

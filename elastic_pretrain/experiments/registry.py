@@ -27,6 +27,7 @@ ANALYSES = (  # modules of elastic_pretrain.experiments.analyses, in the order `
     "kv_cache",
     "seed_noise",
     "decider",
+    "decider_depth_pays",
     "decider_depths",
     "samplers",
     "samplers_ep2",

@@ -299,6 +299,8 @@ class TeacherForced:
     kv_bytes_per_token: float
     accuracy: float = float("nan")  # next-token argmax accuracy
     core_kv_bytes_per_token: float = float("nan")  # the looped core layers' share of kv_bytes_per_token
+    # core passes per scored token, [N, scored positions] on the host (``keep_passes=True`` only)
+    passes_NT: Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def perplexity(self) -> float:
@@ -315,19 +317,22 @@ def teacher_forced_loss(
     stop: StopFn | None = None,
     batch_size: int = 8,
     prompt_len: int = 0,
+    keep_passes: bool = False,
 ) -> TeacherForced:
     """Mean per-token CE of ``tokens[:, 1:]`` decoding ``tokens[:, :-1]`` under a cache policy.
 
     ``per-loop`` feeds each sequence as one step (exactly the model's forward at fixed depth);
     ``last-loop`` decodes token by token (see :meth:`LoopedDecoder.step`). ``prompt_len`` P > 0: the
     first P tokens are a prompt, prefilled in parallel (:meth:`LoopedDecoder.prefill`), and only the
-    continuation ``tokens[:, P:]`` is scored.
+    continuation ``tokens[:, P:]`` is scored. ``keep_passes``: also return each scored token's passes
+    (``passes_NT``, aligned with the scored labels: without a prompt, position t predicts ``tokens[:, t + 1]``).
     """
     if not 0 <= prompt_len < tokens_NT1.shape[1] - 1:
         raise ValueError(f"prompt_len: {prompt_len} leaves no continuation to score in {tokens_NT1.shape[1]} tokens")
     was_training = model.training
     model.eval()
     total, count, passes, kv_bytes, core_bytes, correct = 0.0, 0, 0.0, 0.0, 0.0, 0
+    kept: list[Tensor] = []
     try:
         for start in range(0, tokens_NT1.shape[0], batch_size):
             chunk = tokens_NT1[start : start + batch_size].to(_device(model))  # host rows → the model's device
@@ -347,6 +352,8 @@ def teacher_forced_loss(
             correct += int((out.logits_BSV.argmax(-1) == labels).sum())
             count += labels.numel()
             passes += float(out.passes_BS.double().sum())
+            if keep_passes:
+                kept.append(out.passes_BS.cpu())
             kv_bytes, core_bytes = dec.cache.bytes_per_token(), dec.cache.bytes_per_token("core")
     finally:
         model.train(was_training)
@@ -360,6 +367,7 @@ def teacher_forced_loss(
         kv_bytes_per_token=kv_bytes,
         accuracy=correct / count,
         core_kv_bytes_per_token=core_bytes,
+        passes_NT=torch.cat(kept) if keep_passes else None,
     )
 
 

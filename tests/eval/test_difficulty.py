@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from elastic_pretrain.eval.difficulty import ANSWERS, by_difficulty
+from elastic_pretrain.eval.difficulty import ANSWERS, by_difficulty, passes_by_difficulty, spearman
 from elastic_pretrain.eval.loss import loss_by_loops
 
 TOL = dict(rtol=1e-5, atol=1e-6)  # fp32 logits: the model's own vocab-parallel CE vs log-softmax of the same logits
@@ -40,6 +40,44 @@ def test_per_difficulty_numbers_add_up_to_the_held_out_loss(model) -> None:
 def test_a_difficulty_that_does_not_label_the_tokens_is_refused(model) -> None:
     with pytest.raises(ValueError, match=r"difficulty \(2, 9\) does not label tokens \(2, 8\)"):
         by_difficulty(model, torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 9, dtype=torch.long))
+
+
+def test_spearman_ranks_with_ties_and_refuses_mismatched_shapes() -> None:
+    t = torch.tensor
+    assert spearman(t([1.0, 2, 3, 4]), t([1.0, 3, 2, 4])) == pytest.approx(0.8, abs=1e-12)  # 1 - 6·2/(4·15)
+    assert spearman(t([1.0, 1, 2]), t([1.0, 2, 3])) == pytest.approx(1.5 / 3**0.5, abs=1e-12)  # tie: mean rank 1.5
+    assert spearman(t([3.0, 2, 1]), t([1.0, 5, 9])) == pytest.approx(-1.0, abs=1e-12)
+    assert spearman(t([2.0, 2, 2]), t([1.0, 2, 3])) == 0.0  # constant: no ordering to agree with
+    with pytest.raises(ValueError, match="not two equal 1-D tensors"):
+        spearman(t([1.0, 2]), t([1.0, 2, 3]))
+
+
+def test_passes_are_counted_under_the_difficulty_of_the_token_they_predict(model) -> None:
+    """A stop rule that reads the *input* token (through its embedding) and runs exactly as many passes as the
+    *next* token's difficulty: mean passes per level equal the level and ρ = 1 only if each prediction's passes
+    are grouped under its label's difficulty (``difficulty[:, 1:]``), not its input's."""
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 257, (5, 33), generator=gen)
+    need = torch.arange(257) % 4 + 1  # passes the token after id needs: 1..4 = L_max
+    difficulty = torch.zeros_like(tokens)
+    difficulty[:, 1:] = need[tokens[:, :-1]] * (tokens[:, :-1] % 3 != 0)  # a third are ordinary (0: one pass)
+    with torch.no_grad():
+        table_VD = model.embedding(input_ids=torch.arange(257)[None], position_ids=None)[:, 0]
+
+    def stop(h_SBD, emb_SBD, j):  # stop after pass j once j + 1 passes cover the next token's difficulty
+        ids_SB = torch.cdist(emb_SBD.flatten(0, 1)[None], table_VD[None])[0].argmin(-1).view(emb_SBD.shape[:2])
+        return j + 1 >= need[ids_SB] * (ids_SB % 3 != 0)
+
+    got = passes_by_difficulty(model, stop, tokens, difficulty, threshold=0.5)
+    levels = sorted(difficulty[:, 1:].unique().tolist())
+    assert levels == [0, 1, 2, 3, 4]
+    assert got.mean_passes == {0: 1.0, 1: 1.0, 2: 2.0, 3: 3.0, 4: 4.0}
+    assert got.count == {k: int((difficulty[:, 1:] == k).sum()) for k in levels}
+    assert got.rho_answers == pytest.approx(1.0, abs=1e-12)
+    assert 0.9 < got.rho_all < 1.0  # ordinary tokens and difficulty 1 both run one pass: tied, not ordered
+    assert got.to_json()["mean_passes"]["4"] == 4.0 and got.row([1, 4, 5])[2] == ""
+    with pytest.raises(ValueError, match="does not label tokens"):
+        passes_by_difficulty(model, stop, tokens, difficulty[:, 1:], threshold=0.5)
 
 
 @pytest.mark.slow

@@ -117,3 +117,37 @@ def test_the_decider_claims_read_the_frontier_and_are_gated_by_depth_paying() ->
     # rescoring keeps the metrics it does not recompute (the AUCs of reports written before)
     kept = decider.rescore(_seed(0.0, 0.0, 0.0), {decider.FROZEN: {"auc_vs_fixed": 0.01}})
     assert kept[decider.FROZEN]["auc_vs_fixed"] == 0.01 and "frontier_vs_base" in kept[decider.FROZEN]
+
+
+def test_decider_depth_pays_reads_its_own_base_and_the_passes_difficulty_correlation() -> None:
+    """decider-depth-pays (issue 32 item 1): the premise reads the stored base's name (``mixed``, not decider's
+    late-switch), the passes–difficulty ρ comes from the stored numbers, and the two ρ claims are gated by the
+    premise like every other claim of the set."""
+    from elastic_pretrain.experiments.analyses import decider_depth_pays as dp
+
+    def seed(gain: float, rho: float) -> dict:
+        numbers = {**_seed(gain, -0.05, 0.0), "base": "mixed"}
+        numbers["passes_by_difficulty"] = {
+            name: {"threshold": 0.5, "mean_passes": {"0": 1.2, "1": 1.5}, "count": {"0": 9, "1": 3},
+                   "rho_answers": rho, "rho_all": rho / 2}
+            for name in (decider.FROZEN, decider.PER_TOKEN)
+        }  # fmt: skip
+        return decider.rescore(numbers, {})
+
+    pays = {s: seed(-0.3 - s / 100, 0.4 + s / 100) for s in (1, 2, 3)}
+    assert "late-switch" not in pays[1] and pays[1]["mixed"]["depth_gain"] == pytest.approx(-0.31)
+    assert pays[2][decider.PER_TOKEN]["passes_rho_answers"] == pytest.approx(0.42)
+    assert pays[2][decider.FROZEN]["passes_rho_all"] == pytest.approx(0.21)
+    assert "passes_rho_answers" not in pays[2][decider.UNIFORM]  # no stored passes: no metric, no made-up 0
+    claims = dp.EXPERIMENT.claims
+    assert claims[0] is dp.PREMISE and dp.PREMISE.kind == "premise" and "mixed" in dp.PREMISE.measure
+    assert len(claims) == 10 and all(c.premise is dp.PREMISE for c in claims[1:])
+    rho = claims[-2:]
+    assert [evaluate(c, pays).verdict for c in rho] == ["yes", "yes"]
+    assert evaluate(claims[1], pays).verdict == "yes"  # the frozen frontier below the base's fixed depth
+    flat = {s: seed(0.001 * (-1) ** s, 0.4 + s / 100) for s in (1, 2, 3)}
+    assert [evaluate(c, flat).verdict for c in rho] == [PREMISE_ABSENT, PREMISE_ABSENT]
+    against = {s: seed(-0.3 - s / 100, -0.4 - s / 100) for s in (1, 2, 3)}
+    assert evaluate(rho[0], against).verdict == "contradicted"
+    # decider's own claims still read late-switch: a report stored before "base" existed rescores as before
+    assert decider.DEPTH_PAYS is decider.EXPERIMENT.claims[0] and "late-switch" in decider.DEPTH_PAYS.measure

@@ -5,14 +5,18 @@ is in ``decider_measure.py``.
 The claims (issue 32) score adaptive depth on the Pareto frontier of the operating points each decider reaches
 (forced ends and dominated thresholds dropped), and every one presupposes that depth pays here: the base's
 fixed depth at ℓ = L_max below ℓ = 1 on the same checkpoint (:data:`DEPTH_PAYS`). Both come from the stored
-numbers (:func:`rescore`), so ``--from-json`` decides them for finished runs."""
+numbers (:func:`rescore`), so ``--from-json`` decides them for finished runs. On a corpus whose tokens carry
+their true difficulty (depth-pays) the analysis also counts each decider's passes per difficulty and their rank
+correlation with it (``decider_depth_pays.py`` reads those)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
+from elastic_pretrain.data.difficulty import load_difficulty
 from elastic_pretrain.eval.curves import pareto_front
+from elastic_pretrain.eval.difficulty import PassesByDifficulty, passes_by_difficulty
 from elastic_pretrain.experiments.analyses.decider_measure import (
     base_curve,
     decider_runs,
@@ -33,6 +37,7 @@ TAH2 = "seeds/000 (TaH2)"
 # tokens at every depth (`decider.backbone: joint`, `decider.lm_loss: every_exit`); BASE the run they post-train
 FROZEN, PER_TOKEN, UNIFORM, BASE = "decider", "decider-per-token", "decider-uniform", "late-switch"
 COVERAGE = "decider-per-token-coverage"  # the labels ablation: PER_TOKEN with the coverage cut (decider.coverage 0.9)
+DIFFICULTY_THRESHOLD = 0.5  # the stop threshold the passes-per-difficulty table reads (the jobs' decider.threshold)
 
 
 def _reading(m: dict[str, Any]) -> list[str]:
@@ -76,7 +81,7 @@ def _draw(numbers: dict[str, Any], axes: Any) -> None:
     deciders = numbers["deciders"]
     first = next(iter(deciders.values()))
     base = [(x, y, float("nan")) for x, y in fixed_curve(numbers["base_loss_by_loops"], first)]
-    series = [(f"fixed depth ({BASE})", base, "-o", "C0")]
+    series = [(f"fixed depth ({numbers.get('base', BASE)})", base, "-o", "C0")]
     for i, (name, d) in enumerate(deciders.items(), start=1):
         top, colour = max(int(p["loops"]) for p in d["fixed"]), f"C{i}"
         pts = [(r["relative_compute"], r["loss"], r["accuracy"]) for r in d["adaptive"]]
@@ -107,8 +112,10 @@ def replot(numbers: dict[str, Any], path: Any) -> None:
 def rescore(numbers: dict[str, Any], metrics: Metrics) -> Metrics:
     """One seed's metrics with the Pareto-frontier scores and the premise, from its stored numbers: per decider
     run :func:`decider_measure.frontier_scores` against its own fixed depth, the base's (``frontier_vs_base``),
-    the control's (``frontier_vs_control``) and random stopping; for the base run (late-switch) its fixed-depth
-    loss at ℓ = 1 and L_max and their difference (``depth_gain``, the premise)."""
+    the control's (``frontier_vs_control``) and random stopping, and where the corpus labels difficulty the rank
+    correlation of its passes with it (``passes_rho_answers``, ``passes_rho_all``); for the base run (stored as
+    ``numbers["base"]``; late-switch in reports made before it was) its fixed-depth loss at ℓ = 1 and L_max and
+    their difference (``depth_gain``, the premise)."""
     deciders, base_loss = numbers.get("deciders"), numbers.get("base_loss_by_loops")
     if not deciders or not base_loss:
         return metrics
@@ -118,17 +125,26 @@ def rescore(numbers: dict[str, Any], metrics: Metrics) -> Metrics:
     if UNIFORM in deciders:
         refs["control"] = [(float(p["relative_compute"]), float(p["loss"])) for p in deciders[UNIFORM]["fixed"]]
     base = {"loss@1": loss[1], "loss@max": loss[top], "depth_gain": loss[top] - loss[1]}
-    out: Metrics = {BASE: {**metrics.get(BASE, {}), **base}}
+    base_name = str(numbers.get("base", BASE))
+    out: Metrics = {base_name: {**metrics.get(base_name, {}), **base}}
+    passes = numbers.get("passes_by_difficulty", {})
     for name, d in deciders.items():
-        out[name] = {**metrics.get(name, {}), **frontier_scores(d, refs)}
+        out[name] = {**metrics.get(name, {}), **frontier_scores(d, refs), **_difficulty_metrics(passes.get(name))}
     return out
 
 
-def _method(ms: list[dict[str, Any]]) -> list[str]:
+def _difficulty_metrics(stored: dict[str, Any] | None) -> dict[str, float]:
+    """A decider's rank correlations of passes with true difficulty (stored ``PassesByDifficulty.to_json``)."""
+    if not stored:
+        return {}
+    return {"passes_rho_answers": float(stored["rho_answers"]), "passes_rho_all": float(stored["rho_all"])}
+
+
+def _method(ms: list[dict[str, Any]], *, with_difficulty: bool = False) -> list[str]:
     m = ms[0]
     run, base, top, fl = m["run"], m["base"], m["top"], m["decider_flops"]
     arms = ", ".join(f"{x['run'].name} (`decider.backbone: {x['backbone']}`)" for x in ms)
-    return [
+    out = [
         f"Each decider job post-trains a TaH2 iteration decider on {base.name}'s final checkpoint of the same seed "
         f"(`decider.init_from: {base.name}.yaml`): {arms}. Each sees the base's {run.tokens:,} tokens in the same "
         "order. `frozen`: every micro-batch runs all passes with an exit at each and the BCE trains the decider "
@@ -162,8 +178,17 @@ def _method(ms: list[dict[str, Any]]) -> list[str]:
         "base's fixed depth, `control`: the uniform control's, `own_fixed`: its own checkpoint's, `random`: random "
         "stopping), `acc_frontier_vs_own_fixed` the same on the accuracy frontier (points). The AUCs above "
         "(which include the forced and dominated points) stay in the tables for comparison. The premise row: the "
-        f"base's fixed-depth loss at ℓ = L_max minus at ℓ = 1 (`{BASE}` `depth_gain`).",
+        f"base's fixed-depth loss at ℓ = L_max minus at ℓ = 1 (`{base.name}` `depth_gain`).",
     ]
+    if with_difficulty:
+        out.append(
+            "Passes per true difficulty: every held-out prediction's passes under each decider's stop rule at "
+            f"threshold {DIFFICULTY_THRESHOLD} (teacher-forced, per-loop KV), grouped by the difficulty of the token "
+            "it predicts (the corpus's stored label: lookups the answer needs; 0 = an ordinary token); ρ is "
+            "Spearman's rank correlation of passes with difficulty (ties at their mean rank) over the answer tokens "
+            "(`passes_rho_answers`) and over every token (`passes_rho_all`)."
+        )
+    return out
 
 
 def _control_table(ms: list[dict[str, Any]]) -> str:
@@ -218,6 +243,38 @@ def _numbers(m: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _passes_by_difficulty(ctx: Context, ms: list[dict[str, Any]]) -> dict[str, PassesByDifficulty]:
+    """Each decider's passes per true difficulty at :data:`DIFFICULTY_THRESHOLD`; {} when the held-out split
+    carries no difficulty (an ordinary corpus)."""
+    tokens = ctx.val_tokens()
+    difficulty = load_difficulty(ctx.runs[0].job.data, num_sequences=tokens.shape[0])
+    if difficulty is None:
+        return {}
+    out = {}
+    for m in ms:
+        model = ctx.model(m["run"].name)
+        assert model.decider is not None  # measure() refused a decider job without one
+        stop = model.decider.stopper(DIFFICULTY_THRESHOLD)
+        out[m["run"].name] = passes_by_difficulty(model, stop, tokens, difficulty, threshold=DIFFICULTY_THRESHOLD)
+    return out
+
+
+def _difficulty_table(passes: dict[str, PassesByDifficulty]) -> str:
+    levels = sorted({k for p in passes.values() for k in p.mean_passes})
+    first = next(iter(passes.values()))
+    label = {0: "ordinary"}
+    header = (
+        "decider run",
+        *(f"{label.get(k, f'd={k}')} ({first.count.get(k, 0):,})" for k in levels),
+        "ρ answers",
+        "ρ all tokens",
+    )
+    rows = [(name, *p.row(levels)) for name, p in passes.items()]
+    return f"Mean passes per true difficulty at threshold {DIFFICULTY_THRESHOLD} (tokens per column):\n\n" + table(
+        header, rows
+    )
+
+
 def analyse(ctx: Context) -> Findings:
     ms = [measure(ctx, r) for r in sorted(decider_runs(ctx), key=lambda r: r.name != FROZEN)]  # frozen first
     curves = {m["run"].name: m["sweep"].curves()[1] for m in ms}  # each named "adaptive (decider)": name by run
@@ -225,11 +282,15 @@ def analyse(ctx: Context) -> Findings:
     control = next((m["sweep"].curves()[0] for m in ms if m["run"].name == UNIFORM), None)
     control = None if control is None else dataclasses.replace(control, name=f"fixed depth ({UNIFORM})")
     cmp, across = matched(base_curve(ms[0]), curves, control)
+    passes = _passes_by_difficulty(ctx, ms)
     numbers = {
         "deciders": {m["run"].name: _numbers(m) for m in ms},  # not "runs": the report's run table
+        "base": ms[0]["base"].name,
         "base_loss_by_loops": ms[0]["base_loss"],
         "matched": {"range": [cmp.lo, cmp.hi], "auc": dict(zip(cmp.names, cmp.aucs, strict=True))},
     }
+    if passes:
+        numbers["passes_by_difficulty"] = {n: p.to_json() for n, p in passes.items()}
     metrics = rescore(numbers, {m["run"].name: {**run_metrics(m), **across[m["run"].name]} for m in ms})
     return Findings(
         tables=[
@@ -240,17 +301,25 @@ def analyse(ctx: Context) -> Findings:
                 for m in ms
             ),
             _control_table(ms),
+            *([_difficulty_table(passes)] if passes else []),
         ],
         reading=[
             *(line for m in ms for line in _reading(m)),
             f"At matched compute over [{cmp.lo:.3f}, {cmp.hi:.3f}], AUC of loss: "
             + ", ".join(f"{n} {a:.4f}" for n, a in zip(cmp.names, cmp.aucs, strict=True))
             + " (lower is better).",
+            *(
+                f"{n}: mean passes per true difficulty at threshold {p.threshold}: "
+                + ", ".join(f"{'ordinary' if k == 0 else f'd={k}'} {v:.2f}" for k, v in p.mean_passes.items())
+                + f"; Spearman ρ of passes with difficulty {p.rho_answers:+.3f} over the answers, {p.rho_all:+.3f} "
+                "over every token."
+                for n, p in passes.items()
+            ),
         ],
         numbers=numbers,
         metrics=metrics,
         plot=lambda path: replot(numbers, path),
-        method=_method(ms),
+        method=_method(ms, with_difficulty=bool(passes)),
     )
 
 
@@ -266,19 +335,107 @@ FRONTIER = (
     "on the loss–compute Pareto frontier of the thresholds it decides (forced ends, where every token runs ℓ = 1 "
     "or L_max, and dominated thresholds dropped), the mean of adaptive minus"
 )
-DEPTH_PAYS = Claim(
-    paper="adaptive depth presupposes that depth pays: TaH2's decider labels \"whether one more iteration would "
-    'improve the prediction for that token", and "Extra compute goes where it moves the answer" needs compute that '
-    "moves it",
-    source=TAH2,
-    magnitude="TaH2's looped backbones gain with depth (the baseline's slope: 1.79 points per doubling, AIME)",
-    measure=f"{BASE} (the base every decider post-trains): fixed-depth loss at ℓ = L_max minus at ℓ = 1, same "
-    "checkpoint (nats)",
-    value=_of(BASE, "depth_gain"),
-    expect="negative",
-    kind="premise",
-)
 _SLOPE = 'adaptive depth beats uniform depth at matched compute: "Extra compute goes where it moves the answer"'
+
+
+def depth_pays(base: str) -> Claim:
+    """The premise of every claim here: depth pays on ``base``, the run the deciders post-train."""
+    return Claim(
+        paper="adaptive depth presupposes that depth pays: TaH2's decider labels \"whether one more iteration would "
+        'improve the prediction for that token", and "Extra compute goes where it moves the answer" needs compute that '
+        "moves it",
+        source=TAH2,
+        magnitude="TaH2's looped backbones gain with depth (the baseline's slope: 1.79 points per doubling, AIME)",
+        measure=f"{base} (the base every decider post-trains): fixed-depth loss at ℓ = L_max minus at ℓ = 1, same "
+        "checkpoint (nats)",
+        value=_of(base, "depth_gain"),
+        expect="negative",
+        kind="premise",
+    )
+
+
+def claims_for(base: str) -> tuple[Claim, ...]:
+    """The premise on ``base`` and TaH2's claims, each gated by it (the experiments differ in their base)."""
+    premise = depth_pays(base)
+    return (
+        premise,
+        Claim(
+            paper=_SLOPE + ' (frozen backbone, a variant); "53% steeper accuracy-compute slope"',
+            source=TAH2,
+            magnitude="slope 2.74 vs 1.79 on AIME",
+            measure=f"frozen decider: {FRONTIER} the base's fixed-depth loss at the same compute (nats)",
+            value=_of(FROZEN, "frontier_vs_base"),
+            expect="negative",
+            premise=premise,
+        ),
+        Claim(
+            paper=_SLOPE + '; the decider is "post-trained jointly with the backbone through lookahead depth '
+            'supervision"',
+            source=TAH2,
+            magnitude="+3.4 points over the baseline's peak accuracy at matched test-time compute (AIME)",
+            measure=f"joint per-token decider: {FRONTIER} the fixed depth of a backbone post-trained on the same "
+            f"tokens at every depth ({UNIFORM}) (nats)",
+            value=_of(PER_TOKEN, "frontier_vs_control"),
+            expect="negative",
+            premise=premise,
+        ),
+        Claim(
+            paper='training under per-token depth is what helps: the decider is "post-trained jointly with the '
+            'backbone", which "makes loop depth a per-token decision"',
+            source=TAH2,
+            magnitude="not given (TaH2 reports only the joint model)",
+            measure=f"joint per-token minus {UNIFORM} (the same extra tokens at every depth, its own decider): each "
+            f"one's frontier minus {UNIFORM}'s fixed depth, as above (nats)",
+            value=_minus(PER_TOKEN, UNIFORM, "frontier_vs_control"),
+            expect="negative",
+            premise=premise,
+        ),
+        Claim(
+            paper="joint post-training beats a frozen backbone: TaH2's decider is \"post-trained jointly with the "
+            'backbone" (confounded here: the joint backbone also sees the tokens a second time; the claim above '
+            "controls for that)",
+            source=TAH2,
+            magnitude="not given (TaH2 reports only the joint model)",
+            measure="joint per-token minus frozen decider: each one's frontier minus the base's fixed depth, as above "
+            "(nats)",
+            value=_minus(PER_TOKEN, FROZEN, "frontier_vs_base"),
+            expect="negative",
+            premise=premise,
+        ),
+        Claim(
+            paper='the decider puts passes where they help: "The decider gets online labels saying whether one more '
+            'iteration would improve the prediction for that token"',
+            source=TAH2,
+            magnitude="not given (vs random allocation)",
+            measure=f"frozen decider: {FRONTIER} random stopping's loss at the same compute (nats)",
+            value=_of(FROZEN, "frontier_vs_random"),
+            expect="negative",
+            premise=premise,
+        ),
+        Claim(
+            paper=_SLOPE + ' — served: ELR keeps "only the last loop\'s KV cache" at inference, and `generate` '
+            "runs adaptive depth against it",
+            source=TAH2,
+            magnitude="not given (TaH2 does not combine the decider with a last-loop cache)",
+            measure=f"joint per-token decider under the last-loop cache: {FRONTIER} its own fixed depth under the "
+            "same cache at the same compute (nats)",
+            value=_of(PER_TOKEN, "last_loop_frontier_vs_own_fixed"),
+            expect="negative",
+            premise=premise,
+        ),
+        Claim(
+            paper='the joint decider puts passes where they help: "Extra compute goes where it moves the answer"',
+            source=TAH2,
+            magnitude="not given (vs random allocation)",
+            measure=f"joint per-token decider: {FRONTIER} random stopping's loss (on its own backbone) at the same "
+            "compute (nats)",
+            value=_of(PER_TOKEN, "frontier_vs_random"),
+            expect="negative",
+            premise=premise,
+        ),
+    )
+
+
 EXPERIMENT = Experiment(
     name="decider",
     title="Adaptive depth (iteration deciders, frozen and joint per-token) vs fixed depth at matched mean passes",
@@ -292,81 +449,6 @@ EXPERIMENT = Experiment(
     analyse=analyse,
     rescore=rescore,
     replot=replot,
-    claims=(
-        DEPTH_PAYS,
-        Claim(
-            paper=_SLOPE + ' (frozen backbone, a variant); "53% steeper accuracy-compute slope"',
-            source=TAH2,
-            magnitude="slope 2.74 vs 1.79 on AIME",
-            measure=f"frozen decider: {FRONTIER} the base's fixed-depth loss at the same compute (nats)",
-            value=_of(FROZEN, "frontier_vs_base"),
-            expect="negative",
-            premise=DEPTH_PAYS,
-        ),
-        Claim(
-            paper=_SLOPE + '; the decider is "post-trained jointly with the backbone through lookahead depth '
-            'supervision"',
-            source=TAH2,
-            magnitude="+3.4 points over the baseline's peak accuracy at matched test-time compute (AIME)",
-            measure=f"joint per-token decider: {FRONTIER} the fixed depth of a backbone post-trained on the same "
-            f"tokens at every depth ({UNIFORM}) (nats)",
-            value=_of(PER_TOKEN, "frontier_vs_control"),
-            expect="negative",
-            premise=DEPTH_PAYS,
-        ),
-        Claim(
-            paper='training under per-token depth is what helps: the decider is "post-trained jointly with the '
-            'backbone", which "makes loop depth a per-token decision"',
-            source=TAH2,
-            magnitude="not given (TaH2 reports only the joint model)",
-            measure=f"joint per-token minus {UNIFORM} (the same extra tokens at every depth, its own decider): each "
-            f"one's frontier minus {UNIFORM}'s fixed depth, as above (nats)",
-            value=_minus(PER_TOKEN, UNIFORM, "frontier_vs_control"),
-            expect="negative",
-            premise=DEPTH_PAYS,
-        ),
-        Claim(
-            paper="joint post-training beats a frozen backbone: TaH2's decider is \"post-trained jointly with the "
-            'backbone" (confounded here: the joint backbone also sees the tokens a second time; the claim above '
-            "controls for that)",
-            source=TAH2,
-            magnitude="not given (TaH2 reports only the joint model)",
-            measure="joint per-token minus frozen decider: each one's frontier minus the base's fixed depth, as above "
-            "(nats)",
-            value=_minus(PER_TOKEN, FROZEN, "frontier_vs_base"),
-            expect="negative",
-            premise=DEPTH_PAYS,
-        ),
-        Claim(
-            paper='the decider puts passes where they help: "The decider gets online labels saying whether one more '
-            'iteration would improve the prediction for that token"',
-            source=TAH2,
-            magnitude="not given (vs random allocation)",
-            measure=f"frozen decider: {FRONTIER} random stopping's loss at the same compute (nats)",
-            value=_of(FROZEN, "frontier_vs_random"),
-            expect="negative",
-            premise=DEPTH_PAYS,
-        ),
-        Claim(
-            paper=_SLOPE + ' — served: ELR keeps "only the last loop\'s KV cache" at inference, and `generate` '
-            "runs adaptive depth against it",
-            source=TAH2,
-            magnitude="not given (TaH2 does not combine the decider with a last-loop cache)",
-            measure=f"joint per-token decider under the last-loop cache: {FRONTIER} its own fixed depth under the "
-            "same cache at the same compute (nats)",
-            value=_of(PER_TOKEN, "last_loop_frontier_vs_own_fixed"),
-            expect="negative",
-            premise=DEPTH_PAYS,
-        ),
-        Claim(
-            paper='the joint decider puts passes where they help: "Extra compute goes where it moves the answer"',
-            source=TAH2,
-            magnitude="not given (vs random allocation)",
-            measure=f"joint per-token decider: {FRONTIER} random stopping's loss (on its own backbone) at the same "
-            "compute (nats)",
-            value=_of(PER_TOKEN, "frontier_vs_random"),
-            expect="negative",
-            premise=DEPTH_PAYS,
-        ),
-    ),
+    claims=claims_for(BASE),
 )
+DEPTH_PAYS = EXPERIMENT.claims[0]

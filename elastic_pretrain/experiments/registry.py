@@ -25,6 +25,7 @@ ANALYSES = (  # modules of elastic_pretrain.experiments.analyses, in the order `
     "flattening",
     "route_replay",
     "kv_cache",
+    "kv_cache_depth_pays",
     "seed_noise",
     "decider",
     "decider_depth_pays",

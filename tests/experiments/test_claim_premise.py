@@ -90,11 +90,13 @@ def test_an_accounting_identity_is_an_implementation_check() -> None:
 # The audit (issue 32 item 2): every claim that presupposes depth pays, by experiment, and its premise's measure.
 GATED = {
     "decider": 7,  # every adaptive-depth claim: the base's fixed depth at L_max below ℓ = 1
+    "decider-depth-pays": 9,  # decider's 7 on the depth-pays base, and passes tracking true difficulty (2)
     "decider-depths": 4,  # per L_max, and the growth claim on L_max = 2 and the deepest
     "samplers": 3,  # all but the one-loop tax (measured against the one-loop baseline whatever depth gives)
     "samplers-ep2": 4,
     "exit-schedules": 4,  # the areas, the holes, the dial's price; "matching at full capacity" needs no holes
     "kv-cache": 5,  # the size of the cost (one per arm) and the trained mode's shrinkage (a gap to shrink)
+    "kv-cache-depth-pays": 4,  # the same on its two arms
     "late-switch": 10,  # the shares retained and the five-loop comparisons (loops must pay), tied and untied
     "flattening": 0,
     "route-replay": 0,
@@ -112,7 +114,7 @@ def test_every_claim_that_presupposes_depth_pays_is_gated() -> None:
         for c in gated:  # a premise is itself a row of the table, or at least a premise
             assert c.premise is not None and (c.premise.kind == "premise" or c.premise in experiment.claims)
     depth = "at ℓ = L_max minus at ℓ = 1"
-    for name in ("decider", "samplers", "samplers-ep2"):
+    for name in ("decider", "decider-depth-pays", "samplers", "samplers-ep2"):
         premises = {c.premise.measure for c in EXPERIMENTS[name].claims if c.premise is not None}
         assert len(premises) == 1 and depth in premises.pop(), name
     tlm = {c.premise.measure for c in EXPERIMENTS["exit-schedules"].claims if c.premise is not None}
@@ -128,7 +130,8 @@ def test_every_claim_that_presupposes_depth_pays_is_gated() -> None:
 def test_labels_of_the_registered_claims() -> None:
     kinds = {(name, c.kind) for name, e in EXPERIMENTS.items() for c in e.claims}
     checks = [(n, c.measure) for n, e in EXPERIMENTS.items() for c in e.claims if c.kind == "implementation check"]
-    assert [n for n, _ in checks] == ["late-switch", "late-switch", "kv-cache"]  # compute replayed; bytes = 1/ℓ
+    # compute replayed; bytes = 1/ℓ
+    assert [n for n, _ in checks] == ["late-switch", "late-switch", "kv-cache", "kv-cache-depth-pays"]
     incomparable = [c.measure for c in EXPERIMENTS["kv-cache"].claims if not c.comparable]
     assert len(incomparable) == 3 and all("next-token accuracy" in m for m in incomparable)
     assert ("decider", "premise") in kinds and ("exit-schedules", "premise") in kinds

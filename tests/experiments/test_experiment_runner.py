@@ -155,9 +155,12 @@ def test_registry_matches_job_sets_and_jobs_of_a_set_share_tokens_and_seed() -> 
 
     sets = {p.parent.name for p in JOB_FILES}
     assert set(EXPERIMENTS) == sets
-    for path in filter(base_job, JOB_FILES):  # a post-training job trains on its base's tokens, in their order
-        base = load_yaml(path.with_name(f"{base_job(path)}.yaml"))
-        assert {k: load_yaml(path)[k] for k in ("data", "train")} == {k: base[k] for k in ("data", "train")}
+    for path in filter(base_job, JOB_FILES):  # a post-training job trains on its base's tokens, in their order:
+        base, post = load_yaml(path.with_name(f"{base_job(path)}.yaml")), load_yaml(path)  # all or a prefix of them
+        assert post["data"] == base["data"], path
+        same = ("seed", "micro_batch_size", "global_batch_size")
+        assert {k: post["train"][k] for k in same} == {k: base["train"][k] for k in same}, path
+        assert post["train"]["steps"] <= base["train"]["steps"], path
     for name in sets:
         jobs = [load_job(p) for p in JOB_FILES if p.parent.name == name and base_job(p) is None]
         assert len({j.train.seed for j in jobs}) == 1, f"{name}: the runner gives every job the same seeds"

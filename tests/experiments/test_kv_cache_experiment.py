@@ -173,3 +173,28 @@ def test_training_compute_counts_the_trained_modes_no_grad_run(tmp_path) -> None
     assert compute("model.kv_training=last_loop") == pytest.approx(tokens * (3 * b.total + 4 * b.core_pass + coda))
     one = ["schedule.fixed_loops=1"]  # at ℓ = 1 the mode is same-pass attention: no no-grad run
     assert compute(*one, "model.kv_training=last_loop") == pytest.approx(compute(*one))
+
+
+def test_the_depth_pays_variant_pairs_the_shared_elastic_run_with_its_trained_mode() -> None:
+    """kv-cache-depth-pays (issue 32 item 1): ``mixed`` is decider-depth-pays's base (one config: the runner
+    shares the run), ``mixed-kvtrained`` differs in the trained mode only, and every claim reads these arms."""
+    from elastic_pretrain.experiments.analyses import kv_cache_depth_pays as dp
+    from elastic_pretrain.experiments.runner import job_fingerprint
+
+    pays = REPO / "jobs/experiments/kv-cache-depth-pays"
+    assert EXPERIMENTS["kv-cache-depth-pays"] is dp.EXPERIMENT
+    assert sorted(p.stem for p in pays.glob("*.yaml")) == sorted(dp.ARMS)
+    elastic, trained = load_job(pays / "mixed.yaml"), load_job(pays / "mixed-kvtrained.yaml")
+    assert job_diff([elastic, trained]) == ["model.kv_training"]
+    base = load_job(REPO / "jobs/experiments/decider-depth-pays/mixed.yaml")
+    assert job_fingerprint(base) == job_fingerprint(elastic)  # the decider experiment's base run is reused
+    assert (elastic.schedule.switch_at, elastic.schedule.sampler) == (0.0, "independent_rank")
+    claims = dp.EXPERIMENT.claims
+    assert len(claims) == 4 * len(dp.ARMS) + 4
+    metrics = {"per_loop@1": 2.0, "depth_gain": -0.2, "last_minus_per@max": 0.05, "prefill_minus_per@max": 0.04,
+               "per_loop@max": 1.8, "acc_drop@max": 0.01, "core_kv_ratio_error": 0.0}  # fmt: skip
+    by_seed = {s: {dp.ELASTIC: dict(metrics), dp.TRAINED: {**metrics, "last_minus_per@max": 0.01}} for s in (1, 2)}
+    for claim in claims:  # every value is computable from these two arms alone: no claim reads late-switch
+        claim.value(by_seed[1])
+    shrink = next(c for c in claims if c.measure.startswith(f"{dp.ELASTIC} minus {dp.TRAINED}: last-loop gap"))
+    assert shrink.value(by_seed[1]) == pytest.approx(0.04)

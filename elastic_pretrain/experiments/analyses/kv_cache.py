@@ -122,7 +122,7 @@ def _rows(numbers: dict[str, dict[int, dict[str, dict[str, float]]]]) -> tuple[l
     return loss_rows, byte_rows
 
 
-def _reading(numbers: dict[str, Any], metrics: Metrics) -> list[str]:
+def _reading(numbers: dict[str, Any], metrics: Metrics, late: str = LATE, trained: str = TRAINED) -> list[str]:
     lines = []
     for name, by in numbers.items():
         top = max(by)
@@ -137,10 +137,10 @@ def _reading(numbers: dict[str, Any], metrics: Metrics) -> list[str]:
             f"{-m['acc_drop@max']:+.1%} relative); after a parallel prefill, on the continuation only: "
             f"{m['prefill_minus_per@max']:+.4f} nats."
         )
-    if LATE in metrics and TRAINED in metrics:
-        a, b = metrics[LATE], metrics[TRAINED]
+    if late in metrics and trained in metrics:
+        a, b = metrics[late], metrics[trained]
         lines.append(
-            f"Trained mode ({TRAINED} vs {LATE}, ℓ = L_max): last-loop gap {a['last_minus_per@max']:+.4f} → "
+            f"Trained mode ({trained} vs {late}, ℓ = L_max): last-loop gap {a['last_minus_per@max']:+.4f} → "
             f"{b['last_minus_per@max']:+.4f} nats token by token, {a['prefill_minus_per@max']:+.4f} → "
             f"{b['prefill_minus_per@max']:+.4f} after a prefill; per-loop loss {a['per_loop@max']:.4f} → "
             f"{b['per_loop@max']:.4f} ({b['per_loop@max'] - a['per_loop@max']:+.4f})."
@@ -166,7 +166,8 @@ def _draw(numbers: dict[str, Any], axes: Any) -> None:
         ax.legend(fontsize=7)
 
 
-def analyse(ctx: Context) -> Findings:
+def analyse(ctx: Context, late: str = LATE, trained: str = TRAINED) -> Findings:
+    """Every arm of one seed; ``late``/``trained``: the elastic arm and the same job trained for the cache."""
     # last-loop decoding goes token by token: fewer sequences than elsewhere (and --quick: 32 positions, ℓ = L_max)
     n, length = (2, 32) if ctx.quick else (16, ctx.runs[0].job.data.seq_len)
     prompt_len = length // 2
@@ -187,7 +188,7 @@ def analyse(ctx: Context) -> Findings:
     held = f"{n} sequences of the validation split, {length} positions each"
     return Findings(
         tables=[table(loss_header, loss_rows), table(byte_header, byte_rows)],
-        reading=_reading(numbers, metrics),
+        reading=_reading(numbers, metrics, late, trained),
         numbers={
             "teacher_forced": numbers,
             "per_loop_at_1": one,
@@ -210,7 +211,7 @@ def analyse(ctx: Context) -> Findings:
             f"(`LoopedDecoder.prefill`); the continuation is decoded token by token under last-loop and only its "
             f"{cont} predictions per sequence are scored. Its paired reference is the per-loop loss on the same "
             "positions (the 'continuation' columns).",
-            f"Trained mode: `{TRAINED}` is `{LATE}` (same seed, tokens and depth draws) with `model.kv_training: "
+            f"Trained mode: `{trained}` is `{late}` (same seed, tokens and depth draws) with `model.kv_training: "
             "last_loop` (docs/kv-training.md): in training, pass j of a token attends to the earlier tokens' "
             "final-pass keys/values from a no-grad run, as the last-loop cache serves them; per token that is "
             "last-loop inference after a parallel prefill of its prefix.",
@@ -275,46 +276,62 @@ def _score_band(arm: str) -> Claim:
     )
 
 
-def _shrinks(metric: str, how: str, premise: Claim) -> Claim:
+def _shrinks(metric: str, how: str, premise: Claim, late: str = LATE, trained: str = TRAINED) -> Claim:
     return Claim(
         paper=f"ELR serves a last-loop cache to a model trained with same-pass attention, {QUOTE}; a model trained "
         "to attend to earlier tokens' final-pass keys/values (issue #18) should lose less",
         source=ELR,
         magnitude="not measured by ELR (it does not train for the cache)",
-        measure=f"{LATE} minus {TRAINED}: last-loop gap ({how}) at ℓ = L_max (nats; positive = the trained mode "
+        measure=f"{late} minus {trained}: last-loop gap ({how}) at ℓ = L_max (nats; positive = the trained mode "
         "shrinks it)",
-        value=lambda m: m[LATE][metric] - m[TRAINED][metric],
+        value=lambda m: m[late][metric] - m[trained][metric],
         expect="positive",
         premise=premise,  # a gap to shrink
     )
 
 
-PER_LOOP_COST = Claim(
-    paper='one checkpoint for both caches: "keep only the last loop\'s attention KV cache" is a serving choice, so '
-    "training for it should not cost per-loop serving",
-    source=ELR,
-    magnitude=f"not measured by ELR; counted as matching within ±{PER_LOOP_BAND} nat",
-    measure=f"{TRAINED} minus {LATE}: per-loop teacher-forced loss at ℓ = L_max (nats)",
-    value=lambda m: m[TRAINED]["per_loop@max"] - m[LATE]["per_loop@max"],
-    expect="equal",
-    margin=PER_LOOP_BAND,
-)
+def per_loop_cost(late: str = LATE, trained: str = TRAINED) -> Claim:
+    return Claim(
+        paper='one checkpoint for both caches: "keep only the last loop\'s attention KV cache" is a serving choice, '
+        "so training for it should not cost per-loop serving",
+        source=ELR,
+        magnitude=f"not measured by ELR; counted as matching within ±{PER_LOOP_BAND} nat",
+        measure=f"{trained} minus {late}: per-loop teacher-forced loss at ℓ = L_max (nats)",
+        value=lambda m: m[trained]["per_loop@max"] - m[late]["per_loop@max"],
+        expect="equal",
+        margin=PER_LOOP_BAND,
+    )
 
-MEMORY = Claim(
-    paper='"standard inference keeps a separate attention KV cache per loop, so memory grows with depth"; '
-    '"last-loop KV caching held attention KV memory at 3.0 GiB against 7.5 GiB per 128K-token request"',
-    source=ELR,
-    magnitude="3.0 vs 7.5 GiB for the whole Koi-4B (non-looped layers included); for the looped layers 1/ℓ",
-    measure="every arm, every ℓ, token by token and after a prefill: |core last-loop bytes per token x ℓ / core "
-    "per-loop bytes per token − 1| (largest; measured from the caches)",
-    value=lambda m: max(m[a]["core_kv_ratio_error"] for a in ARMS),
-    expect="equal",
-    margin=BYTES_TOLERANCE,
-    kind="implementation check",  # bytes counted from the caches: checks the cache policy, not ELR's memory claim
-)
 
-GAPS = {arm: _gap(arm) for arm in ARMS}  # rows of the table, and the premise of the trained mode's shrinkage
-PREFILL_GAPS = {arm: _prefill_gap(arm) for arm in ARMS}
+def memory(arms: tuple[str, ...] = ARMS) -> Claim:
+    return Claim(
+        paper='"standard inference keeps a separate attention KV cache per loop, so memory grows with depth"; '
+        '"last-loop KV caching held attention KV memory at 3.0 GiB against 7.5 GiB per 128K-token request"',
+        source=ELR,
+        magnitude="3.0 vs 7.5 GiB for the whole Koi-4B (non-looped layers included); for the looped layers 1/ℓ",
+        measure="every arm, every ℓ, token by token and after a prefill: |core last-loop bytes per token x ℓ / core "
+        "per-loop bytes per token − 1| (largest; measured from the caches)",
+        value=lambda m: max(m[a]["core_kv_ratio_error"] for a in arms),
+        expect="equal",
+        margin=BYTES_TOLERANCE,
+        kind="implementation check",  # bytes counted from the caches: checks the cache policy, not ELR's claim
+    )
+
+
+def claims_for(arms: tuple[str, ...], late: str = LATE, trained: str = TRAINED) -> tuple[Claim, ...]:
+    """Per arm its premise, gaps and score band; then the trained mode's claims on ``late`` vs ``trained``
+    (arms of the set) and the cache-bytes check over every arm."""
+    gaps = {arm: _gap(arm) for arm in arms}  # rows of the table, and the premise of the trained mode's shrinkage
+    prefill = {arm: _prefill_gap(arm) for arm in arms}
+    return (
+        *(c for arm in arms for c in (depth_pays(arm), gaps[arm], prefill[arm], _score_band(arm))),
+        _shrinks("last_minus_per@max", "token by token", gaps[late], late, trained),
+        _shrinks("prefill_minus_per@max", "after a parallel prefill", prefill[late], late, trained),
+        per_loop_cost(late, trained),
+        memory(arms),
+    )
+
+
 EXPERIMENT = Experiment(
     name="kv-cache",
     title="Last-loop vs per-loop KV cache, with and without the trained mode, and after a parallel prefill",
@@ -324,11 +341,5 @@ EXPERIMENT = Experiment(
     "(`model.kv_training: last_loop`) — decoded token by token and after a parallel prefill of a prompt? "
     "Does training for the cache cost per-loop serving?",
     analyse=analyse,
-    claims=(
-        *(c for arm in ARMS for c in (depth_pays(arm), GAPS[arm], PREFILL_GAPS[arm], _score_band(arm))),
-        _shrinks("last_minus_per@max", "token by token", GAPS[LATE]),
-        _shrinks("prefill_minus_per@max", "after a parallel prefill", PREFILL_GAPS[LATE]),
-        PER_LOOP_COST,
-        MEMORY,
-    ),
+    claims=claims_for(ARMS),
 )

@@ -5,11 +5,11 @@ A run directory may come from someone else. Any name in it can be a planted symb
 ~/.bashrc``, ``eval -> ~/.ssh``), a FIFO (an ``open`` for reading blocks until someone writes) or a link to
 ``/dev/zero`` (a read never ends). So:
 
-* **Writes** (:func:`write_atomic`, :func:`atomic_file`, :func:`atomic_path`, :func:`copy_file`) create a new
-  file under an unpredictable temporary name with ``O_CREAT | O_EXCL | O_NOFOLLOW`` in the target's own
-  directory and rename it over the target: a link at the target is replaced, never written through, and the
-  target is never half-written. **Appends** (:func:`append_text`) open with ``O_NOFOLLOW | O_APPEND`` and
-  refuse anything but a regular file with one link.
+* **Writes** (:func:`write_atomic`, :func:`write_private`, :func:`atomic_file`, :func:`atomic_path`,
+  :func:`copy_file`) create a new file under an unpredictable temporary name with ``O_CREAT | O_EXCL |
+  O_NOFOLLOW`` in the target's own directory and rename it over the target: a link at the target is replaced,
+  never written through, and the target is never half-written. **Appends** (:func:`append_text`) open with
+  ``O_NOFOLLOW | O_APPEND`` and refuse anything but a regular file with one link.
 * **Directories**: every write names a ``root`` — the directory the user named (``--run-dir``, the checkpoint
   given to ``eval``, ``--out``), taken as given even when it is itself a link. Each directory *below* the
   root is opened with ``O_NOFOLLOW | O_DIRECTORY`` relative to its parent's descriptor (created when
@@ -233,6 +233,13 @@ def write_atomic(path: Path, data: str | bytes, *, root: Path, mode: int = 0o666
     with atomic_file(path, root=root, mode=mode) as f:
         f.write(data.encode() if isinstance(data, str) else data)
     return path
+
+
+def write_private(path: Path, data: str | bytes, *, root: Path) -> Path:
+    """:func:`write_atomic`, readable by the owner only (created 0600; a umask only takes bits away): the one
+    writer of files that may hold a secret (a tracking URI, ``slurm.env`` values, the resolved job). The mode
+    is the new file's from its creation, so no reader ever sees the data under a wider one."""
+    return write_atomic(path, data, root=root, mode=0o600)
 
 
 def append_text(path: Path, text: str, *, root: Path) -> None:

@@ -16,12 +16,13 @@ from elastic_pretrain.checkpoint.config import CheckpointConfig
 from elastic_pretrain.config import ConfigError, field, show, to_dict
 from elastic_pretrain.data.config import DataConfig
 from elastic_pretrain.engine.config import DeepSpeedConfig, Engine, check_engine
+from elastic_pretrain.files import write_private
 from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.model.config import DeciderConfig, ModelConfig
 from elastic_pretrain.parallel.config import ParallelConfig
 from elastic_pretrain.rundir import RunFiles
 from elastic_pretrain.schedule import ScheduleConfig
-from elastic_pretrain.tracking.config import REDACTED, TrackingConfig, redact_uri, write_private
+from elastic_pretrain.tracking.config import REDACTED, TrackingConfig, redact_uri
 from elastic_pretrain.train.config import TrainConfig
 
 

@@ -32,7 +32,7 @@ import dataclasses
 import math
 import weakref
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,9 @@ from megatron.core.dist_checkpointing.mapping import ShardedStateDict, ShardedTe
 
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.parallel.device import device
+
+if TYPE_CHECKING:  # annotations only (megatron-core's optimizer: a ChainedOptimizer or one of its parts)
+    from megatron.core.optimizer import MegatronOptimizer
 
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
 
@@ -68,15 +71,15 @@ class _Piece:
     shape: tuple[int, ...]
 
 
-def optimizers(optimizer: Any) -> list[Any]:
+def optimizers(optimizer: MegatronOptimizer) -> list[MegatronOptimizer]:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def _is_distributed(opt: Any) -> bool:
+def _is_distributed(opt: MegatronOptimizer) -> bool:
     return hasattr(opt, "model_param_gbuf_map")
 
 
-def ensure_state(optimizer: Any) -> None:
+def ensure_state(optimizer: MegatronOptimizer) -> None:
     """Allocate Adam state (zeros, step 0) where it does not exist yet, so it can be loaded into. The step
     goes where the optimizer keeps it: a per-parameter ``step`` in FusedAdam's state would break its
     ``state_dict`` (it unscales every state entry by name)."""
@@ -127,7 +130,7 @@ def step_home(inner: torch.optim.Optimizer) -> Literal["group", "state"]:
     )
 
 
-def local_adam_step(optimizer: Any) -> float:
+def local_adam_step(optimizer: MegatronOptimizer) -> float:
     """Adam's step count on this rank (the largest of its optimizers'; 0 before the first step)."""
     step = 0.0
     for opt in optimizers(optimizer):
@@ -142,7 +145,7 @@ def local_adam_step(optimizer: Any) -> float:
 
 
 @torch.no_grad()
-def set_adam_step(optimizer: Any, step: float) -> None:
+def set_adam_step(optimizer: MegatronOptimizer, step: float) -> None:
     """Set Adam's step count where each optimizer keeps it, in its own type (FusedAdam: an int, or a tensor
     when capturable; torch: a tensor per parameter) — after :func:`ensure_state`."""
     for opt in optimizers(optimizer):
@@ -159,7 +162,7 @@ def set_adam_step(optimizer: Any, step: float) -> None:
                 inner.state[p]["step"].fill_(step)
 
 
-def _main_params(opt: Any) -> dict[int, torch.Tensor]:
+def _main_params(opt: MegatronOptimizer) -> dict[int, torch.Tensor]:
     """Non-distributed optimizers: model parameter id -> the parameter the optimizer updates."""
     if hasattr(opt, "float16_groups"):  # bf16: fp32 main copies
         pairs = [(m, f) for mg, fg in zip(opt.float16_groups, opt.fp32_from_float16_groups) for m, f in zip(mg, fg)]
@@ -168,7 +171,7 @@ def _main_params(opt: Any) -> dict[int, torch.Tensor]:
     return {id(p): p for g in opt.optimizer.param_groups for p in g["params"]}
 
 
-def _entries(opt: Any, by_param: dict[int, tuple[str, Any]]) -> Iterator[_Entry]:
+def _entries(opt: MegatronOptimizer, by_param: dict[int, tuple[str, Any]]) -> Iterator[_Entry]:
     """Every model parameter this optimizer updates, in checkpoint-key order."""
     if _is_distributed(opt):
         # every parameter of its buffers (model_param_gbuf_map holds only those overlapping this rank's shard)
@@ -203,7 +206,7 @@ def _entries(opt: Any, by_param: dict[int, tuple[str, Any]]) -> Iterator[_Entry]
             )
 
 
-def _group_order(opt: Any) -> dict[int, tuple[int, int]]:
+def _group_order(opt: MegatronOptimizer) -> dict[int, tuple[int, int]]:
     """id(model parameter) -> (param group, position) of its main shard in the distributed optimizer's groups.
 
     megatron-core 0.16.1's ``_get_main_param_and_optimizer_states`` indexes a param group by the parameter's
@@ -224,7 +227,7 @@ def _group_order(opt: Any) -> dict[int, tuple[int, int]]:
 _ORDERS: weakref.WeakKeyDictionary[Any, dict[int, tuple[int, int]]] = weakref.WeakKeyDictionary()
 
 
-def owned_states(opt: Any, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
+def owned_states(opt: MegatronOptimizer, p: torch.nn.Parameter) -> dict[str, torch.Tensor]:
     """The main shard ("param") and optimizer states of model parameter ``p`` in a distributed optimizer: what
     megatron's ``_get_main_param_and_optimizer_states`` returns, at the position :func:`_group_order` gives."""
     order = _ORDERS.get(opt)
@@ -256,7 +259,7 @@ def _param_index(model_sharded: ShardedStateDict) -> dict[int, tuple[str, Any]]:
     return out
 
 
-def _states(opt: Any, entries: list[_Entry]) -> list[str]:
+def _states(opt: MegatronOptimizer, entries: list[_Entry]) -> list[str]:
     """Adam moments always; the main parameter only when it is a separate (fp32) copy of a bf16 model."""
     separate_main = any(e.param.dtype != torch.float32 for e in entries)
     return [*ADAM_STATES, "param"] if separate_main else list(ADAM_STATES)
@@ -345,7 +348,7 @@ def _pieces_of(e: _Entry, state: str, replica: Any) -> list[_Piece]:
     return out
 
 
-def _replica(opt: Any, e: _Entry) -> Any:
+def _replica(opt: MegatronOptimizer, e: _Entry) -> Any:
     """The replica id of this rank's boxes: a distributed optimizer's DP ranks hold disjoint slices, so
     every DP rank's boxes are main replicas (DP coordinate 0); other ranks of a replicated optimizer
     hold copies (the model's own replica id)."""
@@ -374,7 +377,7 @@ def _sharded(piece: _Piece, data: torch.Tensor) -> ShardedTensor:
     )
 
 
-def _walk(optimizer: Any, model_sharded: ShardedStateDict) -> Iterator[tuple[str, str, _Entry, _Piece]]:
+def _walk(optimizer: MegatronOptimizer, model_sharded: ShardedStateDict) -> Iterator[tuple[str, str, _Entry, _Piece]]:
     """(state, local key, entry, piece) for every box of every state this rank owns."""
     by_param = _param_index(model_sharded)
     for o, opt in enumerate(optimizers(optimizer)):
@@ -391,7 +394,9 @@ def _local(e: _Entry, state: str, piece: _Piece) -> torch.Tensor:
     return e.tensors[state].detach().view(-1)[piece.start - e.start : piece.end - e.start]
 
 
-def sharded_optimizer_state(optimizer: Any, model_sharded: ShardedStateDict) -> tuple[ShardedStateDict, float]:
+def sharded_optimizer_state(
+    optimizer: MegatronOptimizer, model_sharded: ShardedStateDict
+) -> tuple[ShardedStateDict, float]:
     """(``{state: {"<optimizer>.<entry>.<box>": ShardedTensor}}`` to save, Adam's step count).
 
     The tensors are views of this rank's optimizer state (fp32 copies only if the state is not fp32).
@@ -405,7 +410,7 @@ def sharded_optimizer_state(optimizer: Any, model_sharded: ShardedStateDict) -> 
     return out, float(t.item())
 
 
-def loading_template(optimizer: Any, model_sharded: ShardedStateDict) -> ShardedStateDict:
+def loading_template(optimizer: MegatronOptimizer, model_sharded: ShardedStateDict) -> ShardedStateDict:
     """The same structure as :func:`sharded_optimizer_state` at this rank's layout, with empty tensors to
     load into: only the boxes of the slices this rank owns."""
     out: ShardedStateDict = {}
@@ -416,7 +421,9 @@ def loading_template(optimizer: Any, model_sharded: ShardedStateDict) -> Sharded
 
 
 @torch.no_grad()
-def load_optimizer_state(optimizer: Any, model_sharded: ShardedStateDict, loaded: dict[str, Any], step: float) -> None:
+def load_optimizer_state(
+    optimizer: MegatronOptimizer, model_sharded: ShardedStateDict, loaded: dict[str, Any], step: float
+) -> None:
     """Copy the loaded boxes into this rank's optimizer slices (after :func:`ensure_state`)."""
     for state, name, e, piece in _walk(optimizer, model_sharded):
         dst = _local(e, state, piece)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from megatron.core import dist_checkpointing
@@ -24,8 +24,16 @@ from elastic_pretrain.errors import UserError
 from elastic_pretrain.parallel.overlap import settle_param_gather
 from elastic_pretrain.rundir import CheckpointFiles
 
+if TYPE_CHECKING:  # annotations only: checkpoint/ stores tensors and builds no model
+    from megatron.core.optimizer import MegatronOptimizer
 
-def save_tensors(net: Any, optimizer: Any, path: Path, strategy: Any, use_async: bool = False) -> tuple[Any, float]:
+    from elastic_pretrain.model.config import DeciderConfig, ModelConfig
+    from elastic_pretrain.model.looped import LoopedMoEModel
+
+
+def save_tensors(
+    net: LoopedMoEModel, optimizer: MegatronOptimizer, path: Path, strategy: Any, use_async: bool = False
+) -> tuple[Any, float]:
     """Model + Adam state (model space) to ``path`` through dist_checkpointing; returns (the async request,
     or None when synchronous; Adam's step count). Collective.
 
@@ -45,8 +53,8 @@ def save_tensors(net: Any, optimizer: Any, path: Path, strategy: Any, use_async:
 
 
 def load_tensors(
-    net: Any,
-    optimizer: Any | None,
+    net: LoopedMoEModel,
+    optimizer: MegatronOptimizer | None,
     path: Path,
     *,
     adam_step: float = 0.0,
@@ -83,8 +91,8 @@ class ModelTensors:
     """The model and its optimizer as one checkpointed object: sharded tensors under ``model_optim/``, and
     (:meth:`save` returns it, :meth:`load` takes it) the small state beside them in ``trainer.json``."""
 
-    net: Any
-    optimizer: Any
+    net: LoopedMoEModel
+    optimizer: MegatronOptimizer
 
     def save(self, path: Path, strategy: Any, use_async: bool) -> tuple[Any, dict[str, Any]]:
         request, adam_step = save_tensors(self.net, self.optimizer, path, strategy, use_async)
@@ -94,7 +102,7 @@ class ModelTensors:
         load_tensors(self.net, self.optimizer, path, adam_step=float(state["adam_step"]))
 
 
-def check_model_fits(ckpt: Path, model: Any, decider: Any = None) -> None:
+def check_model_fits(ckpt: Path, model: ModelConfig, decider: DeciderConfig | None = None) -> None:
     """Refuse, in one line and before anything is allocated, a model config that builds more parameters than
     ``ckpt``'s tensor files hold. eval, generate, export, convert and a decider job build the model from the
     config saved in the checkpoint's ``trainer.json``: one asking for a 17 GB model was allocated, and only

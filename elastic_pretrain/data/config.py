@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import string
 from pathlib import Path
 from typing import Literal
 
 from elastic_pretrain.config import ConfigError, field
-from elastic_pretrain.data.synthetic import SyntheticConfig
 
 TokenizerKind = Literal["byte", "hf", "tiktoken"]
 ShardFormat = Literal["mds", "wds"]
@@ -104,6 +104,72 @@ class StreamConfig:
                 f"split: {self.split!r} must be a plain directory name such as train or val "
                 "(letters, digits, '_', '-', '.', not starting with '.')"
             )
+
+
+# The alphabet of the synthetic corpus (data/synthetic.py), here because SyntheticConfig validates against it.
+NAMES = string.ascii_lowercase  # one-letter variable names
+VALUES = string.digits
+PAD = "."
+MAX_DIFFICULTY = 255  # stored as uint8
+
+
+@dataclasses.dataclass(kw_only=True)
+class SyntheticConfig:
+    """``prepare.source: synthetic``: chained variable assignments whose answers need 1..max_depth hops."""
+
+    task: Literal["chains"] = field("chains", doc="the generator: chains = k-hop chained variable assignment")
+    chains: int = field(
+        2, doc="chains per line, each rooted at its own digit: a model that cannot follow them is left guessing"
+    )
+    min_variables: int = field(
+        4,
+        doc="fewest variables in a line (all chains together); the last line of a document may have fewer, "
+        "down to one per chain, to fill it",
+    )
+    max_variables: int = field(8, doc="most variables in a line")
+    max_depth: int = field(6, doc="longest chain: the hardest answer needs this many hops")
+    names: Literal["random", "alphabetical"] = field(
+        "alphabetical",
+        doc="random: each line draws its variable names, and asks them in a random order (each chain deepest "
+        "first); alphabetical: a, b, c, ... in definition order, asked in reverse (only the chains and the answers "
+        "are left to predict)",
+    )
+    assign: str = field(
+        "",
+        doc="the text between a variable and its source in a definition: '' writes b=a as 'ba' (the shape "
+        "an induction head copies), '=' as 'b=a'",
+    )
+    queries: Literal["all", "leaves"] = field(
+        "all",
+        doc="all: every variable is asked (each chain deepest first); an ancestor asked after its child is two "
+        "lookups away (its child's definition, then the child's answer), so only the leaves need the whole "
+        "chase; leaves: only the last variable of each chain is asked, chains in random order, and the roots are "
+        "drawn with replacement (no answer follows from another by elimination): every answer is a full chase",
+    )
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.chains <= len(VALUES):
+            raise ConfigError(f"prepare.synthetic.chains: {self.chains} must be in 1..{len(VALUES)}, e.g. 2")
+        if not self.chains <= self.min_variables <= self.max_variables <= len(NAMES):
+            raise ConfigError(
+                f"prepare.synthetic: need chains <= min_variables <= max_variables <= {len(NAMES)} "
+                f"(got {self.chains}, {self.min_variables}, {self.max_variables}); e.g. 4 and 8"
+            )
+        if not 1 <= self.max_depth < MAX_DIFFICULTY or self.max_depth * self.chains < self.min_variables:
+            raise ConfigError(
+                f"prepare.synthetic.max_depth: {self.max_depth} must be in 1..{MAX_DIFFICULTY - 1} and leave room "
+                f"for min_variables ({self.min_variables}) in {self.chains} chain(s)"
+            )
+        if any(c in NAMES + VALUES + ",;?\n" + PAD for c in self.assign) or not self.assign.isascii():
+            raise ConfigError(
+                f"prepare.synthetic.assign: {self.assign!r} must be ASCII without letters, digits or ,;?. ('' or '=')"
+            )
+
+    def line_chars(self, variables: int) -> int:
+        """Characters of a line with ``variables`` variables, its newline included: ``x=y,`` per assignment
+        (the last without the comma, then ``;``) and ``?xv`` per query (one per chain with ``queries: leaves``)."""
+        asked = self.chains if self.queries == "leaves" else variables
+        return (3 + len(self.assign)) * variables + 3 * asked + 1
 
 
 @dataclasses.dataclass(kw_only=True)

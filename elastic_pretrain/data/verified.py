@@ -30,7 +30,7 @@ from pathlib import Path
 
 from elastic_pretrain.data.manifest import ShardInfo, verify_shard
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.files import read_json_object, write_atomic
+from elastic_pretrain.files import read_json_object, write_private
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def verify_shard_once(path: Path, info: ShardInfo, mode: str) -> str | None:
         problem = verify_shard(path, info, mode)
         if problem is None and held and identity(path.stat()) == before:
             with contextlib.suppress(OSError):
-                write_atomic(record, json.dumps({"sha256": info.sha256, "file": before}), root=root, mode=0o600)
+                write_private(record, json.dumps({"sha256": info.sha256, "file": before}), root=root)
         return problem
 
 

@@ -6,10 +6,15 @@ imports no engine; DeepSpeed is imported only by a deepspeed job.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: importing this package loads neither engine
+    from elastic_pretrain.job import JobConfig
+    from elastic_pretrain.parallel.mesh import Mesh
+    from elastic_pretrain.train.session import Session
 
 
-def build_session(job: Any, mesh: Any) -> Any:
+def build_session(job: JobConfig, mesh: Mesh) -> Session:
     """The run's :class:`~elastic_pretrain.train.session.Session` on the job's engine."""
     if job.engine == "deepspeed":
         from elastic_pretrain.engine.deepspeed import build_session as build_deepspeed

@@ -9,9 +9,12 @@ by ``parallel/megatron.py``) in ``deepspeed.initialize`` with ZeRO stage 1, 2 or
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from elastic_pretrain.config import ConfigError, field
+
+if TYPE_CHECKING:  # job.py nests this module's config: at run time the import would go upward
+    from elastic_pretrain.job import JobConfig
 
 Engine = Literal["megatron", "deepspeed"]
 Offload = Literal["none", "cpu", "nvme"]
@@ -55,7 +58,7 @@ class DeepSpeedConfig:
             raise ConfigError(f"deepspeed.reduce_bucket_size: must be >= 1, got {self.reduce_bucket_size}")
 
 
-def check_engine(job: Any) -> None:
+def check_engine(job: JobConfig) -> None:
     """Refuse, in one line naming the fix, what ``engine: deepspeed`` cannot run (called by JobConfig)."""
     if job.engine != "deepspeed":
         return
@@ -93,13 +96,13 @@ def check_engine(job: Any) -> None:
         )
 
 
-def can_mix(job: Any) -> bool:
+def can_mix(job: JobConfig) -> bool:
     """Ranks may run different loop counts inside one step (a mixed phase with a per-replica sampler)."""
     s = job.schedule
     return s.switch_at < 1.0 and s.sampler not in ("fixed", "fixed_exits")
 
 
-def ds_config(job: Any, dp_size: int, n_params: int | None = None, *, device_type: str = "cpu") -> dict[str, Any]:
+def ds_config(job: JobConfig, dp_size: int, n_params: int | None = None, *, device_type: str = "cpu") -> dict[str, Any]:
     """The DeepSpeed config of ``job`` on ``dp_size`` ranks whose model lives on ``device_type`` (JSON-ready;
     written to the run directory); buckets no larger than ``n_params`` elements.
 

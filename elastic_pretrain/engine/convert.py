@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from elastic_pretrain.checkpoint.store import (
     MODEL_DIR,
@@ -40,6 +38,12 @@ from elastic_pretrain.engine.full_state import (
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import copy_file, is_plain_name, write_atomic
 from elastic_pretrain.rundir import CheckpointFiles
+
+if TYPE_CHECKING:  # annotations only: convert-checkpoint imports what it runs when it runs
+    from megatron.core.optimizer import MegatronOptimizer
+
+    from elastic_pretrain.job import JobConfig
+    from elastic_pretrain.model.looped import LoopedMoEModel
 
 
 def convert(step: Path, out_run: Path, *, zero_stage: int = 2, optimizer: bool = True) -> Path:
@@ -98,7 +102,7 @@ def copy_rng(step: Path, tmp: Path, marker: dict[str, Any]) -> list[str]:
     return copied
 
 
-def _read_state(step: Path, source: str, job: Any, net: Any, adam_step: float) -> FullState:
+def _read_state(step: Path, source: str, job: JobConfig, net: LoopedMoEModel, adam_step: float) -> FullState:
     """The source checkpoint's weights and Adam state per parameter."""
     if source == "deepspeed":
         return read_deepspeed(step)
@@ -109,7 +113,7 @@ def _read_state(step: Path, source: str, job: Any, net: Any, adam_step: float) -
     return read_megatron(net, optimizer)
 
 
-def _megatron_optimizer(job: Any, net: Any) -> Any:
+def _megatron_optimizer(job: JobConfig, net: LoopedMoEModel) -> MegatronOptimizer:
     """megatron-core's DDP + optimizer over ``net`` on the one-rank mesh, as train/session.py builds them."""
     from elastic_pretrain.train.session import build_optimizer, wrap_ddp
 
@@ -117,7 +121,7 @@ def _megatron_optimizer(job: Any, net: Any) -> Any:
     return build_optimizer(job, wrap_ddp(job, net))[0]
 
 
-def _save_megatron(job: Any, net: Any, tmp: Path, state: FullState | None) -> float:
+def _save_megatron(job: JobConfig, net: LoopedMoEModel, tmp: Path, state: FullState | None) -> float:
     """``net`` (and ``state``) as a one-rank megatron checkpoint in ``tmp/model_optim``; Adam's step count."""
     from megatron.core import dist_checkpointing
 
@@ -133,7 +137,7 @@ def _save_megatron(job: Any, net: Any, tmp: Path, state: FullState | None) -> fl
     return adam_step
 
 
-def _save_deepspeed(job: Any, net: torch.nn.Module, tmp: Path, state: FullState | None) -> float:
+def _save_deepspeed(job: JobConfig, net: LoopedMoEModel, tmp: Path, state: FullState | None) -> float:
     """``net`` (and ``state``; else a fresh optimizer) as a one-rank DeepSpeed checkpoint in ``tmp/model_optim``;
     Adam's step count."""
     import os

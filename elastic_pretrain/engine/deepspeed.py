@@ -34,7 +34,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,6 +49,13 @@ from elastic_pretrain.parallel.pipeline import MicroBatch, _loss_func, group_loo
 from elastic_pretrain.schedule import ExpertLayout
 from elastic_pretrain.train.session import Session, wsd_decay_steps
 from elastic_pretrain.train.step import StepResult, _moe_aux, _reduce_by_loops, measured_step
+
+if TYPE_CHECKING:  # annotations only
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from elastic_pretrain.model.looped import LoopedMoEModel
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +74,7 @@ def param_groups(net: torch.nn.Module) -> list[dict[str, Any]]:
     return [g for g in ({"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}) if g["params"]]
 
 
-def lr_scheduler(job: JobConfig, optimizer: Any) -> Any:
+def lr_scheduler(job: JobConfig, optimizer: ZeROOptimizer) -> OptimizerParamScheduler:
     """The job's LR schedule with the arguments ``train/session.py:build_optimizer`` gives megatron's."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -138,9 +145,9 @@ class DeepSpeedStep:
 
     def __init__(
         self,
-        engine: Any,
-        net: Any,
-        scheduler: Any,
+        engine: DeepSpeedEngine,
+        net: LoopedMoEModel,
+        scheduler: OptimizerParamScheduler,
         *,
         seq_len: int,
         max_loops: int,
@@ -249,7 +256,7 @@ class DeepSpeedStep:
         return replay
 
 
-def keep_own_group_settings(optimizer: Any) -> None:
+def keep_own_group_settings(optimizer: ZeROOptimizer) -> None:
     """Give the param groups DeepSpeed's load brought back the settings this engine's Adam reads and they lack.
 
     DeepSpeed's own load replaces the optimizer's param groups with the saved ones, so a checkpoint written by
@@ -270,7 +277,7 @@ class DeepSpeedTensors:
     Checkpointer keeps the commit marker, ``latest``, retention and trainer state). Loading never unpickles
     arbitrary objects (``engine/safe_load.py``)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: DeepSpeedEngine) -> None:
         self.engine = engine
 
     def save(self, path: Path, strategy: Any, use_async: bool) -> tuple[None, dict[str, Any]]:
@@ -320,7 +327,7 @@ class DeepSpeedTensors:
         return int(self.engine.zero_optimization_stage())
 
 
-def build_session(job: JobConfig, mesh: Mesh) -> Any:
+def build_session(job: JobConfig, mesh: Mesh) -> DeepSpeedSession:
     """The :class:`~elastic_pretrain.train.session.Session` of ``engine: deepspeed`` (same fields, a DeepSpeed
     engine as ``model``, :class:`DeepSpeedStep` as ``step``, :class:`DeepSpeedTensors` as ``tensors()``)."""
     from elastic_pretrain.data.loader import load_validation

@@ -22,13 +22,20 @@ import contextlib
 import dataclasses
 import io
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from elastic_pretrain.checkpoint.store import MODEL_DIR
 from elastic_pretrain.engine.weights import deepspeed_weights, import_deepspeed
 from elastic_pretrain.errors import UserError
+
+if TYPE_CHECKING:  # annotations only
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from megatron.core.optimizer import MegatronOptimizer
+
+    from elastic_pretrain.model.looped import LoopedMoEModel
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -125,7 +132,7 @@ def _bare(merged: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def install_deepspeed(engine: Any, state: FullState) -> None:
+def install_deepspeed(engine: DeepSpeedEngine, state: FullState) -> None:
     """Make ``engine`` (``deepspeed.initialize`` of engine/deepspeed.py's wrapper, any ZeRO stage and world size)
     hold ``state``: model weights, fp32 master weights, Adam moments and step count. Every rank calls it."""
     import deepspeed
@@ -153,7 +160,7 @@ def install_deepspeed(engine: Any, state: FullState) -> None:
     engine.global_samples = state.step * engine.train_batch_size()
 
 
-def _create_adam_state(opt: Any, step: int, zero3: bool) -> None:
+def _create_adam_state(opt: ZeROOptimizer, step: int, zero3: bool) -> None:
     """torch AdamW's state (``step``, zero moments) on each of this rank's flat fp32 partitions, linked to the
     parameters' fragments, so that ``safe_set_full_optimizer_state`` can write it (torch creates it lazily, at
     the first step, which the state must not wait for)."""
@@ -183,7 +190,7 @@ def _check_names(state: FullState, trainable: dict[str, torch.Tensor]) -> None:
 # --- megatron ----------------------------------------------------------------------------------------
 
 
-def _megatron_entries(net: Any, optimizer: Any) -> list[tuple[str, Any]]:
+def _megatron_entries(net: LoopedMoEModel, optimizer: MegatronOptimizer) -> list[tuple[str, Any]]:
     """(parameter name, checkpoint/optim_state.py entry) of every parameter megatron's optimizer updates."""
     from elastic_pretrain.checkpoint import optim_state
 
@@ -199,7 +206,7 @@ def _megatron_entries(net: Any, optimizer: Any) -> list[tuple[str, Any]]:
 
 
 @torch.no_grad()
-def read_megatron(net: Any, optimizer: Any) -> FullState:
+def read_megatron(net: LoopedMoEModel, optimizer: MegatronOptimizer) -> FullState:
     """The full state of megatron-core's optimizer over ``net`` on a one-rank mesh (after ``load_tensors``)."""
     from elastic_pretrain.checkpoint import optim_state
 
@@ -229,7 +236,7 @@ def read_megatron(net: Any, optimizer: Any) -> FullState:
 
 
 @torch.no_grad()
-def install_megatron(net: Any, optimizer: Any, state: FullState) -> None:
+def install_megatron(net: LoopedMoEModel, optimizer: MegatronOptimizer, state: FullState) -> None:
     """Make megatron-core's optimizer over ``net`` (one-rank mesh) and ``net`` itself hold ``state``."""
     from elastic_pretrain.checkpoint import optim_state
 

@@ -5,7 +5,7 @@ model), ``parallel/`` (which builds it) and the DeepSpeed weights reader (engine
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from elastic_pretrain.checkpoint.store import is_deepspeed, read_trainer_state, resolve_checkpoint, verify
 from elastic_pretrain.checkpoint.tensors import check_model_fits, load_tensors
@@ -16,8 +16,11 @@ from elastic_pretrain.parallel.config import ParallelConfig
 from elastic_pretrain.parallel.megatron import build_model
 from elastic_pretrain.rundir import CheckpointFiles
 
+if TYPE_CHECKING:  # annotations only
+    from elastic_pretrain.model.looped import LoopedMoEModel
 
-def load_model(ckpt: Path) -> tuple[Any, Any]:
+
+def load_model(ckpt: Path) -> tuple[JobConfig, LoopedMoEModel]:
     """(JobConfig, LoopedMoEModel in eval mode) from a committed checkpoint (a ``step_<N>`` directory, or
     a run directory: its newest committed step), whatever layout saved it; only model tensors are read.
 

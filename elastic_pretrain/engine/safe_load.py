@@ -15,11 +15,14 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from elastic_pretrain.errors import UserError
+
+if TYPE_CHECKING:  # annotations only: DeepSpeed is imported by a deepspeed job only
+    from deepspeed.runtime.engine import DeepSpeedEngine
 
 
 def allowed_globals() -> list[Any]:
@@ -49,7 +52,7 @@ def weights_only_loads() -> Iterator[None]:
         torch.load = original  # type: ignore[assignment]
 
 
-def load_checkpoint_safely(engine: Any, path: Path) -> None:
+def load_checkpoint_safely(engine: DeepSpeedEngine, path: Path) -> None:
     """``engine.load_checkpoint`` of ``path`` (``step_<N>/model_optim``), weights-only; one UserError on failure."""
     try:
         with weights_only_loads():

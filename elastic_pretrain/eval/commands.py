@@ -12,12 +12,19 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_pretrain.checkpoint.store import resolve_checkpoint
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import ensure_dir, write_atomic
 from elastic_pretrain.rundir import CheckpointFiles, RunFiles
+
+if TYPE_CHECKING:  # annotations only: the command imports what it runs when it runs
+    from elastic_pretrain.eval.curves import QualityCurve
+    from elastic_pretrain.job import JobConfig
+    from elastic_pretrain.model.decider import IterationDecider
+    from elastic_pretrain.model.looped import LoopedMoEModel
+    from elastic_pretrain.tracking.config import TrackingConfig
 
 DEFAULT_NEW_TOKENS = 128  # generate --max-new-tokens unset (within the model's context)
 
@@ -144,7 +151,7 @@ def report_dir(ckpt: Path, run_dir: Path | None) -> tuple[Path, Path]:
     return ckpt.parent / "eval" / ckpt.name, ckpt.parent
 
 
-def eval_tracking(job: Any, ckpt: Path, *, uri: str | None) -> Any:
+def eval_tracking(job: JobConfig, ckpt: Path, *, uri: str | None) -> TrackingConfig | None:
     """The tracking config an evaluation of ``ckpt`` logs with, or None when it does not log — the job does not
     track, or ``ckpt`` is in no run directory and no URI was given (its grandparent folder is not a place to
     create an MLflow store in; issue 35). A run directory's own store is checked here, before the evaluation
@@ -171,9 +178,9 @@ def eval_tracking(job: Any, ckpt: Path, *, uri: str | None) -> Any:
 
 
 def track_eval(
-    job: Any,
+    job: JobConfig,
     ckpt: Path,
-    curve: Any,
+    curve: QualityCurve,
     adaptive: list[Any],
     files: list[Path],
     *,
@@ -201,7 +208,8 @@ def track_eval(
 
 
 def _track_eval(
-    job: Any, ckpt: Path, cfg: Any, run_dir: Path, curve: Any, adaptive: list[Any], files: list[Path], *,
+    job: JobConfig, ckpt: Path, cfg: TrackingConfig, run_dir: Path, curve: QualityCurve, adaptive: list[Any],
+    files: list[Path], *,
     in_run: bool = True, extra: dict[str, float] | None = None,
 ) -> str | None:  # fmt: skip
     import math
@@ -247,7 +255,7 @@ def _track_eval(
     return tracker.run_id
 
 
-def pick_decider(model: Any, ckpt: Path, override: str | None) -> Any:
+def pick_decider(model: LoopedMoEModel, ckpt: Path, override: str | None) -> IterationDecider:
     """The iteration decider: ``--decider FILE`` if given, else the one inside the checkpoint."""
     from elastic_pretrain.model.decider import load_decider
 

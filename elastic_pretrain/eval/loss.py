@@ -12,7 +12,7 @@ the cross-entropy over the real vocabulary, the distribution ``generate`` sample
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
@@ -24,12 +24,15 @@ from elastic_pretrain.parallel.mesh import all_reduce_sum, pipeline_group
 from elastic_pretrain.parallel.pipeline import MicroBatch, Pipeline, run_pipeline
 from elastic_pretrain.schedule import DepthPlan, ExitAxis
 
+if TYPE_CHECKING:  # annotations only
+    from elastic_pretrain.model.looped import LoopedMoEModel
+
 Runs = list[tuple[int, tuple[int, ...]]]  # (ℓ of one run, the exits it reports)
 
 
 @torch.no_grad()
 def loss_by_loops(
-    model: Any,
+    model: torch.nn.Module,
     tokens_NT1: torch.Tensor,
     loops: Sequence[int] | None = None,
     pipeline: Pipeline | None = None,
@@ -52,9 +55,10 @@ def loss_by_loops(
     ``exit_axis="layer"`` (TLM's axis, ``schedule.exit_axis``): ``loops`` are core layers k of a non-looped
     stack (default 1..N), all read out of one pass as in training (``LoopedMoEModel.run_layers``).
     """
-    net = model
-    while not hasattr(net, "cfg") and hasattr(net, "module"):  # DDP, or DeepSpeed's engine around its wrapper
-        net = net.module
+    inner: Any = model
+    while not hasattr(inner, "cfg") and hasattr(inner, "module"):  # DDP, or DeepSpeed's engine around its wrapper
+        inner = inner.module
+    net: LoopedMoEModel = inner
     layer = exit_axis == "layer"
     deepest = net.cfg.core_layers_built if layer else net.cfg.max_loops
     wanted = sorted(set(range(1, deepest + 1) if loops is None else loops))
@@ -92,7 +96,7 @@ def loss_by_loops(
 
 
 def _sums(
-    model: Any, tokens_NT1: torch.Tensor, runs: Runs, loops: list[int], batch_size: int, exit_axis: ExitAxis
+    model: torch.nn.Module, tokens_NT1: torch.Tensor, runs: Runs, loops: list[int], batch_size: int, exit_axis: ExitAxis
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-exit CE sums and the token count of these rows, one process (or one rank of TP/EP/DP)."""
     sums = torch.zeros(len(loops), dtype=torch.float64, device=device())
@@ -129,7 +133,7 @@ def _pipeline_sums(
 
 
 def quality_curve(
-    model: Any,
+    model: LoopedMoEModel,
     tokens_NT1: torch.Tensor,
     *,
     name: str = "fixed depth",

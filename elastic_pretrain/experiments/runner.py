@@ -546,7 +546,7 @@ def train_processes(path: Path, job: JobConfig, nproc: int) -> None:
     import sys
     import tempfile
 
-    from elastic_pretrain.tracking.config import write_private
+    from elastic_pretrain.files import write_private
 
     with tempfile.TemporaryDirectory(prefix="elastic-pretrain-experiment-") as folder:
         resolved = Path(folder) / f"{path.stem}.yaml"

@@ -26,11 +26,14 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.export.hf_export import AUTO_MAP, HF_DIR, MODEL_FILES, PROVENANCE, WEIGHTS
 from elastic_pretrain.files import check_regular, read_json_object, read_prefix, read_small
+
+if TYPE_CHECKING:  # annotations only: reading an export's files needs no torch
+    from elastic_pretrain.export.hf.modeling_elastic import ElasticLoopedForCausalLM
 
 CONFIG = "config.json"
 TOKENIZER = "tokenizer.json"
@@ -165,7 +168,7 @@ def check_code(export_dir: Path | str) -> None:
         )
 
 
-def check_weights(export_dir: Path, model: Any) -> None:
+def check_weights(export_dir: Path, model: ElasticLoopedForCausalLM) -> None:
     """Every tensor in ``model.safetensors``'s header has a name and shape ``model`` (a meta-device
     skeleton) has, and none is missing; the header is read without loading any tensor."""
     from safetensors import safe_open
@@ -189,7 +192,7 @@ def check_weights(export_dir: Path, model: Any) -> None:
         raise UserError(f"{path}: no tensor {missing[0]} (and {len(missing) - 1} more); {_REEXPORT}")
 
 
-def load_model(export_dir: Path | str) -> Any:
+def load_model(export_dir: Path | str) -> ElasticLoopedForCausalLM:
     """The package's ``ElasticLoopedForCausalLM`` with the folder's weights (fp32, eval mode); the folder's
     code is checked (:func:`check_code`) and never imported."""
     import torch

@@ -19,10 +19,15 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import copy_file, ensure_dir, write_atomic
+
+if TYPE_CHECKING:  # annotations only
+    from elastic_pretrain.data.config import TokenizerConfig
+    from elastic_pretrain.model.config import DeciderConfig
+    from elastic_pretrain.model.looped import LoopedMoEModel
 
 HF_DIR = Path(__file__).parent / "hf"
 MODEL_FILES = ("configuration_elastic.py", "modeling_elastic.py")
@@ -72,7 +77,7 @@ _TE_RENAMES = (
 )
 
 
-def hf_state_dict(net: Any) -> dict[str, Any]:
+def hf_state_dict(net: LoopedMoEModel) -> dict[str, Any]:
     """The exported tensors of a one-process ``LoopedMoEModel`` (padded vocabulary rows dropped)."""
     import torch
 
@@ -92,7 +97,7 @@ def hf_state_dict(net: Any) -> dict[str, Any]:
     return out
 
 
-def hf_config(net: Any, decider: Any, *, eos_id: int | None) -> Any:
+def hf_config(net: LoopedMoEModel, decider: DeciderConfig | None, *, eos_id: int | None) -> Any:
     """The ``ElasticLoopedConfig`` of a loaded one-process model (the built shape, as the exported model
     runs it); ``decider``: the job's ``DeciderConfig`` (its threshold) or None."""
     import torch
@@ -131,7 +136,12 @@ def generation_config(config: Any) -> Any:
 
 
 def write_export(
-    net: Any, tokenizer: Any, out: Path, *, decider: Any = None, provenance: dict[str, Any] | None = None
+    net: LoopedMoEModel,
+    tokenizer: TokenizerConfig,
+    out: Path,
+    *,
+    decider: DeciderConfig | None = None,
+    provenance: dict[str, Any] | None = None,
 ) -> Path:
     """Write the Hugging Face files of a loaded one-process model into ``out`` (created; must be empty)."""
     from safetensors.torch import save_file

@@ -10,10 +10,13 @@ export, so this fills a model, not a run (docs/export.md).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.export.hf_export import WEIGHTS
+
+if TYPE_CHECKING:  # annotations only
+    from elastic_pretrain.model.looped import LoopedMoEModel
 
 # config.json field -> the one-process model's value it must equal
 _SHAPE = {
@@ -30,7 +33,7 @@ _SHAPE = {
 }
 
 
-def load_export(net: Any, export_dir: Path) -> None:
+def load_export(net: LoopedMoEModel, export_dir: Path) -> None:
     """Load ``export_dir`` into ``net`` (a one-process ``LoopedMoEModel`` built for the same shape).
 
     Loop-conditioning heads absent from the export (never switched on) keep the model's values and stay

@@ -16,10 +16,13 @@ loaders, which parse it as a tokenizer (nothing else is followed or executed).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import copy_file, write_atomic
+
+if TYPE_CHECKING:  # annotations only
+    from elastic_pretrain.data.config import TokenizerConfig
 
 EOS = "<|endoftext|>"
 PROBE = "def f(x):\n    return x + 1  # héllo, wörld — ∑ 😀\n\tclass A: pass\n"
@@ -50,7 +53,7 @@ def byte_tokenizer() -> Any:
     return tok
 
 
-def export_tokenizer(cfg: Any, out: Path) -> int:
+def export_tokenizer(cfg: TokenizerConfig, out: Path) -> int:
     """Write the tokenizer of a ``TokenizerConfig`` into ``out``; returns its EOS id."""
     from transformers import PreTrainedTokenizerFast
 
@@ -62,6 +65,7 @@ def export_tokenizer(cfg: Any, out: Path) -> int:
     if cfg.kind == "byte":
         fast = PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer(), eos_token=EOS)
     elif cfg.kind == "hf":
+        assert cfg.path is not None  # TokenizerConfig refuses kind hf without a path
         original = local_path(cfg.path)
         fast = PreTrainedTokenizerFast(tokenizer_file=str(original))
         fast.eos_token = fast.convert_ids_to_tokens(ours.eos_id)

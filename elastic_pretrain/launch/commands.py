@@ -8,7 +8,7 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.launch.config import SlurmConfig
@@ -17,6 +17,9 @@ from elastic_pretrain.launch.preflight import Preflight, preflight
 from elastic_pretrain.launch.render import LaunchSpec, render
 from elastic_pretrain.launch.slurm import cancel, query_job, read_job_id, run_status, submit
 from elastic_pretrain.rundir import RunFiles
+
+if TYPE_CHECKING:  # annotations only: the command imports what it runs when it runs
+    from elastic_pretrain.job import JobConfig
 
 # submit flag -> SlurmConfig field
 _FLAG_FIELDS = (
@@ -91,7 +94,7 @@ def plan_submit(args: argparse.Namespace) -> SubmitPlan:
     return SubmitPlan(cfg, spec, tuple(summary), preflight(job, cfg, run_dir))
 
 
-def check_allocation(job: Any, cfg: SlurmConfig) -> list[str]:
+def check_allocation(job: JobConfig, cfg: SlurmConfig) -> list[str]:
     """The job's layout and memory at the allocation's world size (nodes x processes per node), before
     anything reaches Slurm: a layout the mesh cannot take fails here, not on 128 GPUs. Returns the
     summary lines (layout, memory) that ``--dry-run`` prints."""

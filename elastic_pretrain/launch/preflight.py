@@ -21,13 +21,16 @@ import dataclasses
 import importlib.metadata
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from elastic_pretrain.data.config import DataConfig, StreamConfig, is_remote, local_path
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.launch.slurm import finished_refusal, live_job_refusal
 from elastic_pretrain.rundir import RunFiles
+
+if TYPE_CHECKING:  # annotations only: submit loads the job
+    from elastic_pretrain.job import JobConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +39,7 @@ class Preflight:
     notes: tuple[str, ...]
 
 
-def preflight(job: Any, cfg: SlurmConfig, run_dir: Path) -> Preflight:
+def preflight(job: JobConfig, cfg: SlurmConfig, run_dir: Path) -> Preflight:
     """Every finding for ``job`` submitted under ``cfg`` into ``run_dir`` (absolute)."""
     refusals: list[str] = []
     notes: list[str] = []
@@ -123,7 +126,7 @@ def _has_size(path: Path, size: int) -> bool:
         return False
 
 
-def run_dir_refusals(job: Any, run_dir: Path) -> list[str]:
+def run_dir_refusals(job: JobConfig, run_dir: Path) -> list[str]:
     """The run directory as the job will meet it: finished, a live job, past train.steps, another shape."""
     from elastic_pretrain.train.resume import check_before_launch
 

@@ -15,12 +15,11 @@ from elastic_pretrain.checkpoint.latest import latest_problem
 from elastic_pretrain.checkpoint.store import CheckpointStore
 from elastic_pretrain.config import clip
 from elastic_pretrain.errors import UserError
-from elastic_pretrain.files import ensure_dir, read_bounded, read_text_or_none, write_atomic
+from elastic_pretrain.files import ensure_dir, read_bounded, read_text_or_none, write_atomic, write_private
 from elastic_pretrain.launch.config import SlurmConfig
 from elastic_pretrain.launch.layout import last_committed_step
 from elastic_pretrain.launch.render import LaunchSpec, render
 from elastic_pretrain.rundir import RunFiles
-from elastic_pretrain.tracking.config import write_private
 from elastic_pretrain.tracking.store import read_run_id
 
 # States in which a job still holds (or waits for) resources.

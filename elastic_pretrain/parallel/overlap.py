@@ -49,13 +49,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
 from elastic_pretrain.model.recompute import current_scope
+
+if TYPE_CHECKING:  # annotations only
+    from megatron.core.optimizer import MegatronOptimizer
 
 # bucket_size_for: buckets per rank to aim for, and the bounds (parameters) it is clamped to
 BUCKETS_PER_RANK = 16
@@ -267,7 +270,9 @@ class DepthOverlapDDP(DistributedDataParallel):
 
 
 @contextlib.contextmanager
-def overlapped_step(model: Any, forward_step: Callable[..., Any], calls: int) -> Iterator[Callable[..., Any]]:
+def overlapped_step(
+    model: DistributedDataParallel, forward_step: Callable[..., Any], calls: int
+) -> Iterator[Callable[..., Any]]:
     """The ``forward_step`` to hand the schedule: counted by ``model``'s ledger when it overlaps gradient
     reduction (``calls``: forward_step calls of the step, micro-batches × pipeline chunks), else as is."""
     if not isinstance(model, DepthOverlapDDP):
@@ -277,14 +282,14 @@ def overlapped_step(model: Any, forward_step: Callable[..., Any], calls: int) ->
     yield model.ledger.watch(forward_step)
 
 
-def start_param_gather(model: Any) -> None:
+def start_param_gather(model: DistributedDataParallel) -> None:
     """After the optimizer step: start the parameter all-gathers, to be awaited by the next forward
     (``parallel.param_gather: overlap``; a no-op otherwise — the optimizer step gathered them)."""
     if isinstance(model, DepthOverlapDDP) and model.gathers:
         model.start_param_gather()
 
 
-def settle_param_gather(optimizer: Any) -> None:
+def settle_param_gather(optimizer: MegatronOptimizer | None) -> None:
     """Before reading or writing parameters outside a forward: every gather of ``optimizer``'s models done."""
     for chunk in getattr(optimizer, "model_chunks", []):
         if isinstance(chunk, DepthOverlapDDP) and chunk.gathers:

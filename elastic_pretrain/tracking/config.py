@@ -97,11 +97,3 @@ def redact_uri(text: str) -> str:
     """``text`` with the ``user:password@`` of every URL in it removed: for logs, files, MLflow params.
     (Only the live tracking client gets the URI as configured.)"""
     return _USERINFO.sub(r"\g<scheme>", text)
-
-
-def write_private(path: Path, text: str, *, root: Path) -> None:
-    """Replace ``path`` (below ``root``) by ``text`` atomically, readable by the owner only (0600): run
-    metadata that may name a tracking server or environment of the job (files.write_atomic: no link followed)."""
-    from elastic_pretrain.files import write_atomic
-
-    write_atomic(path, text, root=root, mode=0o600)

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.files import write_private
 from elastic_pretrain.tracking import quality, store
 from elastic_pretrain.tracking.buffer import Buffer, Staged
-from elastic_pretrain.tracking.config import TrackingConfig, is_local_sqlite, redact_uri, write_private
+from elastic_pretrain.tracking.config import TrackingConfig, is_local_sqlite, redact_uri
 from elastic_pretrain.tracking.mlflow_env import is_transient, make_client, short_error
 
 log = logging.getLogger("elastic_pretrain.tracking")

@@ -10,9 +10,12 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elastic_pretrain.quiet import quiet_logs
+
+if TYPE_CHECKING:  # annotations only: the command imports what it runs when it runs
+    from elastic_pretrain.job import JobConfig
 
 
 def _launch(args: argparse.Namespace, overrides: list[str], run_dir: Path) -> int:
@@ -116,7 +119,7 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _finished(job: Any) -> bool:
+def _finished(job: JobConfig) -> bool:
     """The run is finished at ``train.steps``: say so in one line (what to do instead) and start no rank. A
     checkpoint past ``train.steps`` or a changed model shape is refused here too (``train/resume.py``)."""
     from elastic_pretrain.train.resume import check_before_launch
@@ -148,7 +151,7 @@ def _prepare_run_dir(run_dir: Path) -> None:
         ) from None
 
 
-def _check_one_process(job: Any) -> None:
+def _check_one_process(job: JobConfig) -> None:
     """Without ``--nproc-per-node`` (and not under torchrun/srun) the job runs as one rank: a layout that needs
     more ranks gets the launcher flag in its message, not only the divisibility rule it breaks (issue 33)."""
     from elastic_pretrain.config import ConfigError
@@ -166,7 +169,7 @@ def _check_one_process(job: Any) -> None:
         ) from None
 
 
-def _layout_ok(job: Any, world_size: int) -> bool:
+def _layout_ok(job: JobConfig, world_size: int) -> bool:
     from elastic_pretrain.config import ConfigError
     from elastic_pretrain.parallel.validate import check_layout
 
@@ -234,7 +237,7 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
-def layout_summary(job: Any, world_size: int) -> list[str]:
+def layout_summary(job: JobConfig, world_size: int) -> list[str]:
     """Check the job's layout at ``world_size`` ranks (one-line error on the first broken rule) and
     describe it: the mesh, parameter counts, tokens per step."""
     from elastic_pretrain.model.params import count_parameters, format_count

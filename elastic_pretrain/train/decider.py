@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,11 +36,16 @@ from elastic_pretrain.parallel.mesh import data_parallel_group, sequence_shard
 from elastic_pretrain.parallel.pipeline import MicroBatch
 from elastic_pretrain.train.step import TrainStep, _reduce_by_loops
 
+if TYPE_CHECKING:  # annotations only
+    from megatron.core.distributed import DistributedDataParallel
+
 # the per-micro-batch sums a decider step reports (reduced over every rank)
 STATS = ("bce_sum", "labels", "continue", "correct", "passes", "tokens")
 
 
-def _forward_step(cfg: DeciderConfig, data_iterator: Iterator[MicroBatch], model: Any) -> tuple[Any, Any]:
+def _forward_step(
+    cfg: DeciderConfig, data_iterator: Iterator[MicroBatch], model: DistributedDataParallel
+) -> tuple[Any, Any]:
     mb = next(data_iterator)
     inputs, labels = mb.tokens_BT1[:, :-1].contiguous(), mb.tokens_BT1[:, 1:].contiguous()
     return model.module.forward_decider(inputs, labels), partial(_loss_func, cfg)

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,14 @@ from elastic_pretrain.config import show
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.jsonsafe import StateError, count, mapping
 from elastic_pretrain.parallel.device import device
+
+if TYPE_CHECKING:  # train/step.py and train/session.py import this module
+    from megatron.core.optimizer import MegatronOptimizer
+
+    from elastic_pretrain.checkpoint.manager import Checkpointer
+    from elastic_pretrain.job import JobConfig
+    from elastic_pretrain.parallel.mesh import Mesh
+    from elastic_pretrain.train.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +127,7 @@ def _agree(flags: list[bool]) -> list[bool]:
     return [bool(v) for v in t.tolist()]
 
 
-def guarded_step(optimizer: Any, veto: Callable[[bool, float], bool]) -> tuple[bool, float]:
+def guarded_step(optimizer: MegatronOptimizer, veto: Callable[[bool, float], bool]) -> tuple[bool, float]:
     """megatron-core's ``optimizer.step()`` with a veto between the gradient norm and the update.
 
     megatron 0.16.1 finds inf/NaN only through a loss scaler (fp16; bf16 with a scaler): fp32 and plain
@@ -148,7 +156,7 @@ class FaultMonitor:
 
     Checkpointed as ``faults``: ``state_dict`` (in ``trainer.json``) holds the spike window and the event counts."""
 
-    def __init__(self, job: Any, mesh: Any, session: Any, ckpt: Any) -> None:
+    def __init__(self, job: JobConfig, mesh: Mesh, session: Session, ckpt: Checkpointer) -> None:
         t = job.train
         self.job, self.mesh, self.s, self.ckpt = job, mesh, session, ckpt
         self.policies: dict[EventKind, str] = {"nonfinite": t.on_nonfinite, "spike": t.spike.policy}
@@ -256,7 +264,7 @@ class FaultMonitor:
             )
         self.log_metrics({"faults/rollback": float(self.counts["rollback"])}, bad_step)
 
-    def halt(self, reason: str) -> None:
+    def halt(self, reason: str) -> NoReturn:
         self.set_tags({"fault.stop_reason": reason})
         self.close_tracking()
         raise FaultStop(reason)

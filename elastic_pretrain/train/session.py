@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from elastic_pretrain.checkpoint.manager import Stateful
@@ -27,6 +27,10 @@ from elastic_pretrain.schedule import ExpertLayout, ScheduleController
 from elastic_pretrain.train.decider import DeciderStep, freeze_backbone
 from elastic_pretrain.train.step import TrainStep
 
+if TYPE_CHECKING:  # annotations only: DeepSpeed is imported by a deepspeed job only
+    from deepspeed.runtime.base_optimizer import ZeROOptimizer
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
 log = logging.getLogger(__name__)
 
 
@@ -34,8 +38,8 @@ log = logging.getLogger(__name__)
 class Session:
     job: JobConfig
     net: LoopedMoEModel  # the bare model (for parameter counts, conditioning heads)
-    model: DistributedDataParallel
-    optimizer: Any
+    model: DistributedDataParallel | DeepSpeedEngine  # DeepSpeed's in engine/deepspeed.py's session
+    optimizer: MegatronOptimizer | ZeROOptimizer  # DeepSpeed's ZeRO optimizer (stages 1-3) there
     scheduler: OptimizerParamScheduler
     batches: PrefetchedBatches  # data.prefetch steps read ahead; its state is what was consumed
     val_tokens: torch.Tensor
@@ -185,7 +189,7 @@ def schedule_end_note(
     )
 
 
-def copy_to_main_params(optimizer: Any, params: list[torch.nn.Parameter]) -> None:
+def copy_to_main_params(optimizer: MegatronOptimizer, params: list[torch.nn.Parameter]) -> None:
     """After writing model ``params`` in place: the same values into the optimizer's fp32 main copies.
 
     fp32 models need nothing (megatron's main parameters are the model's, or views of them); bf16 models
@@ -209,7 +213,9 @@ def copy_to_main_params(optimizer: Any, params: list[torch.nn.Parameter]) -> Non
             break
 
 
-def build_optimizer(job: JobConfig, model: DistributedDataParallel) -> tuple[Any, OptimizerParamScheduler]:
+def build_optimizer(
+    job: JobConfig, model: DistributedDataParallel
+) -> tuple[MegatronOptimizer, OptimizerParamScheduler]:
     t = job.train
     bf16 = job.model.dtype == "bf16"
     opt_cfg = OptimizerConfig(

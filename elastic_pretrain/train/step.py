@@ -11,7 +11,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,13 @@ from elastic_pretrain.tracking import names
 from elastic_pretrain.train.faults import guarded_step
 from elastic_pretrain.train.mfu import DepthCounts, ghost_time_share
 from elastic_pretrain.train.step_timing import StepSpan, open_span
+
+if TYPE_CHECKING:  # annotations only
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from elastic_pretrain.model.looped import LoopedMoEModel
 
 
 @dataclasses.dataclass
@@ -122,9 +129,9 @@ class TrainStep:
 
     def __init__(
         self,
-        model: Any,
-        optimizer: Any,
-        scheduler: Any,
+        model: DistributedDataParallel,
+        optimizer: MegatronOptimizer,
+        scheduler: OptimizerParamScheduler,
         *,
         seq_len: int,
         micro_batch_size: int,
@@ -183,7 +190,7 @@ class TrainStep:
 
 
 def measured_step(
-    net: Any,
+    net: LoopedMoEModel,
     step: Callable[[list[MicroBatch]], StepResult],
     micro_batches: list[MicroBatch],
     *,

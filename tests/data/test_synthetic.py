@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 
 from elastic_pretrain.config import ConfigError, build
-from elastic_pretrain.data.config import DataConfig
+from elastic_pretrain.data.config import DataConfig, SyntheticConfig
 from elastic_pretrain.data.synthetic import (
-    SyntheticConfig,
     difficulty,
     documents,
     make_document,

@@ -22,6 +22,7 @@ import resource
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import time
 import zlib
@@ -120,6 +121,48 @@ def test_a_planted_eval_directory_is_refused(tmp_path: Path, victim: Path) -> No
     with pytest.raises(UserError) as err:
         write_report(RunFiles(run).eval_dir("step_2"), run, "report\n", quality_curve(), None)
     one_line(err, f"{run / 'eval'}: is a symbolic link, not a directory", "delete it")
+    untouched(victim)
+
+
+def test_private_files_are_owner_only_atomic_and_never_written_through_a_link(
+    tmp_path: Path, victim: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``files.write_private``, the one writer of files that may hold a secret (``config.yaml``,
+    ``mlflow/run.json``, ``slurm/job.yaml``, the batch script): created 0600 under any umask and over a wider
+    file; the old file whole when the write fails; a planted link replaced, a linked directory refused."""
+    from elastic_pretrain.files import write_private
+
+    run = tmp_path / "run"
+    umask = os.umask(0)
+    try:
+        job = write_private(run / "slurm" / "job.yaml", "token: x\n", root=run)  # makes run/ and slurm/
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(job.stat().st_mode) == 0o600 and job.read_text() == "token: x\n"
+    wide = run / "config.yaml"
+    wide.write_text("old\n")
+    wide.chmod(0o644)
+    write_private(wide, b"new\n", root=run)
+    assert stat.S_IMODE(wide.stat().st_mode) == 0o600 and wide.read_text() == "new\n"
+
+    def no_disk(fd: int) -> None:
+        raise OSError("disk full")
+
+    with monkeypatch.context() as m:
+        m.setattr(os, "fsync", no_disk)
+        with pytest.raises(OSError, match="disk full"):
+            write_private(wide, "half\n", root=run)
+    assert wide.read_text() == "new\n" and sorted(p.name for p in run.iterdir()) == ["config.yaml", "slurm"]
+
+    plant(run / "mlflow" / "run.json", victim)
+    write_private(run / "mlflow" / "run.json", "{}\n", root=run)
+    untouched(victim)
+    assert replaced(run / "mlflow" / "run.json") == "{}\n"
+    assert sorted(p.name for p in (run / "mlflow").iterdir()) == ["run.json"]  # no temp file left
+    plant(run / "eval", victim.parent)
+    with pytest.raises(UserError) as err:
+        write_private(run / "eval" / "secret", "token\n", root=run)
+    one_line(err, f"{run / 'eval'}: is a symbolic link, not a directory")
     untouched(victim)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,10 +14,13 @@ from elastic_pretrain.experiments.present import figure, table
 from elastic_pretrain.experiments.runner import Context, Experiment, Findings
 from elastic_pretrain.experiments.stats import Claim, paired
 
+if TYPE_CHECKING:  # annotations only
+    from elastic_pretrain.model.looped import LoopedMoEModel
+
 ELR = "seeds/003 (ELR)"
 
 
-def _fwd_bwd(net: Any, inputs: torch.Tensor, labels: torch.Tensor, loops: int) -> Callable[[], None]:
+def _fwd_bwd(net: LoopedMoEModel, inputs: torch.Tensor, labels: torch.Tensor, loops: int) -> Callable[[], None]:
     def run() -> None:
         net.zero_grad(set_to_none=True)
         out = net(inputs, labels=labels, loops=loops)

@@ -48,6 +48,7 @@ class Private:
 
 
 _FS_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+_TORCH_STRATEGY = "megatron.core.dist_checkpointing.strategies.torch:TorchDistSaveShardedStrategy"
 _RANDOM = "megatron.core.tensor_parallel.random"
 _LAYER = "megatron.core.transformer.transformer_layer:TransformerLayer"
 _ROUTER = "megatron.core.transformer.moe.router:TopKRouter"
@@ -75,6 +76,11 @@ PRIVATE: tuple[Private, ...] = (
     Private(
         "megatron.core.dist_checkpointing.strategies.state_dict_saver:_DistWrapper",
         "(group: torch.distributed.distributed_c10d.ProcessGroup | None, use_dist: bool, coordinator_rank: int)",
+    ),
+    # checkpoint/snapshot.py: a repeat save's request (megatron-core 0.17 adds an ``async_strategy`` argument)
+    Private(
+        f"{_TORCH_STRATEGY}._get_save_and_finalize_callbacks",
+        "(self, writer, save_state_dict_ret) -> megatron.core.dist_checkpointing.strategies.async_utils.AsyncRequest",
     ),
     # parallel/overlap.py: the bucket groups started by the depth ledger
     Private(
@@ -239,3 +245,21 @@ def write_results_queue() -> Any:
 
     get = getattr(filesystem_async, "get_write_results_queue", None) or filesystem_async._get_write_results_queue
     return get()
+
+
+def write_preloaded_data() -> Any:
+    """megatron's writer of preloaded write buckets, ``(transform_list, use_msc, rank, write_buckets,
+    results_queue)``: ``FileSystemWriterAsync.write_preloaded_data_multiproc`` (a process per bucket) up to
+    megatron-core 0.16, ``write_preloaded_data_multithread`` (a thread per bucket) from 0.17 on. A public name,
+    so not in :data:`PRIVATE`; looked up here so that the rename does not surface as an AttributeError in a
+    writer process."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    cls = filesystem_async.FileSystemWriterAsync
+    for name in ("write_preloaded_data_multithread", "write_preloaded_data_multiproc"):
+        if (fn := getattr(cls, name, None)) is not None:
+            return fn
+    raise UserError(
+        f"megatron-core {version('megatron')} has neither FileSystemWriterAsync.write_preloaded_data_multithread "
+        f"nor write_preloaded_data_multiproc (tested with megatron-core {TESTED['megatron']})"
+    )

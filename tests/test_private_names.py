@@ -265,3 +265,30 @@ def test_async_checkpoints_write_under_megatron_0_17s_name_of_the_results_queue(
             p.zero_()
     load_tensors(net, None, tmp_path / "2")
     assert [k for k, v in net.state_dict().items() if isinstance(v, torch.Tensor) and not torch.equal(v, want[k])] == []
+
+
+def test_the_multistorage_writer_takes_megatron_0_17s_name_of_the_bucket_writer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """megatron-core 0.17 renamed ``FileSystemWriterAsync.write_preloaded_data_multiproc`` (a process per file)
+    to ``write_preloaded_data_multithread`` (a thread per file), same arguments: the writer of a
+    multistorageclient save (checkpoint/snapshot.py) calls whichever the installed version has, and a version
+    with neither is refused in one line."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from elastic_pretrain.checkpoint import snapshot
+
+    cls = filesystem_async.FileSystemWriterAsync
+    assert internals.write_preloaded_data() is cls.write_preloaded_data_multiproc  # megatron-core 0.16.1
+    calls: list[tuple[object, ...]] = []
+
+    def write_preloaded_data_multithread(*args: object) -> None:
+        calls.append(args)
+
+    monkeypatch.delattr(cls, "write_preloaded_data_multiproc")
+    monkeypatch.setattr(cls, "write_preloaded_data_multithread", write_preloaded_data_multithread, raising=False)
+    snapshot._write_snapshot(0, [], True, 3, [], "queue")  # use_msc: megatron's writer writes the buckets
+    assert calls == [([], True, 3, [], "queue")]
+    monkeypatch.delattr(cls, "write_preloaded_data_multithread")
+    with pytest.raises(UserError, match=r"neither FileSystemWriterAsync\.write_preloaded_data_multithread"):
+        internals.write_preloaded_data()

@@ -3,7 +3,10 @@ writer process (checkpoint/writer.py): each file of the rank's write buckets is 
 process, in megatron's torch_dist format (DCP's ``_write_item``: the same bytes megatron's writer writes),
 through a stream that computes the file's CRC32 from the bytes as they are written, then fsynced; the files'
 records go beside them for the commit (checkpoint/store.py). A module of its own so that the snapshot
-(checkpoint/snapshot.py) and the writer can both use it without importing each other."""
+(checkpoint/snapshot.py) and the writer can both use it without importing each other.
+
+Kept over DCP's own ``FileSystemWriter`` (issue #34 item 3): in ``bench/checkpoint_public.py`` DCP's sync
+``save`` of the same tensors took a median 1.8–2.5x our sync save's time (docs/checkpoints.md)."""
 
 from __future__ import annotations
 

@@ -27,10 +27,6 @@ LIBRARIES = ("megatron", "torch", "deepspeed")
 
 # private attributes read on objects the tree cannot type that belong to no library (what they are)
 NOT_A_LIBRARY: dict[str, str] = {
-    "_core_pass": "LoopedMoEModel's (model/looped.py), called by model/decider.py",
-    "_embed": "LoopedMoEModel's",
-    "_head_states": "LoopedMoEModel's",
-    "_recompute_passes": "LoopedMoEModel's",
     "_enc": "our tokenizer's tiktoken encoding (data/tokenizer.py)",
     "_special_tokens": "tiktoken Encoding's",
     "_mergeable_ranks": "tiktoken Encoding's",

@@ -21,7 +21,7 @@ module is called, in forward and again in backward, and reduce-scatters gradient
 every rank must call the same modules in the same order. There each micro-batch runs for the deepest ℓ
 of its position over every replica (``DepthPlan.group_loops``, computed locally from the other replicas'
 draws: :meth:`DeepSpeedSession.depth_layout`), a rank at a smaller ℓ running the remaining passes as
-*full ghost passes* whose output reaches the loss with a zero gradient (``LoopedMoEModel.ghosts``,
+*full ghost passes* whose output reaches the loss with a zero gradient (``RunModes.ghosts``,
 model/looped.py): the same module calls, so the gathers and reductions pair up, and every parameter's
 gradient is exactly that of the rank's own ℓ. The graphs then touch the same parameters in the same
 order, so ZeRO-3 needs no ordered backward.
@@ -339,7 +339,10 @@ def build_session(job: JobConfig, mesh: Mesh) -> DeepSpeedSession:
     deepspeed = import_deepspeed()
     tokenizer = load_tokenizer(job.data.tokenizer)
     job.check_vocab(tokenizer.vocab_size)
-    net = build_model(job.model, job.parallel, recompute=job.train.recompute)
+    zero3 = job.deepspeed.zero_stage == 3  # every rank calls the same modules: full ghost passes, direct backward
+    net = build_model(
+        job.model, job.parallel, recompute=job.train.recompute, ghosts="full_passes" if zero3 else "moe_calls"
+    )
     config = ds_config(
         job, mesh.dp_size, n_params=sum(p.numel() for p in net.parameters()), device_type=mesh.device.type
     )
@@ -368,8 +371,6 @@ def build_session(job: JobConfig, mesh: Mesh) -> DeepSpeedSession:
         total_tokens=job.train.steps * job.tokens_per_step,
         seed=job.train.seed,
     )
-    zero3 = job.deepspeed.zero_stage == 3  # every rank calls the same modules: full ghost passes, direct backward
-    net.ghosts = "full_passes" if zero3 else "moe_calls"
     ordered = not zero3
     step = DeepSpeedStep(
         engine,

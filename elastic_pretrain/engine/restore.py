@@ -36,5 +36,5 @@ def load_model(ckpt: Path) -> tuple[JobConfig, LoopedMoEModel]:
     else:
         load_tensors(net, None, CheckpointFiles(ckpt).tensors, what="model tensors")
     # the ELR conditioning heads are on exactly in the mixed phase (as in the trainer's session)
-    net.conditioning_active = meta.get("controller", {}).get("phase") == "mixed" and net.loop_conditioning is not None
+    net.set_modes(conditioning=meta.get("controller", {}).get("phase") == "mixed" and net.loop_conditioning is not None)
     return job, net.eval()

@@ -75,4 +75,4 @@ def load_export(net: LoopedMoEModel, export_dir: Path) -> None:
     if unknown or missing:
         raise UserError(f"{export_dir}: tensors do not match the model (unknown {unknown[:3]}, missing {missing[:3]})")
     net.load_state_dict(state, strict=True)
-    net.conditioning_active = bool(hf.get("loop_conditioning")) and net.loop_conditioning is not None
+    net.set_modes(conditioning=bool(hf.get("loop_conditioning")) and net.loop_conditioning is not None)

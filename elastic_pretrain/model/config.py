@@ -1,9 +1,9 @@
-"""Model configuration: the reference shape, flattening, and what is shared across loop passes."""
+"""Model configuration: the reference shape, flattening, and what is shared across loop passes; the run modes."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import Literal, get_args
 
 from elastic_pretrain.config import ConfigError, field
 
@@ -282,3 +282,36 @@ class DeciderConfig:
             )
         if self.threshold < 0:
             raise ConfigError(f"decider.threshold: must be >= 0 (0 = always run L_max), got {self.threshold}")
+
+
+GhostKind = Literal["moe_calls", "full_passes"]
+RecomputeKind = Literal["none", "selective", "pass"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunModes:
+    """How the model runs beyond its architecture (``ModelConfig``): chosen by whoever owns the model (``parallel/``,
+    the engine, the schedule), given to its constructor or ``set_modes`` (model/looped.py), read by every forward.
+
+    The model's other modes are its config's (``route_replay``, ``kv_training``, ``loop_conditioning``, the exit
+    axis) or a forward's arguments (``loops``, ``exits``, ``sync_loops``, ``exit_axis``); docs/architecture.md
+    lists them all."""
+
+    ghosts: GhostKind = "moe_calls"
+    """How a rank joins the passes its data/expert-parallel partners run beyond its ℓ: ``moe_calls`` (one zero token
+    per MoE call: expert parallelism's all-to-alls) or ``full_passes`` (every module call: DeepSpeed ZeRO-3's
+    parameter gathers)."""
+    recompute: RecomputeKind = "none"
+    """``train.recompute``: ``pass`` re-runs each pass (and ghost pass) in backward; ``selective`` is megatron's own
+    (in the ``TransformerConfig``), the model does nothing for it."""
+    conditioning: bool = False
+    """The ELR loop-count conditioning heads are on (the schedule's mixed phase; a stage without heads keeps the
+    flag too: every stage must agree on ``LoopedMoEModel.one_exit_per_run``)."""
+
+    def __post_init__(self) -> None:
+        for name, kind in (("ghosts", GhostKind), ("recompute", RecomputeKind)):
+            value = getattr(self, name)
+            if value not in get_args(kind):
+                raise ValueError(f"RunModes.{name}={value!r}: use one of {', '.join(get_args(kind))}")
+        if not isinstance(self.conditioning, bool):
+            raise ValueError(f"RunModes.conditioning={self.conditioning!r}: use True or False")

@@ -237,7 +237,7 @@ def run_per_token(
     no per-pass recompute (the K/V state of the passes is carried from pass to pass).
     ``keep``: a list that receives the hidden state after each pass (stopped tokens frozen).
     """
-    if model._recompute_passes():
+    if model.recomputes_passes():
         raise ConfigError(
             "decider.backbone=per_token carries each token's frozen K/V from pass to pass, which a "
             "recomputed pass would not see: use train.recompute=none or selective"
@@ -246,7 +246,7 @@ def run_per_token(
     loops = model.cfg.max_loops
     rope = model.rotary_pos_emb(ids_BT.shape[1])
     embedded: list[Tensor] = []
-    h_TBD = model._embed(ids_BT, rope, embedded)
+    h_TBD = model.embed(ids_BT, rope, embedded)
     emb_TBD = embedded[0]
     active_TB = torch.ones(h_TBD.shape[:2], dtype=torch.bool, device=h_TBD.device)
     ce_rows: list[Tensor] = []
@@ -256,12 +256,12 @@ def run_per_token(
     kv = StoppedKV()
     for j in range(loops):
         kv.stopped_TB = ~active_TB
-        x_TBD = model._core_pass(h_TBD, j, loops, rope, kv=kv)
+        x_TBD = model.core_pass(h_TBD, j, loops=loops, rope=rope, kv=kv)
         active_rows.append(active_TB.t())
         h_TBD = torch.where(active_TB[..., None], x_TBD, h_TBD)  # stopped tokens stay frozen
         with torch.no_grad():  # the coda attends across tokens: the served states and the lookahead differ
-            ahead_rows.append(ce(model._head_states(x_TBD, rope)))
-            ce_rows.append(ahead_rows[-1] if bool(active_TB.all()) else ce(model._head_states(h_TBD, rope)))
+            ahead_rows.append(ce(model.head_states(x_TBD, rope)))
+            ce_rows.append(ahead_rows[-1] if bool(active_TB.all()) else ce(model.head_states(h_TBD, rope)))
         if keep is not None:
             keep.append(h_TBD)
         if j + 1 < loops:
@@ -269,7 +269,7 @@ def run_per_token(
             logits.append(logit_TB)
             active_TB = active_TB & (torch.sigmoid(logit_TB.detach().float()) >= cfg.threshold)
     return PerTokenRun(
-        exit_ce_BT=ce(model._head_states(h_TBD, rope)),
+        exit_ce_BT=ce(model.head_states(h_TBD, rope)),
         ce_L_BT=torch.stack(ce_rows),
         ahead_L_BT=torch.stack(ahead_rows),
         active_L_BT=torch.stack(active_rows),

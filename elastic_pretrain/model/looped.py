@@ -35,7 +35,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
 from elastic_pretrain.config import ConfigError
-from elastic_pretrain.model.config import ModelConfig
+from elastic_pretrain.model.config import GhostKind, ModelConfig, RecomputeKind, RunModes
 from elastic_pretrain.model.decider import DeciderConfig, IterationDecider, PerTokenRun, run_per_token
 from elastic_pretrain.model.kv_training import FinalKV, mixed_attention, project_kv
 from elastic_pretrain.model.layer_list import LayerList
@@ -43,7 +43,6 @@ from elastic_pretrain.model.recompute import checkpoint_pass, checkpoint_scope
 from elastic_pretrain.model.replay_dispatch import check_replayable, moe_forward
 from elastic_pretrain.model.routing import RoutingProbe
 
-GhostKind = Literal["moe_calls", "full_passes"]
 P = ParamSpec("P")
 R = TypeVar("R")
 LoopedModelT = TypeVar("LoopedModelT", bound="LoopedMoEModel")
@@ -136,7 +135,14 @@ class CoreLayer(MegatronModule):
     """
 
     def __init__(
-        self, config: TransformerConfig, spec: ModuleSpec, *, layer_number: int, num_passes: int, tied_attention: bool
+        self,
+        config: TransformerConfig,
+        spec: ModuleSpec,
+        *,
+        layer_number: int,
+        num_passes: int,
+        tied_attention: bool,
+        replay_impl: Literal["dispatch", "router"] = "dispatch",
     ) -> None:
         super().__init__(config=config)
         n_attn = 1 if tied_attention else num_passes
@@ -147,7 +153,7 @@ class CoreLayer(MegatronModule):
         self.passes = LayerList(layers)
         # route replay: pass 0's routing per micro-batch (impl router: its top-k experts; dispatch: a RouteRecord)
         self.pass0_routes: dict[Hashable, Any] = {}
-        self.replay_impl: Literal["dispatch", "router"] = "dispatch"  # set by LoopedMoEModel from its config
+        self.replay_impl = replay_impl  # model.route_replay_impl
 
     @property
     def full_layer(self) -> Any:
@@ -323,9 +329,11 @@ class LoopedMoEModel(LanguageModule):
         stages: int = 1,
         decider: DeciderConfig | None = None,
         head_config: TransformerConfig | None = None,
+        modes: RunModes | None = None,
     ) -> None:
         super().__init__(config=config)
         self.cfg = cfg
+        self._modes = modes or RunModes()
         self.padded_vocab = padded_vocab
         self.share_embeddings_and_output_weights = cfg.tie_embeddings
         self.stage, self.stages = stage, stages
@@ -364,6 +372,7 @@ class LoopedMoEModel(LanguageModule):
                     layer_number=core_number + i,
                     num_passes=cfg.max_loops,
                     tied_attention=cfg.attention == "tied",
+                    replay_impl=cfg.route_replay_impl,
                 )
                 for i in range(per_stage)
             ],
@@ -376,8 +385,6 @@ class LoopedMoEModel(LanguageModule):
                 "model.kv_training=last_loop runs all passes before the graded run: use "
                 "parallel.pipeline=1, or model.kv_training=same_pass"
             )
-        for core in self.core_layers():
-            core.replay_impl = cfg.route_replay_impl
         self.coda = LayerList(
             [build_module(edge, config=config, layer_number=coda_number + i) for i in range(cfg.coda_layers)]
             if self.post_process
@@ -388,7 +395,6 @@ class LoopedMoEModel(LanguageModule):
         # layer) as without it: runs with and without heads are paired in initialisation, not only in data.
         with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
             self.loop_conditioning = LoopConditioning(config, cfg.max_loops) if with_conditioning else None
-        self.conditioning_active = False  # switched on by the schedule controller (mixed phase)
         # TaH2 iteration decider (a decider job): a submodule, so DDP, the optimizer and checkpoints
         # treat it like any parameter. Replicated over TP; under sequence parallelism each TP rank sees
         # only its sequence shard, so its gradients are partial sums: tagged like norm weights.
@@ -398,11 +404,6 @@ class LoopedMoEModel(LanguageModule):
             for p in self.decider.parameters():
                 p.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
         self.routing_probe: RoutingProbe | None = None
-        # how a rank joins passes its data/expert-parallel partners run beyond its ℓ: moe_calls (one zero token per
-        # MoE call: expert parallelism's all-to-alls) or full_passes (every module call: DeepSpeed ZeRO-3's gathers)
-        self.ghosts: GhostKind = "moe_calls"
-        # train.recompute, set by parallel/: 'pass' re-runs each pass (and ghost pass) in backward
-        self.recompute: Literal["none", "selective", "pass"] = "none"
         if self.post_process:
             self.final_layernorm = build_module(
                 specs.norm, config=config, hidden_size=config.hidden_size, eps=config.layernorm_epsilon
@@ -423,6 +424,52 @@ class LoopedMoEModel(LanguageModule):
             self.setup_embeddings_and_output_layer()
 
     # ------------------------------------------------------------------------------------------
+    # Run modes (RunModes): read here, set only through the constructor or set_modes
+    @property
+    def modes(self) -> RunModes:
+        return self._modes
+
+    def set_modes(
+        self,
+        *,
+        ghosts: GhostKind | None = None,
+        recompute: RecomputeKind | None = None,
+        conditioning: bool | None = None,
+    ) -> RunModes:
+        """Change the named run modes (the others stay); returns the modes before, so a caller can restore them."""
+        before = self._modes
+        self._modes = RunModes(
+            ghosts=before.ghosts if ghosts is None else ghosts,
+            recompute=before.recompute if recompute is None else recompute,
+            conditioning=before.conditioning if conditioning is None else conditioning,
+        )
+        return before
+
+    @property
+    def ghosts(self) -> GhostKind:
+        return self._modes.ghosts
+
+    @ghosts.setter
+    def ghosts(self, value: object) -> None:
+        _refuse_mode_attribute("ghosts", "ghosts")
+
+    @property
+    def recompute(self) -> RecomputeKind:
+        return self._modes.recompute
+
+    @recompute.setter
+    def recompute(self, value: object) -> None:
+        _refuse_mode_attribute("recompute", "recompute")
+
+    @property
+    def conditioning_active(self) -> bool:
+        """The loop-count conditioning heads are on (``RunModes.conditioning``)."""
+        return self._modes.conditioning
+
+    @conditioning_active.setter
+    def conditioning_active(self, value: object) -> None:
+        _refuse_mode_attribute("conditioning_active", "conditioning")
+
     def set_input_tensor(self, input_tensor: Tensor | None) -> None:  # megatron schedule hook (PP=1: unused)
         self.input_tensor = input_tensor
 
@@ -486,7 +533,7 @@ class LoopedMoEModel(LanguageModule):
         """
         self.cfg.check_loops(loops)
         rope = self.rotary_pos_emb(input_ids_BT.shape[1])
-        h_TBD = self._embed(input_ids_BT, rope, keep)
+        h_TBD = self.embed(input_ids_BT, rope, keep)
         if self.ghosts == "full_passes":
             return self._run_with_full_ghosts(
                 h_TBD, rope, loops=loops, exits=exits, sync_loops=sync_loops or loops, keep=keep
@@ -507,7 +554,7 @@ class LoopedMoEModel(LanguageModule):
         for _ in range(loops, sync_loops or loops):
             g = self._ghost_pass(h_TBD)
             ghost = g if ghost is None else ghost + g
-        return {e: self._head_states(states[e], rope, kv) for e in sorted(states)}, ghost
+        return {e: self.head_states(states[e], rope, kv) for e in sorted(states)}, ghost
 
     def _run_with_full_ghosts(
         self,
@@ -544,7 +591,7 @@ class LoopedMoEModel(LanguageModule):
             z_TBD = self._core_pass(z_TBD, j, loops, rope, ghost=True)
         if sync_loops > loops:
             states[loops] = GhostJoin.apply(h_TBD, z_TBD)
-        return {e: self._head_states(states[e], rope) for e in sorted(states)}
+        return {e: self.head_states(states[e], rope) for e in sorted(states)}
 
     @_in_fp8_forward
     def run_layers(self, input_ids_BT: Tensor, *, exits: Sequence[int]) -> dict[int, Tensor]:
@@ -559,10 +606,10 @@ class LoopedMoEModel(LanguageModule):
             raise ValueError("exit_axis=layer needs a non-looped stack (L_max = 1) without pipeline parallelism")
         if not exits or not all(1 <= k <= k_max for k in exits):
             raise ValueError(f"layer exits {sorted(exits)} must be a non-empty subset of 1..{k_max} (core layers)")
-        if self.cfg.kv_training == "last_loop" or self._recompute_passes():
+        if self.cfg.kv_training == "last_loop" or self.recomputes_passes():
             raise ValueError("exit_axis=layer runs with model.kv_training=same_pass and train.recompute none|selective")
         rope = self.rotary_pos_emb(input_ids_BT.shape[1])
-        h_TBD = self._embed(input_ids_BT, rope)
+        h_TBD = self.embed(input_ids_BT, rope)
         if self.loop_conditioning is not None and self.conditioning_active:  # as _pass_body does at pass 0
             h_TBD = h_TBD + self.loop_conditioning(1, 0).to(h_TBD.dtype)
         if self.routing_probe is not None:
@@ -573,7 +620,7 @@ class LoopedMoEModel(LanguageModule):
                 break
             h_TBD = core(h_TBD, pass_idx=0, rotary_pos_emb=rope)
             if k in exits:
-                out[k] = self._head_states(h_TBD, rope)
+                out[k] = self.head_states(h_TBD, rope)
         return out
 
     @_in_fp8_forward
@@ -589,7 +636,7 @@ class LoopedMoEModel(LanguageModule):
         """
         rope = self.rotary_pos_emb(input_ids_BT.shape[1])
         if h_TBD is None:
-            h_TBD = self._embed(input_ids_BT, rope)
+            h_TBD = self.embed(input_ids_BT, rope)
         if pass_idx < loops:
             return self._core_pass(h_TBD, pass_idx, loops, rope, key)
         if pass_idx < sync_loops:
@@ -600,9 +647,14 @@ class LoopedMoEModel(LanguageModule):
     def head_losses(self, h_TBD: Tensor, input_ids_BT: Tensor, labels_BT: Tensor) -> Tensor:
         """Per-token CE ``[B, T]`` of hidden states that finished their passes (last stage only)."""
         rope = self.rotary_pos_emb(input_ids_BT.shape[1])
-        return self.compute_language_model_loss(labels_BT, self.logits(self._head_states(h_TBD, rope)))
+        return self.compute_language_model_loss(labels_BT, self.logits(self.head_states(h_TBD, rope)))
 
-    def _embed(self, input_ids_BT: Tensor, rope: Tensor, keep: list[Tensor] | None = None) -> Tensor:
+    # ------------------------------------------------------------------------------------------
+    # The pieces of a run: the forward entry points above compose them; public for the per-token decider run
+    # (model/decider.py: run_per_token), which steps them itself. None enters the forward-wide autocast of delayed
+    # FP8 scaling: a caller of several holds it (fp8_forward).
+    def embed(self, input_ids_BT: Tensor, rope: Tensor, keep: list[Tensor] | None = None) -> Tensor:
+        """Embedding and prelude (first stage): the state entering pass 0 (``keep`` receives the token embedding)."""
         h_TBD = self.embedding(input_ids=input_ids_BT, position_ids=None)
         if keep is not None:  # the decider reads the token embedding
             keep.append(h_TBD)
@@ -637,11 +689,19 @@ class LoopedMoEModel(LanguageModule):
                     )
                 for _ in range(loops, sync_loops or loops):
                     self._ghost_body(h_TBD)
-                self._head_states(h_TBD, rope, kv)
+                self.head_states(h_TBD, rope, kv)
         finally:
             self.routing_probe = probe
         kv.capture = False
         return kv
+
+    def core_pass(
+        self, h_TBD: Tensor, j: int, *, loops: int, rope: Tensor, key: Hashable = None, kv: FinalKV | None = None
+    ) -> Tensor:
+        """Pass j (0-based) of a micro-batch that runs ℓ = ``loops`` through this stage's core layers: loop
+        conditioning, each core layer, route replay, per-pass recompute and ``kv`` (K/V other than the pass's
+        own, model/kv_training.py) as the model's modes and config say."""
+        return self._core_pass(h_TBD, j, loops, rope, key, kv)
 
     def _core_pass(
         self,
@@ -656,7 +716,7 @@ class LoopedMoEModel(LanguageModule):
         """Pass j of a micro-batch that runs ℓ = ``loops`` through this stage's core layers (``ghost``: pass
         j >= ℓ run only for its module calls, see :meth:`_run_with_full_ghosts`)."""
         body = partial(self._pass_body, j=j, loops=loops, key=key, kv=kv, ghost=ghost)
-        if self._recompute_passes():
+        if self.recomputes_passes():
             return self._checkpointed(body, h_TBD, rope)
         return body(h_TBD, rope, recomputing=False)
 
@@ -697,7 +757,7 @@ class LoopedMoEModel(LanguageModule):
         pass then starts with its forward all-to-alls again, on the ranks that ghost it too, so the
         collectives of an expert-parallel group keep pairing up in backward.
         """
-        if self._recompute_passes():
+        if self.recomputes_passes():
             return self._checkpointed(lambda h, recomputing: self._ghost_body(h), like_TBD)
         return self._ghost_body(like_TBD)
 
@@ -711,7 +771,8 @@ class LoopedMoEModel(LanguageModule):
         assert ghost is not None
         return ghost
 
-    def _recompute_passes(self) -> bool:
+    def recomputes_passes(self) -> bool:
+        """Whether a pass run now is checkpointed and re-run in backward (``RunModes.recompute: pass``, training)."""
         return self.recompute == "pass" and self.training and torch.is_grad_enabled()
 
     def _checkpointed(self, body: Callable[..., Tensor], *tensors: Tensor) -> Tensor:
@@ -734,7 +795,7 @@ class LoopedMoEModel(LanguageModule):
                 return te_checkpoint(run, False, tensor_parallel.get_cuda_rng_tracker, None, *tensors)
             return checkpoint_pass(run, *tensors)
 
-    def _head_states(self, h_TBD: Tensor, rope: Tensor, kv: FinalKV | None = None) -> Tensor:
+    def head_states(self, h_TBD: Tensor, rope: Tensor, kv: FinalKV | None = None) -> Tensor:
         """Coda and final norm. ``kv`` (``kv_training: last_loop``): while capturing, keep each coda layer's
         K/V; else each coda layer attends to earlier tokens' captured K/V and the token's own."""
         layer: Any
@@ -868,6 +929,14 @@ def _without_router_losses(routers: Sequence[torch.nn.Module]) -> Iterator[None]
     finally:
         for r, t in zip(routers, was, strict=True):
             r.training = t
+
+
+def _refuse_mode_attribute(attribute: str, mode: str) -> None:
+    """A run mode set as an attribute: refused, so that no caller sets a mode no forward reads (issue 34, item 2)."""
+    raise AttributeError(
+        f"LoopedMoEModel.{attribute} is a run mode: pass modes=RunModes({mode}=...) to the constructor "
+        f"(build_model) or call model.set_modes({mode}=...)"
+    )
 
 
 def _layer_number(layer: Any) -> int:

@@ -16,7 +16,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from elastic_pretrain.config import ConfigError
 from elastic_pretrain.internals import require
-from elastic_pretrain.model.config import ModelConfig
+from elastic_pretrain.model.config import GhostKind, ModelConfig, RunModes
 from elastic_pretrain.model.decider import DeciderConfig
 from elastic_pretrain.model.looped import LayerSpecs, LoopedMoEModel
 from elastic_pretrain.model.vocab import padded_vocab_size
@@ -86,7 +86,7 @@ def check_fp8_device(recipe: str, capability: tuple[int, int]) -> None:
 
 def _recompute_kwargs(recompute: Recompute) -> dict[str, Any]:
     """``selective``: megatron's core-attention recompute (the looped model calls each layer's attention
-    module, which checkpoints itself). ``pass`` is the looped model's own (``LoopedMoEModel.recompute``)."""
+    module, which checkpoints itself). ``pass`` is the looped model's own (``RunModes.recompute``)."""
     if recompute == "selective":
         return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
     return {}
@@ -228,11 +228,13 @@ def build_model(
     *,
     decider: DeciderConfig | None = None,
     recompute: Recompute = "none",
+    ghosts: GhostKind = "moe_calls",
     main_grad: bool = False,
 ) -> LoopedMoEModel:
     """Build the looped model (this pipeline stage's part of it) for the current process's place in the
     (already initialised) mesh (with an iteration decider submodule when ``decider`` is given: a decider job
-    or its checkpoints; ``recompute``: ``train.recompute``; ``main_grad``: it will be wrapped in megatron's
+    or its checkpoints; ``recompute``: ``train.recompute``; ``ghosts``: how it joins deeper partners' passes,
+    ``RunModes.ghosts``; ``main_grad``: it will be wrapped in megatron's
     DDP, see :func:`transformer_config`)."""
     from megatron.core import parallel_state
 
@@ -248,8 +250,8 @@ def build_model(
         stages=parallel.pipeline,
         decider=decider,
         head_config=output_layer_config(tconfig),
+        modes=RunModes(recompute=recompute, ghosts=ghosts),
     )
-    net.recompute = recompute
     mark_tp_replicated_experts(net, parallel)
 
     shard = net.padded_vocab // parallel.tensor

@@ -74,7 +74,7 @@ class Session:
         """The conditioning heads are on exactly in the mixed phase (also after a resume)."""
         # from the config, not from this rank's modules: only the first pipeline stage holds the heads,
         # and every stage must agree (evaluation runs one pass per ℓ when they are on)
-        self.net.conditioning_active = self.controller.mixed and self.job.model.loop_conditioning
+        self.net.set_modes(conditioning=self.controller.mixed and self.job.model.loop_conditioning)
 
     def tensors(self) -> ModelTensors:
         """The model and optimizer, as a checkpoint saves them (sharded, layout-independent)."""

@@ -77,7 +77,7 @@ def run(layout: str, recompute: str, grad_reduce: str, out: Path, *, distributed
     torch.set_num_threads(1)
     cfg = dataclasses.replace(MODEL, route_replay=recompute == "pass")  # replay: router weight used functionally
     net = build_model(cfg, par, recompute=recompute)  # type: ignore[arg-type]
-    net.conditioning_active = True  # the loop-count heads (of the mixed phase)
+    net.set_modes(conditioning=True)  # the loop-count heads (of the mixed phase)
     if grad_reduce == "stock":  # megatron's overlap_grad_reduce with its own bucket bookkeeping
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 

@@ -90,7 +90,7 @@ def micro_batches(batches: torch.Tensor, case: str, replicas: list[int]) -> list
 def reference(out: Path) -> None:
     open_phase(out, "p0", 1, "ref")
     net = build_model(MODEL, LAYOUTS["ref"])
-    net.conditioning_active = True
+    net.set_modes(conditioning=True)
     with torch.no_grad():  # the head is zero-initialised; make its gradient reach every one of its weights
         net.loop_conditioning.out.weight.normal_(0.0, 0.02, generator=torch.Generator().manual_seed(1))
     batches = torch.randint(0, MODEL.vocab_size, (2, MICRO, ROWS, SEQ + 1), generator=torch.Generator().manual_seed(0))
@@ -126,7 +126,7 @@ def pipelined(out: Path, phase: str, layout: str, world: int) -> None:
     mesh = open_phase(out, phase, world, layout)
     ref = torch.load(out / "ref.pt", weights_only=True)
     net = build_model(MODEL, LAYOUTS[layout])
-    net.conditioning_active = True
+    net.set_modes(conditioning=True)
     n_local = MODEL.experts_built // mesh.ep_size
     with torch.no_grad():
         for name, p in net.named_parameters():
@@ -137,7 +137,7 @@ def pipelined(out: Path, phase: str, layout: str, world: int) -> None:
     pipeline = Pipeline(model, net, stages=mesh.pp_size)
     for case in [*PLANS, "mixedrecompute"]:
         plans = case.removesuffix("recompute")
-        net.recompute = "pass" if case.endswith("recompute") else "none"
+        net.set_modes(recompute="pass" if case.endswith("recompute") else "none")
         model.zero_grad_buffer()
         syncs.clear()
         micro = micro_batches(ref["batches"], plans, [mesh.dp_rank])

@@ -1,4 +1,4 @@
-"""Full ghost passes (``LoopedMoEModel.ghosts = "full_passes"``, the DeepSpeed engine's ZeRO-3 mixed depth) on one
+"""Full ghost passes (``RunModes(ghosts="full_passes")``, the DeepSpeed engine's ZeRO-3 mixed depth) on one
 process: a micro-batch at ℓ run for a deeper ``sync_loops`` calls exactly the modules of the deeper run, in the
 same order, forward and backward (what ZeRO-3's parameter gathers and gradient hooks see), while its loss, its
 gradients and its MoE aux losses are bitwise those of ℓ passes alone (the ghosts' contributions are exactly zero).
@@ -41,8 +41,7 @@ def run(
 ) -> dict[str, Any]:
     torch.manual_seed(0)
     net = build_model(cfg, ParallelConfig()).train()
-    net.ghosts = ghosts
-    net.conditioning_active = net.loop_conditioning is not None
+    net.set_modes(ghosts=ghosts, conditioning=net.loop_conditioning is not None)
     if net.loop_conditioning is not None:
         with torch.no_grad():  # the conditioning head is zero-initialised: give it something to differentiate
             net.loop_conditioning.out.weight.normal_(0, 0.02)

@@ -134,13 +134,13 @@ def test_per_token_refuses_per_pass_recompute(model, tmp_path):
     assert "\n" not in str(err.value)
     dec = make_decider(model, spread=2.0, backbone="per_token")
     x = ids(1, 6, 3)
-    model.recompute = "pass"
+    model.set_modes(recompute="pass")
     model.train()
     try:
         with pytest.raises(ConfigError, match=r"train\.recompute=none or selective"):
             run_per_token(model, dec, x[:, :-1], _ce(model, x[:, 1:]))
     finally:
-        model.recompute = "none"
+        model.set_modes(recompute="none")
         model.eval()
 
 

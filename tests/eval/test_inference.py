@@ -37,7 +37,7 @@ def test_per_loop_cache_matches_the_model_forward(model, ell):
 
 def test_per_loop_cache_with_route_replay_and_active_conditioning(mesh1):
     model = build_model(tiny(route_replay=True), PAR).eval()
-    model.conditioning_active = True
+    model.set_modes(conditioning=True)
     with torch.no_grad():
         model.loop_conditioning.out.weight.normal_(0, 0.5)
     x = ids(1, 8, 2)

@@ -30,7 +30,7 @@ def test_loss_by_loops_is_the_real_vocabulary_ce_and_separates_conditioned_runs(
         ref = token_ce(logits[ell].double(), tokens[:, 1:]).mean()
         assert loss == pytest.approx(float(ref), abs=1e-6)
     # with active conditioning each ℓ is conditioned on itself: ℓ=1 must be its own run, not the L_max exit
-    model.conditioning_active = True
+    model.set_modes(conditioning=True)
     with torch.no_grad():
         model.loop_conditioning.out.weight.normal_(0, 0.5)
         own = token_ce(model(tokens[:, :-1], loops=1)[1], tokens[:, 1:]).double().mean()
@@ -38,7 +38,7 @@ def test_loss_by_loops_is_the_real_vocabulary_ce_and_separates_conditioned_runs(
     cond = loss_by_loops(model, tokens, [1])
     assert cond[1] == pytest.approx(float(own), abs=1e-6)
     assert abs(float(own) - float(exit_of_4)) > 1e-4
-    model.conditioning_active = False
+    model.set_modes(conditioning=False)
     curve = quality_curve(model, tokens, batch_size=2)
     assert [p.loops for p in curve.points] == [1, 2, 3, 4]
     assert curve.points[-1].relative_compute == 1.0

@@ -43,7 +43,7 @@ def build(
                          decider=decider)  # fmt: skip
     net.set_vocab_shard(0, net.padded_vocab)
     if conditioning and net.loop_conditioning is not None:
-        net.conditioning_active = True
+        net.set_modes(conditioning=True)
         with torch.no_grad():
             net.loop_conditioning.out.weight.normal_(0.0, 0.1)  # zero-init: make it matter
     return net.eval()

@@ -38,7 +38,7 @@ def test_switching_on_zero_init_conditioning_leaves_the_loss_unchanged(mesh1):
     tokens = batch(cfg)
     assert torch.count_nonzero(model.loop_conditioning.out.weight) == 0
     before = {ell: model(tokens[:, :-1], labels=tokens[:, 1:], loops=ell)[ell].mean() for ell in (1, 3, 4)}
-    model.conditioning_active = True
+    model.set_modes(conditioning=True)
     after = {ell: model(tokens[:, :-1], labels=tokens[:, 1:], loops=ell)[ell] for ell in (1, 3, 4)}
     for ell in before:
         assert abs(float(after[ell].mean()) - float(before[ell])) <= 1e-6
@@ -57,7 +57,7 @@ def test_late_switch_from_one_loop_leaves_the_one_loop_loss_unchanged(mesh1):
     one = model(tokens[:, :-1], labels=tokens[:, 1:], loops=1)[1].mean()
     deep = model(tokens[:, :-1], labels=tokens[:, 1:], loops=4)[4].mean()
     written = model.init_unused_passes(range(1, 4))
-    model.conditioning_active = True
+    model.set_modes(conditioning=True)
     core = model.core_layers()[0]
     assert len(written) == len(model.core_layers()) * 3 * len(list(core.passes[1].parameters())) > 0
     pass0 = dict(core.full_layer.named_parameters())
@@ -72,7 +72,7 @@ def test_late_switch_from_one_loop_leaves_the_one_loop_loss_unchanged(mesh1):
 def test_conditioning_depends_on_target_loops_once_trained(mesh1):
     cfg = tiny()
     model = build_model(cfg, PAR)
-    model.conditioning_active = True
+    model.set_modes(conditioning=True)
     with torch.no_grad():
         model.loop_conditioning.out.weight.normal_(0, 0.5)
     v3, v4 = model.loop_conditioning(3, 0), model.loop_conditioning(4, 0)

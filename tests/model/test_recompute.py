@@ -44,7 +44,7 @@ def run(cfg: ModelConfig, recompute: str, *, loops: int, exits=(), state=None, p
     net = build_model(cfg, PAR, recompute=recompute).train()
     if state is not None:
         net.load_state_dict(state)
-    net.conditioning_active = True
+    net.set_modes(conditioning=True)
     with torch.no_grad():  # the conditioning head is zero-initialised: give it something to differentiate
         net.loop_conditioning.out.weight.normal_(0, 0.02)
     tokens = torch.randint(0, cfg.vocab_size, (2, 17), generator=torch.Generator().manual_seed(3))

@@ -170,7 +170,7 @@ def test_pipeline_chunks_replay_per_micro_batch(mesh1):
         for key, x in (("a", a), ("b", b)):
             h[key] = net.run_chunk(h[key], x, pass_idx=j, loops=3, sync_loops=3, key=key)
     for key, x in (("a", a), ("b", b)):
-        got = net.logits(net._head_states(h[key], net.rotary_pos_emb(x.shape[1])))
+        got = net.logits(net.head_states(h[key], net.rotary_pos_emb(x.shape[1])))
         torch.testing.assert_close(got.transpose(0, 1)[..., : cfg.vocab_size], want[key], **TOL)
 
 

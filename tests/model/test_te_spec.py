@@ -176,7 +176,8 @@ def test_te_spec_computes_what_the_local_spec_computes(mesh1, te_standins, norma
     mapped = to_te_names(local.state_dict(), set(te.state_dict()))
     missing, unexpected = te.load_state_dict(mapped, strict=False)
     assert not [k for k in missing if not k.endswith("_extra_state")] and not unexpected, (missing, unexpected)
-    local.conditioning_active = te.conditioning_active = True
+    local.set_modes(conditioning=True)
+    te.set_modes(conditioning=True)
     tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     labels = torch.roll(tokens, -1, 1)
     with torch.no_grad():

@@ -38,7 +38,7 @@ PLANS = [[(3, (3,)), (1, (1,)), (2, (1, 2))], [(1, (1,)), (2, (2,)), (1, (1,))]]
 def test_expected_hooks_equal_the_hooks_that_fire(mesh1, recompute, replay):
     cfg = dataclasses.replace(MODEL, route_replay=replay is not None, route_replay_impl=replay or "dispatch")
     net = build_model(cfg, ParallelConfig(), recompute=recompute)
-    net.conditioning_active = True
+    net.set_modes(conditioning=True)
     model = wrap_ddp_for_test(net, grad_reduce="overlap", bucket_size=4000)
     assert isinstance(model, DepthOverlapDDP)
     ledger = model.ledger
@@ -164,7 +164,7 @@ def _train(gather: str, steps: int) -> tuple[list[float], dict[str, torch.Tensor
         "train.distributed_optimizer=true",
     )
     net = build_model(MODEL, ParallelConfig())
-    net.conditioning_active = True
+    net.set_modes(conditioning=True)
     # buckets of <= 1000 parameters: pass 2's attention fills buckets of its own, which step 2 (ℓ <= 2) leaves
     # unused, so no forward waits for their gathers (finish_grad_sync must, before the optimizer writes)
     model = wrap_ddp(job, net, bucket_size=1000)

@@ -225,7 +225,7 @@ def test_delayed_scaling_enters_the_autocast_once_per_forward(mesh1, monkeypatch
     net.run_loops(inputs, loops=2, exits=(2,))  # an entry point of its own (decider loss)
     assert autocast.entered == [-1]
     with pytest.raises(RuntimeError, match=r"model\.fp8=delayed: a layer ran outside its forward's FP8 autocast"):
-        net._embed(inputs, net.rotary_pos_emb(inputs.shape[1]))
+        net.embed(inputs, net.rotary_pos_emb(inputs.shape[1]))
 
 
 @pytest.mark.parametrize(("recipe", "want"), [("delayed", [-1]), ("tensorwise", [CORE, CODA])])

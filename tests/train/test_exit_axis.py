@@ -137,7 +137,7 @@ def test_evaluate_on_the_layer_axis_reads_every_layer_exit(mesh1, conditioned):
     if conditioned:
         with torch.no_grad():
             plain = loss_by_loops(model, t, loops=[1, 2], batch_size=2, exit_axis="layer")
-            model.conditioning_active = True
+            model.set_modes(conditioning=True)
             model.loop_conditioning.out.weight.normal_(0, 0.5)
         assert loss_by_loops(model, t, loops=[1, 2], batch_size=2, exit_axis="layer")[1] != pytest.approx(plain[1])
     val = loss_by_loops(model, t, loops=[1, 2, 3, 4], batch_size=2, exit_axis="layer")

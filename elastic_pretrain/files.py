@@ -1,35 +1,11 @@
 """Every file the package writes into a run directory, a checkpoint or an export, and every metadata file it
-reads from one, goes through this module (issue 35; docs/security.md, "Files in a run directory").
+reads from one, goes through this module (issue 35).
 
-A run directory may come from someone else. Any name in it can be a planted symbolic link (``summary.json ->
-~/.bashrc``, ``eval -> ~/.ssh``), a FIFO (an ``open`` for reading blocks until someone writes) or a link to
-``/dev/zero`` (a read never ends). So:
-
-* **Writes** (:func:`write_atomic`, :func:`write_private`, :func:`atomic_file`, :func:`atomic_path`,
-  :func:`copy_file`) create a new file under an unpredictable temporary name with ``O_CREAT | O_EXCL |
-  O_NOFOLLOW`` in the target's own directory and rename it over the target: a link at the target is replaced,
-  never written through, and the target is never half-written. **Appends** (:func:`append_text`) open with
-  ``O_NOFOLLOW | O_APPEND`` and refuse anything but a regular file with one link.
-* **Directories**: every write names a ``root`` — the directory the user named (``--run-dir``, the checkpoint
-  given to ``eval``, ``--out``), taken as given even when it is itself a link. Each directory *below* the
-  root is opened with ``O_NOFOLLOW | O_DIRECTORY`` relative to its parent's descriptor (created when
-  missing), and the file is created and renamed relative to the last one, so a planted ``eval -> ~/.ssh``
-  is refused with one line instead of followed, and no component can be swapped between check and use.
-* **Reads** (:func:`read_bounded`, :func:`read_text_bounded`) open with ``O_NOFOLLOW | O_NONBLOCK`` (opening a
-  FIFO does not block), require a regular file by ``fstat`` and read at most a stated bound per kind of file
-  (:data:`LIMITS`); anything else is a one-line :class:`~elastic_pretrain.errors.UserError`.
-
-Small files of an *export folder* (a JSON object, a code file to compare) are read by :func:`read_small`,
-:func:`read_json_object` and :func:`check_regular`: only a regular file (links followed: an export is
-compared byte for byte, not trusted for where it points), a FIFO or a device refused without blocking,
-never more bytes than the caller expects, and every failure one line.
-
-A name read from a manifest or a checkpoint's metadata becomes a path only if :func:`is_plain_name` holds
-(one file name: no separator, not ``.``/``..``) and the joined path stays inside its directory (:func:`inside`,
-links followed).
-
-``tests/security/test_no_unsafe_writes.py`` walks the syntax tree of every module and fails on a write that does
-not come through here (an allow-list names the exceptions, each with its reason).
+A run directory may come from someone else: any name in it can be a planted link, a FIFO or ``/dev/zero``.
+So writes go to a new ``O_EXCL | O_NOFOLLOW`` temporary file renamed over the target, directories below the
+user's root are opened ``O_NOFOLLOW``, and reads require a regular file and stop at a bound (:data:`LIMITS`).
+``tests/security/test_no_unsafe_writes.py`` fails on a write that does not come through here.
+docs/security.md, "Files in a run directory: writes and reads".
 """
 
 from __future__ import annotations

@@ -1,45 +1,9 @@
-"""The run directory: every file a run holds, named once. The contract between the trainer, the
-checkpointer, the sbatch script (``slurm/train.sbatch`` spells the same names in bash), the CLI and the
-experiments; no other module builds a path inside a run directory by hand.
+"""The run directory: every file a run holds, named once (:class:`RunFiles`, :class:`CheckpointFiles`).
 
+The contract between the trainer, the checkpointer, the sbatch script (``slurm/train.sbatch`` spells the same
+names in bash), the CLI and the experiments; no other module builds a path inside a run directory by hand.
 This module is at the bottom of the package: it imports nothing from it (tests/test_layering.py).
-
-``<run_dir>/`` (``runs/<name>`` unless ``run_dir`` is set)::
-
-    config.yaml               the resolved job, secrets redacted (job.write_resolved; rank 0 at start)
-    history.jsonl             one JSON line per trained step, appended (train/trainer.py SummaryWriter)
-    summary.json              final validation loss per ℓ, counters, layout, the history (at the end/stop)
-    FINISHED                  JSON {step, tokens}: training completed; a run with it is never requeued
-    STOPPED                   JSON {step, tokens, reason}: this start stopped on a stop signal after saving
-                              (removed at the next start); the batch script requeues even when the signal
-                              reached the trainer but not the script
-    mlflow_run_id             text: the MLflow run id, written when tracking closes (optional)
-    mlflow/                   the local MLflow store and the tracker's files (tracking/: mlflow.db,
-                              run.json, artifacts/, staging/, quality_budget/); artifact locations in
-                              mlflow.db are relative to this folder (tracking/store.py)
-    eval/step_<N>/            ``elastic-pretrain eval`` reports of checkpoint step_<N> (eval.md, quality.png,
-                              adaptive.png): beside the checkpoints, which rotation deletes, not in them
-    hang/rank_<R>.txt         stack dump of every thread when rank R's step hung (train/watchdog.py)
-    profile/rank_<R>.json     torch profiler trace of rank R's profiled window (train/profiling.py)
-    checkpoints/
-        .tmp-step_<N>/        a save being written (every rank writes its part here)
-        .trash-step_<N>/      a checkpoint being deleted (renamed first: never half a committed one)
-        step_<N>/             a committed checkpoint (:class:`CheckpointFiles`)
-        latest                text ``step_<N>``, replaced atomically after step_<N> is committed
-        index.json            the committed checkpoints (``elastic-pretrain checkpoints --json``), at the end
-    slurm/                    written by ``elastic-pretrain submit`` / ``cancel`` and the batch script
-        train.sbatch          the rendered script that was submitted
-        job.yaml              the resolved job as submitted (presets, overrides): what every (re)start trains
-        train-<id>.log        stdout+stderr of Slurm job <id>, every (re)start appended (a requeue keeps the id)
-        job_id                the Slurm job id of the latest submission
-        CANCELLED             marker: ``cancel`` was run, the batch script must not requeue
-
-``step_<N>/``::
-
-    model_optim/              model + optimizer tensors, megatron-core dist_checkpointing (torch_dist)
-    trainer.json              the named stateful objects' states, Adam's step, config, layout
-    rng/rank_<R>.pt           RNG states of rank R (plain tensors; loaded with weights_only=True)
-    COMMITTED                 JSON: step, size and CRC32 of every file above; written last
+The layout, file by file, who writes each and why: docs/run-directory.md (the tables at the top).
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
 """A synthetic corpus where depth pays: chained variable assignments, generated from a seed (issue 32).
 
-Every paper this project reproduces presupposes that extra depth (loops, layers, exits) lowers the loss;
-on 0.3 M parameters and a byte corpus it does not (docs/results/README.md). Looped transformers beat
-single-pass ones on tasks that need *iterated* computation even at tiny scale, so this source writes text
-in which the number of sequential steps a token needs is known per token::
-
-    a7,ba,c3,dc,ed,fb;?f7?e3?d3?c3?b7?a7
-
-A line assigns a digit to the first variable of each of ``chains`` chains (``a7``: a = 7) and then each next
-variable of a chain to the one before it (``ba``: b = a), the chains interleaved; after ``;`` every variable
-is queried once as ``?<name><value>``. The value of a variable at depth k (``a`` 1, ``b`` 2, ``f`` 3) is k
-lookups away: a model resolves about one lookup per attention layer, so a one-pass model can answer shallow
-queries and only a deeper one the rest. No query is asked before the queries of its descendants (an
-ancestor's answer would shorten every descendant's chase); the *difficulty* of an answer token is the fewest
-lookups that reach a value in view, every other token's is 0. With every variable asked (``queries: all``)
-that is the whole chase only for a chain's last variable: an ancestor asked after its child is two lookups
-away (``fb`` names f's source b, and ``?f7`` gave f's value), however deep it sits. An earlier solver counted
-the chase from the root alone and labelled those answers with their depth, overstating the hard tokens;
-``queries: leaves`` asks only the last variable of each chain, so every answer is a full chase.
-
-A document is exactly ``seq_len`` bytes (whole lines, then ``.`` padding): with its EOS it fills one
-packed row, so no row starts inside a line whose definitions it cannot see. The tables are small (a
-handful of one-letter names, ten digits) because a probe showed that a tiny model does not learn large
-lookup tables within the CPU budget (../shared/notes/depth-pays-probe.md). With ``names: alphabetical``
-(a, b, c, ... asked in reverse) every token but the chains' shape and the answers is predictable, so the
-answers carry most of the loss; the tiny model of ``jobs/experiments/depth-premise/`` then leaves the
-plateau of copying from context after 500 to over 1,000 steps, by seed (with random names and ``b=a`` it
-had barely begun to at 500 steps; docs/experiments.md).
-
-The difficulty is not carried from the generator: :func:`difficulty` recomputes it from the text alone
-(a reference solver), so anyone can check the labels of a prepared dataset; the tests check it against
-the generator's own depths.
+On 0.3 M parameters and a byte corpus extra depth does not lower the loss, which every reproduced paper
+presupposes; here the number of sequential lookups each token needs is known per token (``a7,ba;?b7?a7``).
+The difficulty is not carried from the generator: :func:`difficulty` recomputes it from the text alone (a
+reference solver), so anyone can check a prepared dataset's labels.
+docs/data.md, "Synthetic data: a corpus where depth pays" (format, difficulty rule, settings, why this shape).
 """
 
 from __future__ import annotations

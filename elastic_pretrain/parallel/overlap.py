@@ -1,48 +1,11 @@
-"""Gradient reduction overlapped with backward under a changing loop count (``parallel.grad_reduce: overlap``).
+"""Gradient reduction (and parameter all-gather) overlapped with backward under a changing loop count.
 
-megatron-core 0.16.1's ``overlap_grad_reduce`` starts a bucket's all-reduce / reduce-scatter from the
-gradient-ready hooks of the step's *last* micro-batch, once every parameter of the bucket has had as
-many hooks as on the *first* step (its "golden" counts). Mixed depth breaks both assumptions: which
-parameters get a gradient, and how often, follows the micro-batch's ℓ (passes beyond ℓ leave their
-attention unused; ``train.recompute: pass`` re-runs each pass in a backward call of its own, one hook
-per pass for the shared experts and routers; an EP group's ghost passes touch the experts). It either
-stops at its first-step assertion or, worse, leaves one rank's bucket un-issued while its peers wait
-(tests/train/test_overlap_grad_reduce.py shows the stock behaviour).
-
-:class:`DepthOverlapDDP` keeps megatron's buffers, buckets and collectives and replaces *when* a bucket
-starts, with a :class:`GradLedger`:
-
-1. **Expected hooks, counted in the step's own forwards.** A hook fires once per parameter per backward
-   call that reaches it: one backward call per micro-batch (per pipeline chunk), plus one per
-   checkpointed pass (``model/recompute.py``, reentrant). A forward pre-hook on every module that owns
-   parameters records, per forward context (each ``forward_step`` call, each checkpoint scope), which
-   of them it used: a parameter's expected hooks are the number of contexts it was used in.
-2. **Armed after the step's last forward.** Only then is every context known (the pipeline schedule
-   interleaves forwards and backwards). A parameter is final once its hooks equal its expected count;
-   one never used this step is final at once.
-3. **A fixed issue order.** Collectives on a process group pair up by issue order, and ranks at
-   different ℓ finish buckets in different orders. Buckets of one group (dense; expert-parallel) start
-   strictly in megatron's bucket order (the reverse of the parameters, as backward reaches them):
-   bucket k starts when it and every bucket before it are final. ``finish_grad_sync`` starts whatever
-   is left, in the same order, then waits for all.
-
-Counting may only err late: a use outside a counted context (a parameter read without its module's
-forward) could make a bucket start before its last gradient. A forward precedes its backward, so a
-correct count is never behind the hooks: a hook beyond the count raises (whether or not the bucket
-had started) instead of risking a partial reduction. A count too high only delays that bucket (and the
-ones after it) to ``finish_grad_sync``. Applies on CPU and GPU alike (unlike ``parallel/cpu_compat.py``).
-
-**Parameter all-gather overlapped** (``parallel.param_gather: overlap``, distributed optimizer). megatron's
-``overlap_param_gather`` starts bucket k+1's all-gather when a forward pre-hook first waits on bucket k, and
-a bucket nobody waited on is started by the next hook that needs it: the issue order follows which
-modules the forward reaches first. Under mixed depth ranks reach different modules (untied attention of
-passes beyond ℓ), so their all-gathers would pair with other buckets' on their peers, or one rank would
-issue fewer. Here every pending bucket starts at once, in one fixed order (each lane in forward order),
-right after the optimizer step (:func:`start_param_gather`); a pre-hook only waits for its module's
-buckets, before their first use in the step (later passes and micro-batches find them done). Anything
-that reads or writes parameters outside a forward (checkpoint save/load, the switch's pass copy) calls
-:func:`settle_param_gather` first; ``finish_grad_sync`` waits for gathers no forward used before the
-optimizer writes the shards again.
+megatron-core's ``overlap_grad_reduce`` / ``overlap_param_gather`` assume every step's micro-batches touch
+the same parameters equally often and reach modules in the same order; mixed depth breaks both.
+:class:`DepthOverlapDDP` keeps megatron's buffers, buckets and collectives and replaces only *when* a bucket
+starts: expected hooks counted from the step's own forwards, buckets started in one fixed order on every rank,
+and a hook beyond the count raises rather than risk a partial reduction.
+docs/elastic-depth.md, "Gradient-reduction overlap under varying ℓ"; docs/gpu.md, "Parameter all-gather overlapped".
 """
 
 from __future__ import annotations

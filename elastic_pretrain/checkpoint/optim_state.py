@@ -1,29 +1,11 @@
 """Optimizer state in *model space*, each data-parallel rank saving and loading only its own slice.
 
-Every (model parameter, Adam state) is one global tensor, ``optimizer.<state>.<model key>``, with the
-parameter's global shape and sharded like it over TP/EP/PP — so a checkpoint reshards exactly as the
-model does. Megatron's distributed optimizer gives each DP rank a contiguous *flat* slice
-``[start, end)`` of each local parameter; here each rank describes its slice as at most
-``2·ndim − 1`` rectangular boxes of that global tensor (a partial first row, whole rows, a partial
-last row, recursively) and saves those boxes straight from its optimizer state (views, no copy, no
-communication). The saved global tensors are the same as if one rank had written them whole; only
-their chunking follows the writers, and DCP reads any other layout's boxes out of any chunking. On
-load each rank asks for the boxes of the slice it owns at the new layout: it materialises and (at
-the same layout) reads 12/DP bytes per parameter, not 12.
-
-Why not megatron's own formats: on megatron-core 0.16.1 ``dp_reshardable`` reshards only over DP,
-``fully_sharded_model_space`` (the same idea, by ``ShardedTensor.flattened_range``) is rejected by
-0.16.1's ``ShardedTensor``, and ``fully_reshardable`` gathers the whole state on every DP rank and
-its keys depend on how many chained optimizers a layout has (EP=1: one; EP>1: dense + expert), so
-EP 2→1 cannot load. The boxes here use megatron's uneven-sharding path (``axis_fragmentations=None``,
-saved as DCP chunks through ``LocalShardsContainer``); a parameter that a ``ShardedTensorFactory``
-saves in parts (SwiGLU's ``linear_fc1``: two halves) is split into those parts first, found by running
-the factory on a meta tensor.
-
-Adam's step count is one number, saved in ``trainer.json``; it lives wherever the optimizer keeps it
-(:func:`step_home`): torch's Adam keeps it per parameter (``state[p]["step"]``, a tensor), Transformer
-Engine's and Apex's ``FusedAdam`` — what megatron builds on CUDA — in each param group (``group["step"]``,
-an int, incremented before the update; empty groups never count). Losing it restarts bias correction.
+Every (model parameter, Adam state) is one global tensor, ``optimizer.<state>.<model key>``, sharded like the
+parameter over TP/EP/PP, so a checkpoint reshards exactly as the model does; each DP rank saves its flat slice
+as at most ``2·ndim − 1`` boxes of that tensor (views: no copy, no communication) and loads only its own.
+megatron-core 0.16.1's own optimizer formats cannot reshard EP 2 → 1. Adam's step count is one number in
+``trainer.json``, kept wherever the optimizer keeps it (:func:`step_home`); losing it restarts bias correction.
+docs/checkpoints.md, "Optimizer state in model space, saved in shares" and "Adam's step, wherever the optimizer keeps it".
 """
 
 from __future__ import annotations

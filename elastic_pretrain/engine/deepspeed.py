@@ -1,30 +1,11 @@
 """``engine: deepspeed``: the same looped model, wrapped by ``deepspeed.initialize`` (ZeRO stage 1/2/3).
 
-The model is megatron-core modules built by ``parallel/megatron.py`` on a TP = PP = EP = 1 mesh (every rank a
-data-parallel replica); DeepSpeed owns the optimizer (torch AdamW; its FusedAdam on CUDA), gradient reduction,
-clipping and ZeRO partitioning; the LR schedule is the job's, through megatron-core's
-``OptimizerParamScheduler`` (the same LR as ``engine: megatron`` at every step). The trainer, samplers,
-controller, data, evaluation, tracking and checkpoint bookkeeping are the project's own (docs/engines.md).
-
-Mixed depth. Ranks draw their own loop count per micro-batch, so the autograd graphs differ: passes
-beyond a rank's ℓ never run there, and their attention parameters get no gradient. ZeRO-2 reduces
-gradients from hooks that fire as each parameter's gradient is ready and packs them into buckets in
-that order; ZeRO-1 reduces only parameters that have a gradient. Either way two ranks with different
-graphs would sum different parameters' gradients into each other. :class:`DeepSpeedStep` therefore
-computes a micro-batch's gradients with ``torch.autograd.grad`` (no hooks fire) and hands them to
-DeepSpeed through a one-node graph over *every* trainable parameter in a fixed order (zeros for the
-unused ones): every rank then reduces the same parameters in the same order, and a parameter's
-gradient is exactly what the loss gave it.
-
-ZeRO-3 also gathers each module's parameters with a collective over the data-parallel group when the
-module is called, in forward and again in backward, and reduce-scatters gradients from the same hooks:
-every rank must call the same modules in the same order. There each micro-batch runs for the deepest ℓ
-of its position over every replica (``DepthPlan.group_loops``, computed locally from the other replicas'
-draws: :meth:`DeepSpeedSession.depth_layout`), a rank at a smaller ℓ running the remaining passes as
-*full ghost passes* whose output reaches the loss with a zero gradient (``RunModes.ghosts``,
-model/looped.py): the same module calls, so the gathers and reductions pair up, and every parameter's
-gradient is exactly that of the rank's own ℓ. The graphs then touch the same parameters in the same
-order, so ZeRO-3 needs no ordered backward.
+megatron-core modules on a TP = PP = EP = 1 mesh; DeepSpeed owns the optimizer, gradient reduction, clipping
+and partitioning; the LR schedule, trainer, samplers, data and checkpoint bookkeeping are the project's own.
+Mixed depth gives ranks different autograd graphs, so :class:`DeepSpeedStep` computes gradients with
+``torch.autograd.grad`` and hands DeepSpeed every trainable parameter in a fixed order (zeros for unused ones);
+under ZeRO-3 each micro-batch runs to the deepest ℓ over the replicas, shallower ranks as ghost passes.
+docs/engines.md, "Mixed depth under ZeRO (why there is an "ordered backward")".
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """Route replay that saves work (ELR cross-loop route replay; ``model.route_replay_impl: dispatch``).
 
-Pass 0 of a micro-batch runs megatron's MoE layer as usual and records what its alltoall token
-dispatcher derived from the routing: the routing map, the top-k experts per token, the permutation
-(token of each permuted row, expert-major), the all-to-all split sizes and tokens per expert — all
-already on the host after pass 0's device-to-host copy. A later pass (and the backward's re-run of
-any pass under ``train.recompute: pass``) then
-
-- runs only the router *matmul* (live logits ``[N, E]``: the router keeps learning),
-- computes the k gate values at the recorded experts (:func:`replay_gates`),
-- permutes tokens and gates with the recorded indices, and hands the recorded split sizes and
-  tokens-per-expert to megatron's all-to-all / experts / combine / unpermute,
-
-skipping top-k, the full softmax, the z-loss and load-balancing loss (and their second softmax and
-top-k), the routing-map scatter, the permutation's mask-select, the per-expert counting, and — with
-one expert-parallel rank — the host sync that reads the counts. With EP > 1 a replayed pass still
-exchanges the counts over the expert group (``exchange_counts``): a rank whose micro-batch is shorter
-joins the pass as a *ghost* running the full router path on a dummy token, and the count all-gather is
-a collective both must call (see ``CoreLayer.ghost_pass``); reusing the splits there needs every
-member's loop count — left for later (docs/route-replay.md).
-
-Gating math (megatron's ``topk_routing_with_score_function``): this project uses softmax scores with
-``moe_router_pre_softmax`` off, i.e. softmax *after* top-k — the gates are a softmax over the k
-gathered logits and need nothing else. With pre-softmax the gates are the full softmax (normaliser
-over all E) gathered at the k experts; sigmoid gates need only the k logits. All three are here.
+Pass 0 of a micro-batch runs megatron's MoE layer as usual and records what its alltoall dispatcher derived
+from the routing (experts per token, permutation, split sizes, tokens per expert). A later pass runs only the
+router matmul (the router keeps learning), computes the k gates at the recorded experts (:func:`replay_gates`)
+and reuses the rest, skipping top-k, the full softmax, the aux losses and — at EP 1 — the host sync. With
+EP > 1 the counts are still exchanged (ghost ranks join that collective).
+docs/route-replay.md, "What a replayed pass computes" and "Expert parallelism, recompute, pipeline".
 """
 
 from __future__ import annotations

@@ -1,30 +1,11 @@
-"""Memory per rank of a job on its mesh: parameters, gradients, optimizer state, activations per ℓ and
-recompute mode — a pure function of the job (no torch: the CLI and the config command import it cheaply).
-
-``estimate_memory(job, world_size)`` is the API (``elastic-pretrain estimate`` and
-``elastic-pretrain config --world-size`` print it); ``largest_micro_batch`` searches the micro-batch
-size that fits a device. docs/gpu.md ("Memory estimate") explains the model and what it leaves out.
+"""Memory per rank of a job on its mesh — a pure function of the job (no torch: the CLI and the config command
+import it cheaply). ``estimate_memory(job, world_size)`` is the API; ``largest_micro_batch`` searches the
+micro-batch size that fits a device. Parameters, gradients and optimizer state are exact counts of what
+megatron allocates; activations are a model (fitted on CPU for ``spec="local"``, Korthikanti et al. for
+``spec="te"``), plus routing imbalance, all-to-all and NCCL buffers. docs/gpu.md, "Memory estimate".
 
 Shape legend: s sequence, b micro-batch, D hidden, h heads, F expert width, Fd dense FFN width,
 E experts, k top-k, N = s·b tokens of one micro-batch, V padded vocabulary.
-
-Parameters, gradients and optimizer state are exact counts of what megatron allocates (checked against
-the built model in tests/parallel/test_memory.py). Activations are a model of the bytes saved for
-backward:
-- ``spec="local"`` (megatron's torch modules, what runs on CPU): coefficients fitted to bytes counted
-  with ``torch.autograd.graph.saved_tensors_hooks`` on the CPU model (the attention scores s² are
-  materialised);
-- ``spec="te"`` (Transformer Engine + flash attention, what runs on GPUs): Korthikanti et al. (2022)'s
-  per-layer count without dropout masks and without the s² terms; the GPU check (bench/gpu_check.sh)
-  prints it beside the measured peak.
-
-Beside them, three terms the activation model leaves out (issue 31 item 4), each shown on its own line:
-- routing imbalance: in a dropless MoE the most loaded expert-parallel rank holds the expert activations of
-  (1 + MaxVio) times its share of tokens (``maxvio``, an assumption: :data:`PLANNING_MAXVIO`);
-- the MoE all-to-all's send and receive buffers of one MoE call (EP > 1);
-- NCCL's own buffers, a fixed allowance per communicator (:data:`NCCL_BUFFSIZE` x channels x peers).
-megatron's DDP adds nothing beyond its gradient buffer: its reduce-scatter / all-reduce and the distributed
-optimizer's parameter all-gather work in place on the gradient and parameter buffers.
 """
 
 from __future__ import annotations

@@ -1,28 +1,11 @@
 """The run directory's own MLflow store (``<run_dir>/mlflow/mlflow.db``), checked before MLflow opens it.
 
-A run directory may come from someone else (docs/security.md), and so may its sqlite store. The store
-says where artifacts go — an experiment's ``artifact_location``, a run's ``artifact_uri`` — and MLflow
-uploads to whatever it says: ``http(s)://`` with the user's ``MLFLOW_TRACKING_TOKEN`` (or the Basic auth
-of ``~/.mlflow/credentials``), ``s3://`` with their cloud keys, a ``file://`` path anywhere on disk (issue
-35). A symlinked ``mlflow.db`` makes MLflow create its tables inside whatever SQLite file it names; a view
-that never ends makes every query hang; a file of random bytes is a traceback inside SQLAlchemy.
-
-So, before any MLflow client touches a local store (only sqlite3 from the standard library runs here):
-
-* :func:`check_store` — ``mlflow/`` is a real directory of the run, ``mlflow.db`` (and its ``-journal``,
-  ``-wal``, ``-shm`` files) a regular file in it, an SQLite database by its header, with MLflow's tables and
-  no view and no trigger MLflow does not create itself; every query on it here runs under a time box;
-* :func:`claim_locations` — the artifact locations the tool will use are stored **relative** to the
-  store's folder (``artifacts``, ``artifacts/<run_id>/artifacts``). MLflow records absolute ``file://``
-  paths; one that ends in ``mlflow/artifacts/...`` (the run directory was copied, moved or mounted
-  elsewhere) is rewritten to the same place inside *this* run directory, anything else (another scheme,
-  another path) is refused in one line before anything is sent or written;
-* :func:`artifact_dir` — the folder an upload goes to, rebuilt from the run directory and the (relative)
-  location: the tracker copies artifacts there itself and never lets MLflow pick the destination.
-
-Relative locations keep a run directory self-contained: ``cp -r runs/a runs/b`` gives a ``runs/b`` whose
-store points into ``runs/b`` only (issue 33). The MLflow UI resolves them against its working directory:
-start it in the store's folder (docs/tracking.md).
+A run directory may come from someone else, and its store says where MLflow uploads artifacts, with the
+user's credentials. So before any MLflow client touches a local store (only sqlite3 runs here),
+:func:`check_store` checks the files and the database, :func:`claim_locations` keeps artifact locations
+relative to the store's folder (a copied run directory's absolute ``file://`` form rewritten, anything else
+refused), and :func:`artifact_dir` rebuilds the upload folder itself. Relative locations keep a run directory
+self-contained (issue 33). docs/security.md, "The run directory's own MLflow store (`mlflow/mlflow.db`)".
 """
 
 from __future__ import annotations

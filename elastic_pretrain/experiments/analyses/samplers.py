@@ -1,30 +1,11 @@
 """samplers: independent-rank (ELR) vs per-step vs compute-balanced mixed depth at 2 processes (issue 19 item 4).
 
-Every arm trains with 2 processes (``slurm.nproc_per_node: 2``; the runner starts them through the launcher
-of ``train --nproc-per-node``), data-parallel 2 without expert parallelism — each replica its own depth
-group, so ``balance: compute`` has two replicas to deal bundles between (with one EP group spanning both
-ranks there is nothing to balance and it deals what ``depth_group: expert_group`` draws) — at equal tokens,
-paired seeds (the seed sets initialisation, data order and draws), mixed depth from the first step and
-ELR's 15% one-loop override in every arm, so that every token sits at ℓ with the same probability in
-every arm and only *where* loop counts are mixed differs:
-
-* ``independent-rank`` (ELR: each replica draws its own ℓ per micro-batch);
-* ``per-step`` (one ℓ per optimizer step; the override forces single replicas to ℓ = 1: ELR's "one-loop
-  rank override" ablation);
-* ``balanced`` (``balance: compute``: ℓ drawn per micro-batch slot of the global batch, i.i.d. as under
-  ELR, and slots dealt so that the replica with shallower draws takes more of them);
-* ``one-loop`` (the baseline, issue 32: the same model trained at ℓ = 1 only, ELR's non-recurrent baseline
-  "matched in parameters, data, and training horizon"): what the samplers' one-loop endpoint is measured
-  against.
-
-Every claim but the one-loop tax presupposes that depth pays here (:data:`DEPTH_PAYS`: independent-rank's
-loss at L_max below its own ℓ = 1); without it they read "not resolved — premise absent".
-
-The samplers that matter under expert parallelism (``order: deep_first``, ``depth_group: expert_group``)
-are the ``samplers-ep2`` job set (:mod:`.samplers_ep2`, the same analysis at EP = 2).
-
-Held-out loss at ℓ = 1 and L_max, depth efficiency (useful / executed passes), depth balance and wall time
-per training token, from the runs' summaries.
+Every arm trains data-parallel 2 without expert parallelism (each replica its own depth group, so
+``balance: compute`` has two replicas to deal between), at equal tokens and paired seeds, with ELR's 15%
+one-loop override in every arm: every token sits at ℓ with the same probability and only *where* loop
+counts are mixed differs; a ``one-loop`` arm is the baseline. Claims but the one-loop tax need
+:data:`DEPTH_PAYS`. The EP = 2 samplers are :mod:`.samplers_ep2`.
+docs/experiments.md, "Multi-process job sets" (the samplers table and the paragraph after it).
 """
 
 from __future__ import annotations

@@ -1,27 +1,11 @@
-"""What an asynchronous save blocks training for, and what keeps that small (docs/checkpoints.md, "Async save").
+"""What an asynchronous save blocks training for, and what keeps that small.
 
-An async save (megatron-core ``AsyncCallsQueue``) runs on the training thread until it hands the tensors to
-the writer: by default a copy into a staging buffer read by a persistent writer process (checkpoint/writer.py),
-with ``checkpoint.async_writer=fork`` megatron's fork of a writer per save, whose copy-on-write is the
-snapshot. Either way the writer sees the tensors as they were at that instant, whatever training does to
-them afterwards. Two things used to run before the hand-off and no longer do on every save:
-
-* **Copies.** megatron's ``FileSystemWriterAsync`` clones every CPU tensor that is a view before the fork
-  (``torch.save`` of a view writes its whole storage, and every parameter is a view of DDP's contiguous
-  buffer; every Adam box a view of the optimizer's flat state). :class:`SnapshotWriter` hands the views to
-  the writer as they are: the persistent writer's staging copy holds just each tensor's elements, a forked
-  writer compacts them from its snapshot: the same bytes on disk. (On a GPU the fork writer still copies
-  each tensor to the host before the fork, as megatron does: a fork cannot snapshot device memory.)
-* **Structure work.** Validating the sharding (an all-gather of every shard's metadata), spreading the
-  writes over the data-parallel group (another all-gather) and planning the save (a gather of every rank's
-  plan) depend only on the state dict's *structure* — keys, shapes, dtypes, offsets, replica ids — not on
-  its values. :class:`SaveStrategies` keeps one strategy (megatron's cached distribution and cached save
-  plan) for as long as the structure is the one it was built for, checked on every save by comparing a
-  fingerprint and agreeing on it over all ranks (one integer all-reduce); a changed structure on any rank
-  starts over with a fresh strategy and full validation.
-
-Kept over megatron's public ``dist_checkpointing.save`` (issue #34 item 3): in ``bench/checkpoint_public.py`` it
-took a median 3.7x our sync save's time, 0.18x a raw ``torch.save`` (target ≥ 0.5x; docs/checkpoints.md).
+The writer must see the tensors as they were at the hand-off, whatever training does to them afterwards.
+:class:`SnapshotWriter` hands views (every parameter, every Adam box) to the writer without megatron's clone,
+each written as just its elements; :class:`SaveStrategies` keeps megatron's cached distribution and save plan
+while the state dict's *structure* (a fingerprint agreed by one integer all-reduce) is unchanged. Kept over
+megatron's public ``dist_checkpointing.save``, which took 3.7x our sync save's time (issue #34 item 3).
+docs/checkpoints.md, "Async save" ("What the training thread does") and "Ours or the public APIs".
 """
 
 from __future__ import annotations

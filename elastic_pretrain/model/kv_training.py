@@ -1,25 +1,10 @@
-"""Last-loop KV cache as a trained mode (``model.kv_training: last_loop``; docs/kv-training.md).
+"""Last-loop KV cache as a trained mode (``model.kv_training: last_loop``).
 
-At inference with the ELR last-loop cache, pass j of a token attends to the *final-pass* K/V of the
-earlier tokens plus its own pass-j K/V; training with same-pass attention never shows the model that
-pattern. In ``last_loop`` training a forward of ℓ passes is
-
-1. a no-grad run of the ℓ passes and the coda (same-pass attention, as a parallel prefill does),
-   keeping each core layer's K/V at the last pass and each coda layer's K/V (``FinalKV``:
-   ``[T, B, G, d]`` per layer, after RoPE);
-2. the graded run, in which at every pass j core layer i's query t attends to the final K/V of
-   tokens s < t and to its own pass-j K/V (:func:`mixed_attention`), and so does each coda layer
-   (earlier tokens' coda K/V from step 1, the token's own). The prelude runs as usual (it is not
-   looped: both runs give it the same K/V).
-
-Per token, step 2 equals last-loop inference after a parallel prefill of the token's prefix
-(``LoopedDecoder.prefill``: per-loop semantics within the prompt, only the last pass's K/V kept):
-the prefill's K/V of a token depend only on the tokens before it, so they are the no-grad run's.
-Sequential last-loop decoding of a *generated* continuation differs in one respect: a generated
-token's cached K/V come from its own last-loop run, not a same-pass one (docs/kv-training.md).
-The same attention serves per-token depth (``decider.backbone: per_token``, :class:`StoppedKV`): at
-pass j a token that stopped after pass s < j presents the K/V it had at pass s (what the per-loop
-decoder serves for it, ``model/inference.py``), an active token its pass-j K/V.
+At inference with the ELR last-loop cache, pass j of a token attends to the *final-pass* K/V of earlier tokens
+plus its own pass-j K/V; same-pass training never shows the model that pattern. So a forward is a no-grad run
+keeping each layer's final K/V (:class:`FinalKV`), then the graded run with :func:`mixed_attention`; per token
+it equals last-loop inference after a parallel prefill. The same attention serves per-token depth
+(:class:`StoppedKV`). docs/kv-training.md, "The trained mode".
 Shape legend: T tokens, B batch, H query heads, G key/value groups, d head width, D hidden.
 """
 

@@ -1,27 +1,11 @@
 """Strict device mode: every collective's tensors live on the device its backend serves.
 
-On a cluster, a collective over an NCCL group handed a CPU tensor fails (or, for a CPU scalar,
-silently reduces nothing useful), and a CUDA model handed a CPU batch fails at the embedding. On a
-CPU machine with gloo both "work", so the mistakes stay hidden until the first GPU job. This mode
-makes them visible on CPU too (docs/gpu.md, "Device placement and collectives"):
-
-- Every tensor gets a *virtual* placement: **host** if it was created on the host on purpose or by
-  omission — a factory (``torch.tensor``/``zeros``/``arange``/…) called without ``device=``,
-  ``torch.from_numpy``, ``.cpu()`` — else **device**. Ops propagate it the way CUDA placement
-  propagates: a result is host if a host operand is (a 0-dim host tensor next to device tensors is
-  a CPU scalar, which CUDA kernels accept, so it does not taint). ``.to(<a device>)`` / ``.cuda()``
-  make a tensor device (that is the fix: ``parallel.device.to_device``). Tensors made before the mode
-  began (parameters, DDP buffers) count as device.
-- Every collective (``all_reduce``, ``all_gather*``, ``reduce_scatter*``, ``broadcast``,
-  ``all_to_all*``, ``send``/``recv``, ``batch_isend_irecv``) on a group that would be NCCL — every
-  group except megatron's ``*_GLOO`` groups and those registered by :func:`intended_gloo` (the
-  checkpoint I/O group), which exist for intended CPU collectives — requires
-  each tensor to be virtually device *and* really on :func:`~elastic_pretrain.parallel.device.device`;
-  on a gloo group it requires a real CPU tensor. A violation raises :class:`DeviceMistake` naming the
-  collective, the group and where the tensor came from.
-
-On a GPU machine the same mode checks the real placement as well, so it can run there unchanged.
-Enabled in ``train()`` by ``ELASTIC_PRETRAIN_STRICT_DEVICES=1`` (tests/parallel/test_strict_devices.py).
+On a CPU machine with gloo a collective handed a host tensor "works", so device mistakes stay hidden until
+the first GPU job. This mode gives every tensor a *virtual* placement (host if made without ``device=``,
+propagated as CUDA placement would be) and makes each collective on a would-be-NCCL group require device
+tensors (gloo groups: CPU tensors), raising :class:`DeviceMistake` otherwise. On a GPU it checks the real
+placement too. Enabled in ``train()`` by ``ELASTIC_PRETRAIN_STRICT_DEVICES=1``.
+docs/gpu.md, "Device placement and collectives" (Strict device mode).
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """Read-ahead of the training batches: step k+1's micro-batches are read (and pinned, with CUDA) in one
 background thread while step k runs (issue 31, item 3; ``data.prefetch``).
 
-On a cluster file system a shard read takes milliseconds to seconds; read on the training thread, the GPU
-idles meanwhile. :class:`PrefetchedBatches` wraps :class:`~elastic_pretrain.data.loader.TokenBatches` with
-the same contract (``next_step``, ``next_step_slots``, ``state_dict``, ``load_state_dict``) and these rules:
-
-* **Resume stays exact.** The reader's own position runs ahead of training; each read records the loader
-  state *after* its batches, and :meth:`PrefetchedBatches.state_dict` is the state of the last batches
-  handed out — what was consumed, never what was read ahead. Loading a state drops the reads ahead.
-* **A read ahead is for one request.** A plain step reads this rank's share (``next_step``); a
-  compute-balanced step reads the slots the schedule dealt (``next_step_slots(slots, ahead=next_slots)``).
-  If the next call asks for something else (the phase switch deals other slots), the reads ahead are
-  dropped and the step is read again from the consumed position: never a wrong batch, only a lost read.
-* **Errors surface on the training thread**, as the same exception (a ``UserError`` stays one line), at
-  the next call that would have used the failed read; the loader is then back at the consumed position.
-* **Pinned only with CUDA.** With CUDA each micro-batch is copied to page-locked memory in the reader
-  thread, on the training thread's device (a new thread's current device is 0: pinning there would create
-  a CUDA context on GPU 0 for every rank), so ``to_device``'s copy is asynchronous with no pinning left on
-  the training thread. Without CUDA nothing is pinned.
-* **No hung thread.** The reader is a daemon thread that waits on its queue; :meth:`close` (or the wrapper
-  being collected, or interpreter exit) stops it after the read in progress.
+On a cluster file system a shard read takes milliseconds to seconds, which would keep the GPU idle.
+:class:`PrefetchedBatches` wraps :class:`~elastic_pretrain.data.loader.TokenBatches` with the same contract;
+the decision a reader must know: its ``state_dict`` is what training *consumed*, never what was read ahead, so
+resume stays exact, and a read ahead that does not match the next request is dropped (a lost read, never a
+wrong batch). docs/data.md, "Reading ahead (`data.prefetch`)".
 """
 
 from __future__ import annotations

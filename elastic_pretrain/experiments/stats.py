@@ -1,25 +1,11 @@
 """How a report decides a paper's claim: a t-interval over seeds of a paired difference.
 
-Every arm of an experiment trains with the same seeds (initialisation, data order and depth draws), so
-a claim's quantity is measured once per seed from that seed's runs only — e.g. *mixed-scratch minus
-fixed-depth loss at ℓ = 1* — and the seeds' values are one sample of paired differences. The report
-states a direction only when the two-sided 95% Student-t interval of their mean excludes zero; otherwise
-the claim is "not resolved at this scale". No scipy: the t quantile is computed here (tested against
-scipy.stats.t and a printed table).
-
-Three labels keep a verdict from saying more than the numbers can (issue 32 item 2):
-
-- **premise**: a claim whose meaning presupposes something these runs may not show — above all that depth
-  pays (more passes lower the loss) — names that premise as a :class:`Claim` of its own. Unless the premise
-  resolves "yes", the claim reads "not resolved — premise absent" whatever its own interval says: an
-  adaptive-depth decider cannot beat fixed depth, nor a sampler keep what depth buys, where depth buys nothing.
-- **not comparable**: our metric is not the paper's (next-token accuracy or loss against downstream scores),
-  so an interval that would agree or disagree with the paper's number reads "not comparable".
-- a premise row itself reads "yes", "not resolved at this scale" or, where its interval excludes 0 the other
-  way, "no" (the premise does not hold in this setting): it describes the runs, it does not contradict a paper.
-- **implementation check**: an accounting identity of our own code (training compute replayed from the
-  schedule, last-loop cache bytes = 1/ℓ): it checks the implementation, it is not evidence for a paper, and
-  a failed check reads "no", never "contradicted".
+Every arm trains with the same seeds, so a claim's quantity is measured once per seed from that seed's runs
+only, and a direction is stated only when the two-sided 95% Student-t interval of the mean excludes zero
+(the t quantile is computed here: no scipy). Labels keep a verdict from saying more than the numbers can:
+a claim whose *premise* (above all, that depth pays) did not resolve reads "not resolved — premise absent";
+another metric than the paper's reads "not comparable"; an *implementation check* fails as "no".
+docs/experiments.md, "The claim table" (verdicts, "Premises and labels").
 """
 
 from __future__ import annotations

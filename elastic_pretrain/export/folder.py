@@ -1,25 +1,11 @@
 """Reading an export folder that may come from someone else (``elastic-pretrain lm-eval``, ``hf_import``).
 
-An export folder is untrusted input (docs/security.md). ``AutoModelForCausalLM.from_pretrained(DIR,
-trust_remote_code=True)`` imports the folder's ``modeling_elastic.py`` (or whatever ``auto_map`` names):
-code appended to it ran with the user's permissions, and ``lm-eval`` still printed a normal table
-(issue 35 item 2). ``from_pretrained`` has further doors even for a class given directly: an
-``adapter_config.json`` makes it load a base model from the path (or Hub repository) that file names,
-and with ``trust_remote_code`` a ``custom_generate/generate.py`` replaces ``generate``.
-
-So the project never runs a folder's code and never calls ``from_pretrained`` on one:
-
-- the folder's code files must be byte for byte the package's (:func:`check_code`), and its
-  ``auto_map`` the one export writes, so a user learns that a folder was altered;
-- the model is the *package's* class (``export/hf/modeling_elastic.py``), built from the known keys
-  of ``config.json``, each checked (type, range) before anything is allocated (:func:`read_config`);
-- its tensors come from ``model.safetensors`` alone (no pickle), and every name and shape in the file's
-  header must be what that config builds (checked on a meta-device skeleton), so memory is bounded by
-  the file, not by a number in ``config.json``;
-- the tokenizer is built from ``tokenizer.json``'s text with the EOS id of ``config.json``
-  (``tokenizer_config.json`` is not read: it could name another file or class).
-
-Every failure is one line naming the file (``UserError``).
+``from_pretrained(DIR, trust_remote_code=True)`` would import the folder's ``modeling_elastic.py`` and run
+whatever was appended to it (issue 35 item 2). So the project never runs a folder's code and never calls
+``from_pretrained`` on one: the model is the *package's* class, built from ``config.json``'s checked keys
+(:func:`read_config`), its tensors from ``model.safetensors`` with every name and shape checked; the code files
+must be the package's byte for byte (:func:`check_code`). Every failure is one line naming the file.
+docs/security.md, "Export folders".
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """The node launcher: torchrun's agent, run in a process of ours. ``train --nproc-per-node N`` runs it
 on this machine; under Slurm ``slurm/train.sbatch`` runs it once per node (``srun``), instead of torchrun.
 
-Why not the ``torchrun`` binary: when a rank stops on a user error (a bad shard, a corrupt checkpoint)
-torchrun prints a ``ChildFailedError`` traceback and two log lines per failure and exits 1, after every
-rank printed the same message. Here, under :data:`ERRORS_ENV`:
-
-* a rank writes its one-line error to ``<dir>/rank_<R>`` instead of printing it and exits 2
-  (``cli.main``); a rank whose collective broke because a peer exited that way exits 2 quietly too;
-* this launcher keeps quiet about failures that a rank reported (the agent's log lines and the
-  traceback) and exits 2; the ``elastic-pretrain train`` process prints the message once (the same
-  contract as every other user error). A crash that no rank reported keeps torchrun's full report.
-  Under Slurm the folder is ``<run_dir>/slurm/errors``, shared by every node (rank file names are
-  global, and a rank sees a peer's report on another node), and the batch script prints the message
-  once per job and exits 2.
-
-Stop signals: the ranks start with SIGTERM/SIGUSR1/SIGUSR2/SIGINT *blocked* (inherited), so a signal
-that reaches a rank before its trainer installed the handler stays pending instead of being lost
-(``checkpoint/preempt.py``). This process blocks them too; a thread takes them (``sigwait``), says so,
-and passes them on to the ranks — a signal to the launcher itself is never silently ignored (one
-from the parent — ``elastic-pretrain train``, or Slurm's step daemon forwarding the batch script's
-signal to every process of the step — is passed on without a message: the parent said so already).
+Why not the ``torchrun`` binary: a user error on a rank would print a ``ChildFailedError`` traceback per
+failure after every rank printed the same message. Here a rank leaves its one-line error in :data:`ERRORS_ENV`'s
+folder and exits 2, and the error is printed once. Stop signals are blocked in the ranks and this process,
+taken by a thread (``sigwait``) and passed on, so none is lost before a trainer's handler exists.
+docs/checkpoints.md, "Signals (preemption)"; docs/slurm.md, "When the job stops on a user error".
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """Will this job's layout work at this world size? Every divisibility rule megatron-core and the looped
-model impose, checked from the config alone (no torch, no GPU): ``elastic-pretrain config JOB
---world-size N`` and ``submit`` (nodes × processes per node) run it, so a 128-GPU job's layout mistakes
-show up on a laptop as one line naming the fix, not minutes into a cluster allocation.
+model impose, checked from the config alone (no torch, no GPU).
 
-The rules, and where each comes from:
-
-* world = TP × PP × DP (megatron ``initialize_model_parallel``);
-* experts: EP divides TP × DP (expert-data-parallel groups; expert TP is 1) and the built expert count
-  (``MoELayer``: ``num_moe_experts % ep_size == 0``);
-* attention: TP divides the heads (``TransformerConfig``) and the key/value groups (GQA: each TP rank
-  holds whole groups);
-* MLPs: TP divides the dense FFN width (column-parallel fc1, row-parallel fc2);
-* vocabulary: TP divides the fixed padding multiple (``VOCAB_DIVISIBLE_BY``), so the padded vocabulary
-  splits evenly and checkpoints move between TP sizes;
-* sequence parallelism: on with TP > 1 for MoE (megatron's MoE + TP requirement), and then TP divides
-  the sequence length (the scatter splits the sequence dimension);
-* pipeline: PP divides the core layers built and at least PP micro-batches per step
-  (``parallel/pipeline.py``), no tied embeddings;
-* batch: global batch = micro-batch × DP × micro-batches per step;
-* vocabulary: the byte tokenizer's 257 ids fit ``model.vocab_size`` (a tokenizer file is read, and
-  checked, when training starts).
+``elastic-pretrain config JOB --world-size N`` and ``submit`` (nodes × processes per node) run it, so a
+128-GPU job's layout mistakes show up on a laptop as one line naming the fix, not minutes into a cluster
+allocation. The rules and where each comes from: docs/configuration.md, "Checking a layout for a cluster".
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """The checkpoint folder of a run: step directories, commit markers, ``latest``, retention, checks.
 
-Layout (named in ``elastic_pretrain/rundir.py``, the run directory's contract with the sbatch script)::
-
-    <run_dir>/checkpoints/
-        .tmp-step_<N>/            being written (every rank writes its part here)
-        step_<N>/                 committed: renamed from .tmp-step_<N> after COMMITTED was written
-            model_optim/          megatron-core dist_checkpointing (torch_dist): model + optimizer, sharded
-            trainer.json          counters, schedule controller, data position, run id, config, layout
-            rng/rank_<R>.pt       RNG states of rank R (plain tensors; loaded with weights_only=True)
-            COMMITTED             JSON: step, size and CRC32 of every file above; written last
-        latest                    text ``step_<N>``, replaced atomically (write + rename) after the commit
-
-Everything read here may come from someone else's run (docs/security.md): a marker's file names
-must stay inside the checkpoint, the marker's and ``trainer.json``'s shapes are checked before
-use, and ``latest`` must be a plain file; each violation is a one-line :class:`UserError`.
-
-A step directory counts only if it is named ``step_<N>`` *and* holds ``COMMITTED``: the marker is
-written after every rank's files are complete (a barrier), and the rename that makes the
-directory visible comes after it, so a crash at any moment leaves either the old or the new
-checkpoint committed, never a half-written one.
+A step directory counts only if it is named ``step_<N>`` *and* holds ``COMMITTED``: the marker is written after
+every rank's files are complete, and the rename that makes the directory visible comes after it, so a crash at
+any moment leaves the old or the new checkpoint committed, never half of one. Everything read here may come
+from someone else's run: names, shapes and ``latest`` are checked, each violation a one-line :class:`UserError`.
+Layout: docs/run-directory.md (names in ``rundir.py``); docs/checkpoints.md, "Guarantees" and "Crash safety".
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Writing a rank's tensor files: in the trainer (a synchronous save) or in a persistent writer process that
-reads a staging buffer kept across saves (an async save) — docs/checkpoints.md, "Async save".
+reads a staging buffer kept across saves (an async save).
 
-**The write** (:func:`~elastic_pretrain.checkpoint.file_write.write_buckets`, both paths): each file is written
-in the writing process, checksummed as it is written, then fsynced. megatron's
-``write_preloaded_data_multiproc`` forks one more process per file and the commit's records used to read
-every file back to checksum it; neither is needed.
-
-**The snapshot of an async save** (:class:`PersistentWriter`): megatron forks a writer per save, and the
-fork is the snapshot (copy-on-write). That costs the fork on the training thread and, after it, one page
-fault and a 4 KiB copy for every page training writes while the writer lives — paid by the next training
-steps, unseen by the save's own timing. Here the training thread copies the tensors once into a staging
-buffer (shared memory, allocated on the first save of a structure and reused while the shapes stay the
-same: one ``copy_`` per tensor into memory already mapped, which on a GPU is the device-to-host copy a save
-needs anyway) and hands a small message to one writer process started once (spawned, stop signals blocked,
-SIGKILLed when its rank dies). Training continues as soon as the copy is done; nothing is shared with the
-writer but the staging buffer, so nothing is copied on write.
-
-Kept over DCP's ``async_save`` (process checkpointer, shared-memory ``DefaultStager``; issue #34 item 3):
-``bench/checkpoint_public.py`` — its sync save ran at 0.17x a raw ``torch.save`` (pooled median; ours 0.44x), so
-it misses the issue's ≥ 0.5x target; its stall was 0.093x of that slower sync save (docs/checkpoints.md).
+Each file is written in the writing process, checksummed as written, then fsynced (no process per file).
+Instead of megatron's fork per save, whose copy-on-write page faults the next steps pay, the training thread
+copies the tensors once into a reused shared-memory buffer for one writer started once (:class:`PersistentWriter`).
+Kept over DCP's ``async_save``, whose sync save missed the ≥ 0.5x ``torch.save`` target (issue #34 item 3).
+docs/checkpoints.md, "Async save" (Why not megatron's fork per save) and "Ours or the public APIs".
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """The iteration decider (TaH2): after pass j, should this token run another pass?
 
+A small head reads (hidden state after pass j, the token's input embedding, the pass index) and outputs a
+*continue* probability, trained with TaH2's **lookahead labels**: "continue" exactly when one more pass lowers
+the token's loss (``coverage`` below 1 is an ablation). At inference a token stops at the first pass below
+``threshold``; its hidden state is frozen and its last K/V keep serving other tokens.
+docs/evaluation.md, "Iteration decider (TaH2)" (labels, loss, adaptive-depth semantics).
 Shape legend: B batch, T sequence, D hidden, L passes, N tokens (flattened), S new tokens.
-
-A small head reads (hidden state after pass j, the token's input embedding, the pass index) and
-outputs a *continue* probability. It is trained in a post-training stage with **lookahead labels**
-(TaH2): run L_max passes with an exit at every pass, take each token's cross-entropy CE_j at exit j
-and the gain g_j = CE_j − CE_{j+1} of one more pass. With ``coverage: 1`` (the default) a token is
-labelled "continue" exactly when one more pass lowers its loss (g_j > 0), TaH2's "whether one more
-iteration would improve the prediction for that token". A coverage below 1 is an ablation: among the
-tokens with positive gain, sorted by gain (largest first), only the smallest prefix that covers
-``coverage`` of the total positive gain is labelled "continue", dropping the long tail of tokens that
-gain almost nothing. The loss is
-a weighted binary cross-entropy (``pos_weight`` on "continue") added to the LM loss with
-``loss_weight``.
-
-Adaptive-depth inference: a token stops at the first pass whose continue probability is below
-``threshold`` (or at L_max); its hidden state is frozen and its K/V of the last pass it ran keep
-serving the later passes of other tokens (``model/inference.py``). Threshold 0 runs every token to
-L_max (the fixed-depth model); a threshold above 1 stops every token after one pass.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
-"""FLOPs per token of a forward of the looped model at ℓ loops, and relative compute.
+"""FLOPs per token of a forward of the looped model at ℓ loops, and relative compute (FLOPs(ℓ) / FLOPs(L_max)).
+
+Only the matrix multiplications count, 2 FLOPs per multiply-add (norms, softmax, RoPE, the embedding lookup
+and the per-pass conditioning vector are O(D) against O(D²)); ``ctx="causal"`` counts the mean (T+1)/2 keys a
+query sees, ``"full"`` the T×T scores megatron's unfused attention multiplies (what the test checks against
+``torch.utils.flop_counter``). The formula: docs/evaluation.md, "FLOPs per token and relative compute".
 
 Shape legend: T sequence length, V vocabulary, D hidden, F FFN width, E experts, W expert width.
-
-**FLOPs per token** (:func:`flops_per_token`) count the matrix multiplications of one forward at ℓ
-loops, 2 FLOPs per multiply-add, with nothing else (norms, softmax, RoPE, residual adds, the
-embedding lookup and the loop-conditioning head — a per-pass vector, not a per-token matmul — are
-left out; they are O(D) per token against the O(D²) matmuls)::
-
-    attn(ctx)  = 2·D·(D + 2·G·d_h)      q, k, v projections (G query groups of width d_h; G·d_h = D without GQA)
-               + 2·D·D                  output projection
-               + 2·ctx·D + 2·ctx·D      scores QKᵀ and the weighted sum over values
-    dense      = 2·3·D·F                SwiGLU: fc1 (D → 2F) + fc2 (F → D)
-    moe        = 2·D·E + k·2·3·D·W      router + the k active experts of width W
-    FLOPs(ℓ)   = Σ_prelude (attn + mlp) + ℓ·Σ_core (attn + moe) + Σ_coda (attn + mlp) + 2·D·V_padded
-
-``ctx`` is the number of keys a query sees: ``causal`` counts the mean (T+1)/2 of a causal
-sequence of length T (what a causal kernel computes), ``full`` counts T (megatron's local unfused
-attention multiplies the full T×T score matrix before masking — the test checks this variant against
-``torch.utils.flop_counter``). The output layer counts the padded vocabulary, which is what is
-multiplied. **Relative compute** = FLOPs(ℓ) / FLOPs(L_max).
 """
 
 from __future__ import annotations

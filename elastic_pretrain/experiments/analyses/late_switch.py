@@ -1,24 +1,11 @@
 """late-switch as ELR designs it: a non-recurrent baseline matched at ℓ = 1, mixed depth from scratch, and
 switches from one loop at 25/50/75% of the tokens with and without the loop-count conditioning heads.
 
-The baseline (``baseline.yaml``) is the looped model trained at ℓ = 1 for the whole run and never switched:
-prelude, pass 0 (attention + the MoE layer), coda. ELR's loops are weight-tied, so its one-loop model is a
-non-recurrent model "matched in parameters, data, and training horizon" (seeds/003); here the flattened
-model's passes 1..3 have their own attention, which the baseline never runs — the parameters that run are
-exactly one core pass's. Its compute per token is one loop's, which is what ELR's compute arithmetic
-(0.75 x 1 + 0.25 x 1.62 ≈ 1.16) takes the baseline to be, and the ``-noheads`` arms' fixed phase is exactly
-this run's first steps (same initialisation, tokens, ℓ = 1), so a paired difference isolates the mixed phase.
-The heads draw from a forked RNG (model/looped.py), so arms with heads start from the same values for every
-other parameter: with vs without heads is paired too.
-
-Two attentions, two readings (issue 32 item 3). ELR's loops are weight-tied — its looped model is "compared with
-non-recurrent baselines matched in parameters", and one checkpoint trades "inference compute for accuracy by
-changing the loop count" (seeds/003; the summary does not name the attention, but a matched parameter count leaves
-no room for per-loop weights) — so the ``tied-*`` arms (``model.attention: tied``: one attention run by every
-pass) are ELR as published, with their own baseline ``tied-baseline`` (the tied model draws fewer attention blocks,
-so its other initial values differ from ``baseline``'s). The untied arms add Foil's "Each pass gets its own
-attention parameters while the experts and routers stay shared" (seeds/000), so with a one-loop fixed phase three
-of four attention blocks are untrained until the switch: their claims are the Foil×ELR extension, labelled so.
+The baseline is the looped model trained at ℓ = 1 (one core pass's parameters and compute), and the arms are
+paired with it and with each other by seed. ELR's loops are weight-tied, so the ``tied-*`` arms are ELR as
+published; the untied arms (Foil's per-pass attention, three of four blocks untrained until the switch) are
+the Foil×ELR extension, labelled so (issue 32 item 3).
+docs/experiments.md, the late-switch paragraphs at the top.
 """
 
 from __future__ import annotations

@@ -1,23 +1,10 @@
 """Run an experiment: train (or reuse) each job of its set once per seed, evaluate, write the report.
 
-An experiment is a job set ``jobs/experiments/<name>/*.yaml`` (the same data, tokens and seed) plus an
-analysis, one file under ``experiments/analyses/`` registered in
-:mod:`elastic_pretrain.experiments.registry`. Each job is an *arm*; every arm trains with every seed of
-``--seeds`` (``train.seed`` set, the same seeds for every arm, so that a seed's arms are paired: same
-initialisation, data order and depth draws), one after the other, into ``<runs>/<name>/<job>-seed<seed>``:
-in this process, or — a job with ``slurm.nproc_per_node: N`` (N > 1; e.g. ``parallel: cpu-ep2``, N = 2) —
-in N local processes through the launcher of ``elastic-pretrain train --nproc-per-node N``
-(:func:`train_processes`). ``--scale k`` widens every job k times and sizes its tokens, batch and learning
-rate by a stated rule (:func:`scale_overrides`; for a GPU). A finished run is **reused** when its resolved config
-(``config.yaml``, name and run directory left out) equals the job's and the run was trained for the
-experiment and job its directory names (``config.yaml``'s ``run_dir`` and ``name``, which the runner sets):
-its own directory, or the directory of another job set's job with the same config (the late-switch run that
-kv-cache, decider, decider-depths and route-replay share) — never any other folder under ``--runs``
-(issue 35 item 9). So a rerun that changes nothing only evaluates. A run whose config changed is deleted and
-trained again; an unfinished run with the same config resumes from its checkpoint; a directory the runner
-did not write (no or another ``config.yaml``, a link, a file) is never deleted: one line asks to move it.
-A job may post-train another job of its set (``decider.init_from: <job>.yaml``): it is loaded, on that
-job's run of the same seed, once that run is trained or found.
+An experiment is a job set ``jobs/experiments/<name>/*.yaml`` plus an analysis registered in
+:mod:`elastic_pretrain.experiments.registry`; every arm trains with the same seeds, so a seed's arms are paired.
+A finished run is **reused** only when its resolved config equals the job's and it was trained for the
+experiment and job its directory names (issue 35 item 9); a directory the runner did not write is never deleted.
+docs/experiments.md, "Seeds and pairing"; multi-process jobs and ``--scale``: "Multi-process job sets", "`--scale`".
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """Experiment tracking for the trainer: one object, never fatal, never blocking.
 
-Every rank calls the same methods; :func:`create_tracker` gives rank 0 an :class:`MlflowTracker`
-and every other rank (and ``backend: none``) the no-op :class:`Tracker`, so the trainer needs no
-``if rank == 0`` around its logging.
-
-``MlflowTracker`` methods only validate and append to a bounded in-memory buffer; a background
-thread (:mod:`elastic_pretrain.tracking.sender`) creates or resumes the MLflow run and sends the
-buffer in batches. If MLflow is down or slow, training does not notice beyond the buffer's memory.
-
-Usage (trainer)::
-
-    tracker = create_tracker(cfg.tracking, run_dir=run_dir, job_name=name, rank=rank,
-                             resume_run_id=saved_run_id)  # a resumed run: the checkpoint's "tracker" state
-    tracker.log_params(flatten(to_dict(cfg)))
-    tracker.set_tags(default_tags(world_size=world_size))
-    tracker.log_metrics({"loss": loss, "lr": lr}, step=step)
-    {"run_id": tracker.run_id}                     # its checkpointed state (None until MLflow answered)
-    tracker.close(cfg.tracking.close_timeout_s)
+Every rank calls the same methods; :func:`create_tracker` gives rank 0 an :class:`MlflowTracker` and every
+other rank (and ``backend: none``) the no-op :class:`Tracker`, so the trainer needs no ``if rank == 0``.
+``MlflowTracker`` methods only validate and append to a bounded in-memory buffer; a background thread
+(:mod:`elastic_pretrain.tracking.sender`) sends it, so a slow or down MLflow costs training only that memory.
+docs/tracking.md, "API (for the trainer)" (usage) and "Never fatal, never blocking".
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """What a run directory's newest checkpoint means for ``train`` before anything is built (issue 33).
 
-``train`` continues a run from its newest committed checkpoint (``checkpoint/store.py:resume_source``).
-Measured against the job's ``train.steps`` that checkpoint says one of:
-
-* fewer steps: resume and train the rest (after a stop, a crash, a preemption);
-* exactly ``train.steps``, with ``FINISHED``: there is nothing to train. ``train --nproc-per-node`` (and
-  ``train`` as one process) says so in one line naming what to do instead and exits 0, before any rank
-  starts; ranks started by torchrun or Slurm validate and write ``FINISHED`` again, as the batch script
-  expects of a finished run (and as they do for a run that crashed between its last save and ``FINISHED``);
-* more than ``train.steps``: refused in one line (a run cannot be trained back).
-
-Raising ``train.steps`` on a finished run trains it further. A run's schedule — the LR warmup and decay,
-WSD's window, ELR's switch at ``switch_at`` of the tokens — stays the one its first ``train.steps`` set
-(the checkpoint holds it), so the added steps train at the schedule's end: the final learning rate in
-the final depth phase (docs/run-directory.md, "Training further"). A changed model shape is refused here
-too, before the ranks spend their start-up on it.
-
-Reads only the file system and small JSON files: the launching process stays light (no torch).
+Measured against the job's ``train.steps``, the newest committed checkpoint says: fewer steps, resume; exactly
+``train.steps`` with ``FINISHED``, nothing to train (one line, exit 0); more, refused; a changed model shape,
+refused. Raising ``train.steps`` trains further *at the end of the run's first schedule* (the checkpoint holds
+it). Reads only the file system and small JSON files: the launching process stays light (no torch).
+docs/run-directory.md, "Training further, and a new run".
 """
 
 from __future__ import annotations

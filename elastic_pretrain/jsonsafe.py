@@ -1,21 +1,11 @@
-"""JSON from files somebody else may have made, and the values read out of it (docs/security.md).
+"""JSON from files somebody else may have made, and the values read out of it.
 
-Every JSON file elastic-pretrain reads back — a checkpoint's ``trainer.json`` and ``COMMITTED``, a
-dataset's ``manifest.json`` and ``index.json``, a run's ``mlflow/run.json``, ``history.jsonl`` and
-``summary.json``, an export's ``config.json`` — goes through :func:`loads`. It takes the text (reading
-the file, bounded and regular files only, is ``files.py``'s part) and turns every way a hostile
-file breaks ``json.loads`` into one line naming the file:
-
-* nesting: ``[[[[…`` 100,000 deep is a ``RecursionError`` in the C decoder, and a few hundred levels
-  that do decode would be one in our own recursive code later (``flatten``, ``deep_merge``,
-  ``json.dumps`` on the next save); we write at most ~6 levels, so :data:`MAX_NESTING` is ample;
-* integers of more than 4,300 digits: Python's ``int`` refuses them with a ``ValueError`` that tells
-  the reader to call ``sys.set_int_max_str_digits`` — not a fix for a bad file;
-* bytes that are not UTF-8, text that is not JSON, more bytes than the caller allows.
-
-Values a file holds are then checked where they are used: the checkpointed objects' states
-(``load_state_dict``) through :func:`count`, :func:`number` and :func:`choice`, which raise
-:class:`StateError` — the checkpointer names the file (``checkpoint/manager.py``).
+Every JSON file elastic-pretrain reads back (``trainer.json``, ``COMMITTED``, manifests, ``run.json``,
+``history.jsonl``, ``summary.json``, an export's ``config.json``) goes through :func:`loads`, which turns every
+way a hostile file breaks ``json.loads`` (deep nesting, 4,300-digit integers, bad UTF-8, too many bytes) into
+one line naming the file. Values are checked where they are used (:func:`count`, :func:`number`,
+:func:`choice` raise :class:`StateError`; the checkpointer names the file).
+docs/security.md, "JSON and YAML parsing: one bounded parser".
 """
 
 from __future__ import annotations

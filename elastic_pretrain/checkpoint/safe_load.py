@@ -1,21 +1,11 @@
-"""Loading a checkpoint never unpickles arbitrary objects (docs/security.md).
+"""Loading a checkpoint never unpickles arbitrary objects.
 
-torch.distributed.checkpoint (under megatron's ``torch_dist`` format) reads its ``.metadata`` file
-with plain ``pickle.load`` and every byte item (megatron's ``_extra_state`` objects) with a
-full-pickle ``torch.load`` (weights-only switched off). :func:`restricted_unpickling` swaps both for the duration of a
-load: the metadata goes through an unpickler that resolves only the exact ``(module, name)`` pairs
-a DCP metadata file holds (the checkpoint-metadata dataclasses and enums, ``torch.Size``, dtypes,
-the layout helper), and byte items load with ``weights_only=True``. megatron's own ``common.pt``
-already loads through ``torch.load``'s default (``weights_only=True`` since torch 2.6). Everything
-else we write is JSON or plain tensors.
-
-Why exact pairs: pickle protocol 4 resolves a *dotted* name as an attribute path, so
-``("torch.distributed.checkpoint.metadata", "os.system")`` is ``os.system`` reached through the
-metadata module's ``import os``. A check on the module name alone is no check at all.
-
-:func:`load_sharded` is the one place that calls ``dist_checkpointing.load`` on a checkpoint from
-disk (eval/generate, resume, ``decider.init_from``): it also turns DCP's ``CheckpointException`` —
-a ``BaseException``, which ``except Exception`` does not catch — into a one-line :class:`UserError`.
+DCP reads ``.metadata`` with plain ``pickle.load`` and byte items with a full-pickle ``torch.load``;
+:func:`restricted_unpickling` swaps both for a load: an unpickler resolving only the exact ``(module, name)``
+pairs a DCP metadata file holds — exact, because protocol 4 resolves a dotted name as an attribute path — and
+``weights_only=True``. :func:`load_sharded` is the one caller of ``dist_checkpointing.load`` on a checkpoint
+from disk, and turns DCP's ``CheckpointException`` (a ``BaseException``) into a one-line :class:`UserError`.
+docs/security.md, "Checkpoint metadata (`model_optim/.metadata`, byte items, `common.pt`)".
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """The global sample order: a pure function from a global position to (stream, sample index).
 
-Nothing here has hidden state. Position ``p`` of the (infinite) training order is resolved as:
-
-1. **Mixture.** Positions come in blocks of 4096; stream i owns ``c_i ≈ 4096·w_i`` slots of every
-   block (largest-remainder rounding, at least 1), placed by a seeded permutation of the block. The
-   k-th slot of stream i in block ``b`` is its stream-local position ``s = b·c_i + k``. Weights are thus
-   exact to 1/4096 over every block, and each stream is consumed in its own order, gap-free.
-2. **Stream.** Stream epoch ``s // N_i`` (``N_i`` = sequences of stream i) is a seeded permutation
-   of the stream's sequences (MDS: of all of them; WDS: of its shards, then of the samples inside
-   windows of ``wds_window`` consecutive shards of that permutation, so a reader holds one window of
-   tar shards at a time).
-
-The "mixture RNG state" is therefore just ``(seed, block, epoch)``, derived from the position: a resumed
-loader, at any DP size, produces exactly the samples an uninterrupted one would.
-
-Permutations of large ranges use a keyed Feistel network with cycle-walking (O(1) memory, random
-access, vectorised in numpy) so a billion-sample corpus does not need a billion-entry index.
+Nothing here has hidden state: the mixture (blocks of 4096 positions, each stream owning its weight's share of
+slots) and each stream's epoch permutation derive from the position and the seeds, so the "RNG state" is just
+``(seed, block, epoch)`` and a resumed loader, at any DP size, produces exactly the samples an uninterrupted one
+would. Permutations are keyed Feistel networks with cycle-walking: O(1) memory for a billion samples.
+docs/data.md, "Reading: `TokenBatches`" (Global order) and "Resuming".
 """
 
 from __future__ import annotations

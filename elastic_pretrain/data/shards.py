@@ -1,21 +1,11 @@
 """Shard files of packed token sequences: writers (prepare-data) and per-split readers (training).
 
-MDS goes through mosaicml-streaming's own ``MDSWriter`` and shard reader (``reader_from_json`` ->
-``MDSReader.get_item``: random access by sample); the reader is built from the entry prepare-data
-writes (one raw ``ndarray`` token column), checked against ``index.json``, whose sha256 is in the
-manifest. WebDataset is written with ``wds.TarWriter`` and read member by member with ``tarfile``
-and our own ``.npy`` header check (no pickles, nothing allocated beyond the member), one shard at a
-time: webdataset's default decoders would unpickle ``.pyd``/``.pkl`` members and ``torch.load``
-``.pth`` ones (docs/security.md).
-
-Why not ``StreamingDataset``: its sample order, partitioning and resume state are its own
-(canonical nodes, shared memory keyed by the local directory, file locks in the system temp dir,
-a barrier that expects every process of the job to build it with identical arguments). Our order
-is a pure function of the global sample position (``order.py``), which is what exact resume at a
-different DP size needs, and TP/PP/EP ranks of one replica read the same samples independently.
-Remote shards are fetched with streaming's ``CloudDownloader`` (s3, gs, oci, azure, hf, sftp,
-dbfs, ...) into the stream's local cache under an ``fcntl`` lock kept *in that cache directory*,
-so several ranks on one machine download each file once and two jobs never share lock names.
+MDS goes through mosaicml-streaming's own writer and shard reader, checked against ``index.json``; WebDataset
+is read member by member with our own ``.npy`` header check (webdataset's default decoders would unpickle).
+Not ``StreamingDataset``: its order, partitioning and resume state are its own, while ours is a pure function
+of the global sample position (``order.py``), which exact resume at another DP size needs. Remote shards come
+through streaming's ``CloudDownloader`` under an ``fcntl`` lock in the stream's cache directory.
+docs/data.md, "Reading: `TokenBatches`" and "Remote streams and the local cache"; docs/security.md, "WebDataset tars".
 """
 
 from __future__ import annotations

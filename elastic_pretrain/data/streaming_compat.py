@@ -1,21 +1,10 @@
 """Import mosaicml-streaming next to the CPU torch wheel.
 
-``streaming/__init__.py`` eagerly imports ``streaming.vision``, which needs
-``torchvision.datasets.VisionDataset`` and ``torchvision.transforms.functional.to_tensor``. The only
-torchvision pip can install beside ``torch==2.13.0+cpu`` is a CUDA build whose import fails
-(``operator torchvision::nms does not exist``), so the CPU venv has none (``scripts/setup.sh``).
-We never use the vision datasets, so before importing ``streaming`` we register a minimal module
-providing just those two names — only when a real torchvision is not importable. Everything else of
-streaming (MDS writer/reader, StreamingDataset, remote download + local cache) is the real library.
-transformers does not take the stand-in for a torchvision: it asks for the installed distribution's
-version (``importlib.metadata``), which a module in ``sys.modules`` does not have
-(tests/export/test_hf_model.py: ``test_loads_beside_the_streaming_standin``).
-
-The package ``__init__``s of ``streaming`` and ``streaming.base`` also import transformers (and with it
-scikit-learn, pandas, accelerate): ~6 s of CPU in every process that reads a shard, i.e. in every
-training rank, more than torch itself. What training and ``prepare-data`` use (the MDS reader and
-writer, the downloader) are submodules that need none of it: :func:`import_streaming_lean` lets them
-be imported without those two ``__init__``s, which run only when a package-level name is first used.
+``streaming`` eagerly imports ``streaming.vision``, which needs torchvision, and the only torchvision pip
+installs beside the CPU torch is a CUDA build that cannot import; so a minimal stand-in provides the two names
+it uses, only when no real torchvision is importable. :func:`import_streaming_lean` imports the MDS reader,
+writer and downloader without ``streaming``'s package ``__init__``s (~6 s of transformers imports per rank).
+docs/install.md, the "No torchvision either" paragraphs.
 """
 
 from __future__ import annotations

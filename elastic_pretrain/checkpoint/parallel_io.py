@@ -1,20 +1,10 @@
 """Parallel checkpoint I/O: every rank writes, reads and checksums only its share.
 
-* **Optimizer state.** Not replicated: each data-parallel rank saves the boxes of the Adam-state
-  slices its distributed optimizer owns, and loads the boxes of the slices it owns at the new layout
-  (``checkpoint/optim_state.py``): 1/DP of the optimizer bytes per rank, with no exchange.
-* **Writes.** A tensor replicated over data-parallel ranks (every model parameter) is written by
-  exactly one rank of its DP group, chosen so that each rank writes about 1/DP of the bytes
-  (megatron-core's ``FullyParallelSaveStrategyWrapper``; without it, DP rank 0 writes everything).
-* **Reads.** On resume each replicated tensor is read from disk by one rank of the DP group and
-  broadcast to the others that need it (``FullyParallelLoadStrategyWrapper``): a rank reads about
-  1/DP of the model instead of all of it. The loaded tensors are the same as with a plain load,
-  so resharding over TP/EP/DP is unchanged.
-* **Checksums.** Verifying a checkpoint before resume splits its files over all ranks (largest
-  first, to the least-loaded rank); the errors are gathered, and every rank raises the first one.
-* **Timeouts.** The checkpoint collectives of this module run in a gloo group of their own with
-  ``checkpoint.io_timeout_minutes`` (a slow file system does not trip the training collectives'
-  ``parallel.timeout_minutes``, and a hung training collective is not waited on for the I/O timeout).
+Each DP rank saves and loads only its own Adam-state boxes; a replicated tensor is written by one rank of its
+DP group and, on resume, read by one and broadcast (megatron-core's ``FullyParallel{Save,Load}StrategyWrapper``);
+checksum verification splits the files over all ranks. The checkpoint collectives run in a gloo group of their
+own with ``checkpoint.io_timeout_minutes``, apart from the training collectives' timeout.
+docs/checkpoints.md, "Parallel I/O (`checkpoint/parallel_io.py`)".
 """
 
 from __future__ import annotations

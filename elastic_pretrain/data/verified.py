@@ -1,20 +1,10 @@
 """Hash a shard once per machine, not once per rank (issue 31).
 
-With ``data.verify: sha256`` every rank hashed every shard it read from: in a shuffled corpus that is every
-shard, so at 16 nodes x 8 GPUs each shard was read in full 128 times before training used a byte of it.
-:func:`verify_shard_once` hashes a shard once per machine and user: the rank that checks it first writes a
-record — the shard's expected sha256 and the identity of the file that matched it (device, inode, size,
-mtime and ctime in ns) — into a private cache, and a rank or a later run on the same machine that finds a
-record for the same expected digest and the same file identity trusts it instead of hashing again.
-
-Why the record cannot vouch for other bytes: any write to the file changes its ctime, which no user can set
-(``utime`` sets mtime and atime only), and a replacement changes its inode, so either makes the record miss
-and the shard is hashed again. A record is written only when the file's identity was the same before and
-after hashing (a shard rewritten while it was hashed is not recorded). The cache directory is the user's
-own (created 0700; ``$ELASTIC_PRETRAIN_VERIFY_CACHE``, else ``$XDG_CACHE_HOME/elastic-pretrain/verified``,
-else ``~/.cache/elastic-pretrain/verified``) and lives on the machine's own disk by default. A per-shard lock
-makes the ranks of a machine wait for the one that is hashing instead of all hashing at once. Where the cache
-cannot be created or written, every rank hashes as before; a record that does not parse is ignored.
+:func:`verify_shard_once`: the rank that checks a shard first records its expected sha256 with the file's
+identity (device, inode, size, mtime, ctime) in the user's private cache; other ranks and later runs on the
+machine trust a record whose digest and identity match. It cannot vouch for other bytes: any write moves the
+ctime, which no user can set, and a replacement changes the inode. Without a usable cache every rank hashes.
+docs/data.md, "Errors" (the paragraph on verifying shards).
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """Parameter counts of a :class:`ModelConfig` by arithmetic (no torch): what a recipe documents and the
 layout checks use. ``tests/model/test_params.py`` compares them with the built model's real count.
 
-What the looped model holds (``model/looped.py``):
-
-    embedding (V_pad x D) -> prelude layers -> core layers -> coda layers -> final norm -> output (D x V_pad)
-
-* a dense layer: input norm, attention, pre-MLP norm, SwiGLU MLP (3 D F);
-* a core layer: one attention per pass (untied) or one in all (tied), each with its input norm, plus one
-  shared MoE MLP: pre-MLP norm, router (E x D), E SwiGLU experts (3 D F_e each);
-* attention: QKV (D x (H + 2G) d_h) and output projection (H d_h x D), no biases; with QK-norm a norm of
-  width d_h on queries and one on keys;
-* the loop conditioning head (ELR): (L_max + 1) x D and L_max x D embeddings and a D x D projection.
-
-*Active* parameters are those one token's forward pass at L_max touches: every parameter except the
-experts the router does not pick (E - k per MoE MLP). A loop pass reuses its layer's parameters, so
-looping adds compute, not parameters.
+*Active* parameters are those one token's forward pass at L_max touches: every parameter except the experts
+the router does not pick. A loop pass reuses its layer's parameters, so looping adds compute, not parameters.
+What each part holds: docs/recipes.md, the paragraph "What `count_parameters` counts".
 """
 
 from __future__ import annotations

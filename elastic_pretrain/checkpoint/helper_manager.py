@@ -1,19 +1,10 @@
 """The multiprocessing Manager through which megatron's checkpoint writers report (``checkpoint/manager.py``,
 ``start_write_results_queue``): a helper process of each saving rank that must outlive a stop signal and
-must stay cheap.
-
-* **Stop signals.** Under Slurm a forwarded stop signal reaches every process of the job step, this
-  helper included (docs/slurm.md, "Contract"), and a dead Manager fails the preemption save. The
-  helper is spawned with the stop signals *blocked* in the starting thread (the mask survives ``exec``)
-  and ignores them itself before it serves. Not ``SIG_IGN`` in the rank while it starts: setting
-  ``SIG_IGN`` discards a pending stop signal, and a signal that came during the start would be lost.
-* **Parent death.** It is SIGKILLed when the rank dies (``PR_SET_PDEATHSIG``), so ``kill -9`` of a rank
-  does not leave it running forever, holding the launcher's output pipes open.
-* **No torch.** Its queue carries pickled bytes: the writers' results (torch's ``WriteResult``) are
-  pickled by the writer and unpickled by the rank that reads them, never by the helper, which would
-  import torch to do so (~3.5 s of CPU per saving rank per start); nor does it run the rank's main
-  script again (:func:`_main_hidden`). This module imports the standard library only, since the helper
-  imports it to run its initializer.
+must stay cheap. A forwarded stop signal reaches every process of a Slurm job step, and a dead Manager fails
+the preemption save: the helper is spawned with the stop signals *blocked* (not ``SIG_IGN``, which discards a
+pending one), ignores them itself, and dies with its rank (``PR_SET_PDEATHSIG``). Its queue carries pickled
+bytes, so it never imports torch; this module imports the standard library only.
+docs/slurm.md, "Contract with the trainer" (the paragraph on helper processes).
 """
 
 from __future__ import annotations

@@ -1,19 +1,10 @@
-"""Checkpoint keys that differ between megatron's TE and local layer specs, mapped at load time.
+"""Checkpoint keys that differ between megatron's TE and local layer specs, mapped at load time (issue 30, item 5).
 
-megatron's local layer spec saves its norms under the TE spec's names, so that one checkpoint serves
-both (``TransformerLayerSubmodules.sharded_state_dict_keys_map``, megatron-core 0.16.1
-``gpt_layer_specs.get_gpt_layer_local_spec``): ``input_layernorm.`` → ``self_attention.linear_qkv.layer_norm_``
-and ``pre_mlp_layernorm.`` → ``mlp.linear_fc1.layer_norm_``, where TE fuses each norm into the linear after
-it. The second map is applied to MoE layers too, but there TE keeps a real ``pre_mlp_layernorm`` (experts
-cannot fuse it, ``TENorm``) saved under its own name. So a MoE layer's pre-MLP norm is
-``<layer>.pre_mlp_layernorm.weight`` in a GPU (TE-spec) checkpoint and
-``<layer>.mlp.linear_fc1.layer_norm_weight`` in a CPU (local-spec) one, and the optimizer's moments of it
-(``optimizer.<state>.<key>``) likewise; every other key is the same under both specs (issue 30, item 5).
-
-:func:`map_spec_keys` renames, in the request to load, each tensor key the checkpoint lacks whose other
-spec's name the checkpoint declares (its ``.metadata``): a GPU run evaluates, exports and converts on a
-CPU machine, and a CPU run resumes on a GPU. A dense layer's ``mlp.linear_fc1.layer_norm_weight`` is in
-both kinds of checkpoint and never renamed.
+megatron's local spec saves its norms under the TE spec's names so that one checkpoint serves both, but also
+for MoE layers, where TE keeps a real ``pre_mlp_layernorm``: a MoE layer's pre-MLP norm (and its Adam moments)
+is named differently in a GPU and a CPU checkpoint. :func:`map_spec_keys` renames, in the load request, each key
+the checkpoint lacks whose other spec's name it declares, so a GPU run evaluates, exports and converts on a CPU
+machine and a CPU run resumes on a GPU. docs/checkpoints.md, "A checkpoint of the other layer spec".
 """
 
 from __future__ import annotations

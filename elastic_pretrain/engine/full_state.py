@@ -1,19 +1,10 @@
 """Model + Adam state per parameter name, whatever engine, ZeRO stage or world size holds it.
 
 :class:`FullState` is the fp32 value, ``exp_avg`` and ``exp_avg_sq`` of every trainable parameter (full shapes,
-bare model names) and Adam's step count. It is what :mod:`elastic_pretrain.engine.convert` carries between the
-engines and what the DeepSpeed engine reshards through when it resumes at another world size
-(``engine/deepspeed.py: DeepSpeedTensors.load``):
-
-- :func:`read_deepspeed`: from a DeepSpeed-engine checkpoint's files, offline, in one process, for ZeRO 1/2/3
-  at any saved world size (DeepSpeed's own ``zero_to_fp32`` merge, applied to the Adam moments as to the fp32
-  master weights; every file read weights-only: engine/safe_load.py).
-- :func:`install_deepspeed`: into a live DeepSpeed engine at any world size (each rank writes its own ZeRO
-  partition through DeepSpeed's ``safe_set_full_*`` API).
-- :func:`read_megatron` / :func:`install_megatron`: from / into megatron-core's optimizer on one rank (the
-  per-parameter entries of checkpoint/optim_state.py).
-
-Every copy is exact (fp32 to fp32): a state read, installed and saved again is bitwise the one read.
+bare model names) and Adam's step count: what :mod:`elastic_pretrain.engine.convert` carries between engines and
+what the DeepSpeed engine reshards through at another world size. Read from DeepSpeed files (its own
+``zero_to_fp32`` merge, weights-only) or megatron's optimizer, installed into either; every copy is exact
+(fp32 to fp32). docs/engines.md, "Checkpoints" (Resume at another world size or ZeRO stage; Conversion).
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
-"""Model and hardware FLOPs utilisation of a step, against a named per-device peak (docs/gpu.md, "MFU").
+"""Model and hardware FLOPs utilisation of a step, against a named per-device peak.
 
-**MFU** counts the FLOPs the model needs for what a step trained: per micro-batch of every replica
-(global means over data-parallel ranks, not one rank's), the prelude once, ℓ passes of the core,
-and the coda + output layer once per **supervised exit** (telescopic training supervises two), all
-× 3 for forward + backward. **HFU** adds what the hardware also executed: the forward recomputed in
-backward (``train.recompute``: ``selective`` recomputes the attention-score matmuls, ``pass`` each
-core pass) and the one-token MoE calls of **ghost passes** (a rank joining its expert-parallel
-group's deeper micro-batch). Ghost passes cost almost no FLOPs but idle time: their share of
-executed passes is reported on its own (``ghost_pass_fraction``), as is its complement
-``depth_efficiency`` (useful / executed passes, :attr:`DepthCounts.efficiency`) and the estimated
-wall time they cost (:func:`ghost_time_share`; docs/elastic-depth.md, "Depth efficiency").
-
-Peaks are vendor data-sheet dense numbers per device (no sparsity), bf16 or FP8, matched on
-``torch.cuda.get_device_name()``; ``train.peak_tflops`` overrides them (and is the only way to get
-an MFU on CPU).
+**MFU** counts the FLOPs the model needs for what a step trained (global means of ℓ and the supervised exits
+over data-parallel replicas, × 3 for forward + backward); **HFU** adds what the hardware also executed: the
+recomputed forward and the one-token MoE calls of ghost passes, whose share is reported on its own
+(``ghost_pass_fraction``, ``depth_efficiency``): they cost little FLOPs but idle time. Peaks are dense data-sheet
+numbers matched on the device name; ``train.peak_tflops`` overrides them (the only MFU on CPU).
+docs/gpu.md, "MFU"; docs/elastic-depth.md, "Depth efficiency".
 """
 
 from __future__ import annotations

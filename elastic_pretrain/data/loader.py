@@ -1,18 +1,10 @@
 """Training-side reader: per-step token batches for one data-parallel rank, exactly resumable.
 
-Contract (the trainer calls only this)::
-
-    batches = TokenBatches(cfg, micro_batch_size=b, num_micro_batches=m, dp_rank=r, dp_size=d, seed=s)
-    micro = batches.next_step()      # m tensors, int64 [b, seq_len+1], this rank's share of the step
-    state = batches.state_dict()     # JSON-serialisable; load_state_dict(state) resumes exactly
-    val = load_validation(cfg, num_sequences=n)   # [n, seq_len+1] int64, same on every rank
-
-Global batch ``G = b·m·d``. Step ``k`` consumes global positions ``[k·G, (k+1)·G)`` of the order in
-``order.py``; rank ``r`` takes the contiguous slice ``[k·G + r·G/d, k·G + (r+1)·G/d)`` and cuts it
-into ``m`` micro-batches of ``b`` rows. The state is the next global position, so a checkpoint
-taken at DP size 2 resumes bit-identically at DP size 1 or 4 as long as ``G`` is unchanged (with a
-different ``G`` the stream continues from the same position: no sample is repeated or skipped).
-Only the data-parallel rank matters: TP/PP/EP ranks of one replica pass the same ``dp_rank``.
+The trainer calls only :class:`TokenBatches` (``next_step``, ``state_dict``, ``load_state_dict``) and
+:func:`load_validation`. Step ``k`` consumes global positions ``[k·G, (k+1)·G)`` of ``order.py``'s order, each
+DP rank a contiguous slice; the state is the next global position, so a checkpoint resumes bit-identically at
+another DP size with the same ``G``. Only the data-parallel rank matters: TP/PP/EP ranks of a replica read alike.
+docs/data.md, "Reading: `TokenBatches`" (the contract and the global order) and "Resuming".
 """
 
 from __future__ import annotations

@@ -2,17 +2,9 @@
 anything reaches Slurm (issue 33, item 10). ``submit --dry-run`` prints every finding; the real submit
 refuses on the first refusal, in one line.
 
-Refusals (the job would fail on the nodes, after queueing):
-
-* a GPU job whose interpreter on the nodes would be the submit host's CPU-only one (``slurm.python``
-  unset, no container): every rank would start without CUDA;
-* the data recipe's shards (each local stream's manifest, split and shard files) or its tokenizer file
-  missing; paths resolve against the submit directory, the job's working directory;
-* the run directory finished (unless ``train.steps`` trains it further), already running a job, past
-  ``train.steps``, or holding a checkpoint of another model shape (``train/resume.py``).
-
-Notes (said, not refused): partition or account unset (the cluster's defaults apply), remote streams
-and named tiktoken encodings (fetched by the nodes, not checked here).
+Refused: what would fail on the nodes after queueing (a GPU job on the submit host's CPU-only interpreter,
+missing shards or tokenizer, a run directory finished, running or of another model shape). Said, not refused:
+what the cluster or the nodes decide (partition, account, remote streams). docs/slurm.md, "Submit" (Pre-flight).
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Routing health per (core layer, pass) — Foil: watch routing *confidence*, not only load balance.
 
-A :class:`RoutingProbe` is attached to the shared routers while one forward runs (every N steps);
-it recomputes the router logits of the tokens it sees (no grad, cheap: one small matmul) and
-accumulates, per (layer, pass):
-
-- ``confidence``: mean over tokens of the largest router probability (softmax over all experts),
-- ``margin``: mean gap between the k-th and (k+1)-th largest probability (how decisive top-k is),
-- ``entropy``: mean router entropy (nats),
-- ``load_cv``: coefficient of variation of tokens per expert (std / mean),
-- ``maxvio``: max load over mean load minus 1 (MaxVio),
-- ``overlap``: mean fraction of a token's top-k experts shared with its pass-0 top-k.
-
+A :class:`RoutingProbe` is attached to the shared routers while one forward runs (every N steps); it
+recomputes the router logits of the tokens it sees (no grad, cheap) and accumulates, per (layer, pass),
+confidence, top-k margin, entropy, load CV, MaxVio and top-k overlap with pass 0.
+docs/elastic-depth.md, "Routing health (Foil)" (each statistic defined).
 Shapes: ``S`` = number of statistics, ``K`` core layers, ``L`` passes, ``N`` tokens, ``E`` experts.
 """
 

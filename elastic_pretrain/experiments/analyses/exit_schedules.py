@@ -1,18 +1,10 @@
 """The ``exit-schedules`` experiment on TLM's own axis: exits after the layers of a non-looped stack.
 
-Jobs (``jobs/experiments/exit-schedules/``), one stack of N core layers, the same tokens and seed:
-``sparse-exits`` (the Matryoshka / MLMS-style baseline: exits L/4, L/2, L every micro-batch), ``telescopic``
-(the full-stack anchor + ``telescopic_draws`` random prefix exits, matched to the baseline's training
-FLOPs), ``telescopic-one-draw`` (TLM as published: one prefix exit, fewer FLOPs) and ``fixed-depth`` (only
-the full stack; what unsupervised exits look like). Each exit k is evaluated after layer k
-(eval/loss.py, exit_axis layer) and placed at its relative compute; AUC on loss and on perplexity.
-
-**Equal training FLOPs** (docs/exit-axis.md): every exit of a micro-batch is read out of one forward
-through the stack, so a micro-batch costs the stack once plus one output layer per supervised exit
-(train/mfu.py ``step_flops``). A sparse-exit baseline with m prefix exits and telescopic with
-``telescopic_draws: m`` supervise the same number of exits per micro-batch: equal FLOPs at equal tokens.
-:func:`planned_training_flops` replays a job's plans before it trains; the analysis reports it beside the
-count the trainer kept (``train_flops`` in summary.json) and says whether the pair is matched.
+Jobs ``sparse-exits`` (the Matryoshka / MLMS-style baseline), ``telescopic`` (matched to the baseline's training
+FLOPs), ``telescopic-one-draw`` (TLM as published) and ``fixed-depth``; each exit k is evaluated after layer k
+at its relative compute. Equal training FLOPs means the same number of supervised exits per micro-batch:
+:func:`planned_training_flops` replays a job's plans, reported beside the trainer's ``train_flops``.
+docs/exit-axis.md, "The sparse-exit baseline at equal training FLOPs".
 """
 
 from __future__ import annotations

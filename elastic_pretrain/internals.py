@@ -1,16 +1,10 @@
 """The private (underscore) names of megatron-core, torch and DeepSpeed that elastic-pretrain uses.
 
-A library may rename, remove or change a private name in any release without notice: megatron-core 0.17
-renamed ``filesystem_async._get_write_results_queue`` (the async checkpoint writer's queue) and changed the
-signatures of the ``TransformerLayer._forward_*`` methods the looped model calls. :data:`PRIVATE` lists
-every one the package uses, with its signature in the versions it is tested with (the lock file:
-megatron-core 0.16.1, torch 2.13, DeepSpeed 0.19.8), so that an upgrade fails loudly instead of at the
-first async save on a cluster (issue 30, item 7):
-
-- ``tests/test_private_names.py`` finds every private name the package's code uses (its syntax tree) and
-  fails when one is not listed here, is missing from the installed version or has another signature;
-- :func:`require` checks at startup (``parallel/megatron.py: build_model``, the DeepSpeed engine) that every
-  listed name of a library exists in the installed version, and refuses to start in one line naming it.
+A library may rename, remove or change a private name in any release (megatron-core 0.17 did, for two we use).
+:data:`PRIVATE` lists every one with its signature in the locked versions, so that an upgrade fails loudly
+instead of at the first async save on a cluster (issue 30, item 7): ``tests/test_private_names.py`` checks the
+package's code against the list, and :func:`require` refuses to start, in one line, when a name is missing.
+docs/checkpoints.md, "Ours or the public APIs" (Private names in general; the 0.17 comparison).
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """A checkpoint of one engine as the other's: DeepSpeed-engine <-> megatron-engine (both directions).
 
-``elastic-pretrain convert-checkpoint <step_N> --out <dir>`` reads a committed checkpoint of either engine and
-writes a committed ``<dir>/checkpoints/step_<N>`` of the other one: the model weights (fp32 master values on
-the DeepSpeed side, all ZeRO stages, any saved world size), by default the optimizer state too (Adam's
-``exp_avg``, ``exp_avg_sq`` and step count, per parameter: engine/full_state.py), ``trainer.json`` with
-``engine`` switched (LR schedule, data position, controller: unchanged), the RNG files, and the commit marker
-and ``latest``. With the optimizer state the result *resumes* on the other engine as its source would have
-continued (tests/engine/test_convert.py); ``--weights-only`` starts Adam afresh (the result evaluates and
-generates like its source and can seed a new run). Reading a DeepSpeed checkpoint is weights-only
-(engine/safe_load.py), a megatron one goes through checkpoint/safe_load.py. Runs in one process (a one-rank
-mesh); the megatron side at world size 1 reshards to any layout on resume, the DeepSpeed side to any world size
-(engine/deepspeed.py).
+``elastic-pretrain convert-checkpoint <step_N> --out <dir>`` writes a committed checkpoint of the other engine:
+weights, by default the Adam state (engine/full_state.py), ``trainer.json`` with ``engine`` switched and the RNG
+files, so the result *resumes* as its source would have continued; ``--weights-only`` starts Adam afresh. It runs
+in one process; either side reshards on resume. Reading a DeepSpeed checkpoint is weights-only.
+docs/engines.md, "Checkpoints" (Conversion).
 """
 
 from __future__ import annotations

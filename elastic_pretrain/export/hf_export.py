@@ -1,16 +1,10 @@
 """Export a trained looped model to a Hugging Face directory (``elastic-pretrain export``).
 
 The checkpoint is loaded into a one-process model (``engine.restore.load_model``: megatron's
-``dist_checkpointing`` reshards any TP/EP/DP/PP layout, with the restricted unpickling of resume), so
-every layout exports the same files. Written into OUT:
-
-- ``model.safetensors``: the model tensors under the project's own parameter names (``model.<name>``;
-  ``lm_head.weight`` for the output layer), the vocabulary padding for TP removed;
-- ``config.json``: the built shape, router settings, conditioning and decider, with ``auto_map`` pointing
-  at the two copied files below; ``generation_config.json``: EOS and padding id, greedy by default;
-- ``configuration_elastic.py``, ``modeling_elastic.py``: the standalone model (torch + transformers);
-- the tokenizer (``export/tokenizer.py``);
-- ``elastic_pretrain.json``: where it came from (checkpoint, step, job) and the job's model config.
+``dist_checkpointing`` reshards any TP/EP/DP/PP layout, with the restricted unpickling of resume), so every
+layout exports the same files: ``model.safetensors`` under the project's own names, ``config.json`` with an
+``auto_map`` to the standalone ``configuration_elastic.py`` / ``modeling_elastic.py``, the tokenizer and
+``elastic_pretrain.json`` (provenance). docs/export.md, "What is exported" (the table of files).
 """
 
 from __future__ import annotations

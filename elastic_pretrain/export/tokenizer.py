@@ -1,16 +1,9 @@
 """The run's tokenizer as Hugging Face files (``tokenizer.json`` + ``tokenizer_config.json``).
 
-- ``byte``: a byte-level BPE with no merges whose vocabulary maps byte b to id b (through GPT-2's
-  byte→unicode table, which the ``ByteLevel`` pre-tokenizer and decoder use) and ``<|endoftext|>``
-  = 256: ``encode(text)`` gives the UTF-8 bytes, exactly the project's ``ByteTokenizer``.
-- ``hf``: the run's ``tokenizer.json``, byte for byte.
-- ``tiktoken``: the ranks converted by transformers' ``TikTokenConverter`` (the original ranks file
-  is copied too, as ``tokenizer.tiktoken``).
-
-Every export is checked: the written tokenizer must encode a probe text to the same ids as the
-project's tokenizer, or the export stops (an exported model fed other ids would score garbage).
-The tokenizer file a checkpoint's config names is only read through the project's tokenizer
-loaders, which parse it as a tokenizer (nothing else is followed or executed).
+``byte`` becomes a byte-level BPE with no merges that encodes text to its UTF-8 bytes, ``hf`` the run's
+``tokenizer.json`` byte for byte, ``tiktoken`` transformers' ``TikTokenConverter`` output (ranks file copied too,
+as ``tokenizer.tiktoken``). Every export checks that the written tokenizer encodes a probe text to the project's
+ids, or stops: an exported model fed other ids would score garbage. docs/export.md, "What is exported" (Tokenizers).
 """
 
 from __future__ import annotations

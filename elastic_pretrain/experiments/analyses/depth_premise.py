@@ -1,16 +1,10 @@
 """depth-premise: on a corpus whose answers need 1..6 sequential lookups (``data: depth-pays``), does the
 looped model trained at fixed depth ℓ = L_max beat the same model trained at ℓ = 1 (issue 32)?
 
-Every depth claim of the papers presupposes that extra depth pays: ELR's "four loops adding 7.25 and 4.75
-points", TaH2's decider giving passes to the tokens that need them, TLM's prefixes below the full depth. On
-the byte corpus at this scale it does not (docs/results/README.md). This report checks the premise where it
-can hold, per true difficulty of the predicted token (data/synthetic.py: the fewest lookups its answer needs;
-0 for every other token), so that a verdict says *which* tokens depth pays on.
-
-Two shapes, each a pair of arms on the same tokens with the same seed (initialisation and data order):
-``bare-1`` / ``bare-max``, the looped core alone (ℓ = 1 is one layer, which cannot look anything up: a lookup
-needs a previous-token layer and a copy), and ``fixed-1`` / ``fixed-max`` with a prelude and a coda around it
-(ℓ = 1 is three layers, enough for the one- and two-lookup answers that most of the answers are).
+Every depth claim of the papers presupposes that extra depth pays; on the byte corpus at this scale it does not.
+This report checks the premise where it can hold, per true difficulty of the predicted token, on two shapes:
+``bare-*`` (the looped core alone: ℓ = 1 is one layer, which cannot look anything up) and ``fixed-*`` (with a
+prelude and a coda: ℓ = 1 is three layers). docs/experiments.md, "The depth-pays corpus: the premise first".
 """
 
 from __future__ import annotations

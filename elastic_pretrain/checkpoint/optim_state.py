@@ -5,8 +5,7 @@ parameter over TP/EP/PP, so a checkpoint reshards exactly as the model does; eac
 as at most ``2·ndim − 1`` boxes of that tensor (views: no copy, no communication) and loads only its own.
 megatron-core 0.16.1's own optimizer formats cannot reshard EP 2 → 1. Adam's step count is one number in
 ``trainer.json``, kept wherever the optimizer keeps it (:func:`step_home`); losing it restarts bias correction.
-docs/checkpoints.md, "Optimizer state in model space, saved in shares" and "Adam's step, wherever the
-optimizer keeps it".
+docs/checkpoints.md, "Optimizer state in model space, saved in shares" and "Adam's step, wherever ...".
 """
 
 from __future__ import annotations

@@ -54,10 +54,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, config: p
 def _fresh_moe_aux_tracker():
     """megatron keeps its MoE aux-loss tracker in a module global sized by the first model that logs into it
     (``clear_aux_losses_tracker`` only zeroes it): a later test's model with more MoE layers then indexed past
-    its end. Every test starts with an empty one (only where megatron is already imported: no import cost)."""
+    its end. Every test starts with an empty one (only where megatron is already imported: no import cost).
+    Likewise the aux-loss gradient scale, a class attribute set by the first ``forward_backward`` (its value
+    after test_precision.py made test_overlap.py's losses differ when run in that order): as a fresh process."""
     moe_utils = sys.modules.get("megatron.core.transformer.moe.moe_utils")
     if moe_utils is not None:
         moe_utils.get_moe_layer_wise_logging_tracker().clear()
+        moe_utils.MoEAuxLossAutoScaler.main_loss_backward_scale = None
     yield
 
 

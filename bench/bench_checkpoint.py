@@ -101,6 +101,29 @@ def spread(xs: list[float], fmt: str = "{:.3f}") -> str:
     return " / ".join(fmt.format(v) for v in (min(xs), statistics.median(xs), max(xs)))
 
 
+def widened_tiny(h: int) -> tuple[Any, Any, Any, Any, Any]:
+    """The tiny job widened to hidden ``h`` in one process, built with its DDP wrapper and optimizer (Adam state
+    allocated), the results queue started as the Checkpointer does (the writers report through it):
+    ``(job, net, ddp, optimizer, scheduler)``. Shared with checkpoint_public.py."""
+    from elastic_pretrain.checkpoint import optim_state
+    from elastic_pretrain.checkpoint.manager import start_write_results_queue
+    from elastic_pretrain.job_loader import load_job
+    from elastic_pretrain.parallel.megatron import build_model
+    from elastic_pretrain.parallel.mesh import init_mesh
+    from elastic_pretrain.train.session import build_optimizer, wrap_ddp
+
+    overrides = ["parallel=single", f"model.hidden_size={h}", f"model.ffn_hidden_size={h * 8 // 3}",
+                 f"model.moe_ffn_hidden_size={h}"]  # fmt: skip
+    job = load_job("jobs/tiny-cpu.yaml", overrides)
+    init_mesh(job.parallel, seed=0)
+    start_write_results_queue()
+    net = build_model(job.model, job.parallel)
+    ddp = wrap_ddp(job, net)
+    optimizer, scheduler = build_optimizer(job, ddp)
+    optim_state.ensure_state(optimizer)
+    return job, net, ddp, optimizer, scheduler
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=7)
@@ -122,32 +145,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     from elastic_pretrain.checkpoint import optim_state, parallel_io
-    from elastic_pretrain.checkpoint.manager import load_tensors, save_tensors, start_write_results_queue
+    from elastic_pretrain.checkpoint.manager import load_tensors, save_tensors
     from elastic_pretrain.checkpoint.writer import WriterQueue
-    from elastic_pretrain.job_loader import load_job
-    from elastic_pretrain.parallel.megatron import build_model
-    from elastic_pretrain.parallel.mesh import init_mesh, teardown
+    from elastic_pretrain.parallel.mesh import teardown
     from elastic_pretrain.parallel.pipeline import MicroBatch
     from elastic_pretrain.schedule import ScheduleController
-    from elastic_pretrain.train.session import build_optimizer, wrap_ddp
     from elastic_pretrain.train.step import TrainStep
 
     h = args.hidden
-    job = load_job(
-        "jobs/tiny-cpu.yaml",
-        [
-            "parallel=single",
-            f"model.hidden_size={h}",
-            f"model.ffn_hidden_size={h * 8 // 3}",
-            f"model.moe_ffn_hidden_size={h}",
-        ],
-    )
-    init_mesh(job.parallel, seed=0)
-    start_write_results_queue()  # as the Checkpointer does (the writers report through it)
-    net = build_model(job.model, job.parallel)
-    ddp = wrap_ddp(job, net)
-    optimizer, scheduler = build_optimizer(job, ddp)
-    optim_state.ensure_state(optimizer)
+    job, net, ddp, optimizer, scheduler = widened_tiny(h)
     # a real training step of this model (random tokens): forward and backward read the saved tensors, the
     # optimizer step writes them (and waits for a background staging copy first)
     train_step = TrainStep(ddp, optimizer, scheduler, seq_len=job.data.seq_len, max_loops=job.exit_depths,

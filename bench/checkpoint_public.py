@@ -71,29 +71,12 @@ def main() -> None:
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     from elastic_pretrain.checkpoint import optim_state, parallel_io
-    from elastic_pretrain.checkpoint.manager import save_tensors, start_write_results_queue
+    from elastic_pretrain.checkpoint.manager import save_tensors
     from elastic_pretrain.checkpoint.writer import WriterQueue
-    from elastic_pretrain.job_loader import load_job
-    from elastic_pretrain.parallel.megatron import build_model
-    from elastic_pretrain.parallel.mesh import init_mesh, teardown
-    from elastic_pretrain.train.session import build_optimizer, wrap_ddp
+    from elastic_pretrain.parallel.mesh import teardown
 
     h = args.hidden
-    job = load_job(
-        "jobs/tiny-cpu.yaml",
-        [
-            "parallel=single",
-            f"model.hidden_size={h}",
-            f"model.ffn_hidden_size={h * 8 // 3}",
-            f"model.moe_ffn_hidden_size={h}",
-        ],
-    )
-    init_mesh(job.parallel, seed=0)
-    start_write_results_queue()
-    net = build_model(job.model, job.parallel)
-    ddp = wrap_ddp(job, net)
-    optimizer, _ = build_optimizer(job, ddp)
-    optim_state.ensure_state(optimizer)
+    _, net, _, optimizer, _ = bench_checkpoint.widened_tiny(h)
 
     def sharded() -> dict[str, Any]:
         model_sd = net.sharded_state_dict()

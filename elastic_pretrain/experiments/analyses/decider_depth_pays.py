@@ -8,22 +8,14 @@ to tokens that need more lookups (Spearman's ρ of passes with true difficulty o
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 from elastic_pretrain.experiments.analyses.decider import EXPERIMENT as DECIDER
 from elastic_pretrain.experiments.analyses.decider import FROZEN, PER_TOKEN, TAH2, claims_for
-from elastic_pretrain.experiments.stats import Claim, Metrics
+from elastic_pretrain.experiments.stats import Claim
 
 BASE = "mixed"
 _CLAIMS = claims_for(BASE)
 PREMISE = _CLAIMS[0]
-
-
-def _rho(arm: str) -> Callable[[Metrics], float]:
-    def value(ms: Metrics) -> float:
-        return ms[arm]["passes_rho_answers"]
-
-    return value
 
 
 def _tracks_difficulty(arm: str, what: str) -> Claim:
@@ -34,7 +26,7 @@ def _tracks_difficulty(arm: str, what: str) -> Claim:
         magnitude="not given (TaH2 has no per-token ground truth)",
         measure=f"{what}: Spearman's ρ of each answer token's passes (threshold 0.5) with the number of lookups it "
         "needs (the corpus's stored difficulty)",
-        value=_rho(arm),
+        value=lambda ms: ms[arm]["passes_rho_answers"],
         expect="positive",
         premise=PREMISE,
     )

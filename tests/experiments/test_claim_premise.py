@@ -95,9 +95,11 @@ GATED = {
     "samplers": 3,  # all but the one-loop tax (measured against the one-loop baseline whatever depth gives)
     "samplers-ep2": 4,
     "exit-schedules": 4,  # the areas, the holes, the dial's price; "matching at full capacity" needs no holes
+    "exit-schedules-depth-pays": 4,  # the same on the depth-pays corpus
     "kv-cache": 5,  # the size of the cost (one per arm) and the trained mode's shrinkage (a gap to shrink)
     "kv-cache-depth-pays": 4,  # the same on its two arms
     "late-switch": 10,  # the shares retained and the five-loop comparisons (loops must pay), tied and untied
+    "late-switch-depth-pays": 8,  # the same for the 75% switch only
     "flattening": 0,
     "route-replay": 0,
     "seed-noise": 0,
@@ -131,7 +133,10 @@ def test_labels_of_the_registered_claims() -> None:
     kinds = {(name, c.kind) for name, e in EXPERIMENTS.items() for c in e.claims}
     checks = [(n, c.measure) for n, e in EXPERIMENTS.items() for c in e.claims if c.kind == "implementation check"]
     # compute replayed; bytes = 1/ℓ
-    assert [n for n, _ in checks] == ["late-switch", "late-switch", "kv-cache", "kv-cache-depth-pays"]
+    assert [n for n, _ in checks] == [
+        "late-switch", "late-switch", "late-switch-depth-pays", "late-switch-depth-pays", "kv-cache",
+        "kv-cache-depth-pays",
+    ]  # fmt: skip
     incomparable = [c.measure for c in EXPERIMENTS["kv-cache"].claims if not c.comparable]
     assert len(incomparable) == 3 and all("next-token accuracy" in m for m in incomparable)
     assert ("decider", "premise") in kinds and ("exit-schedules", "premise") in kinds

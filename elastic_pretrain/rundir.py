@@ -87,6 +87,10 @@ class RunFiles:
         return self.run_dir / "FINISHED"
 
     @property
+    def train_lock(self) -> Path:
+        return self.run_dir / "trainer.lock"
+
+    @property
     def stopped(self) -> Path:
         return self.run_dir / "STOPPED"
 

@@ -137,7 +137,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
         default=None,
         metavar="N|S1,S2,...",
         help="seeds every job trains with: a count N (the set's own seed and the N-1 after it; default 3, the "
-        "fewest a claim's interval is decided on) or a list of seeds",
+        "fewest a claim's interval is decided on; at most 100) or a list of seeds (one seed: 1234,)",
     )
     p.add_argument(
         "--scale",

@@ -165,11 +165,23 @@ def seeds_of(runs: list[Run]) -> list[int]:
     return list(dict.fromkeys(r.seed for r in runs))
 
 
+MAX_SEED_COUNT = 100  # a larger "count" is a seed written without its comma: each seed is a set of runs
+
+
 def parse_seeds(text: str, base: int) -> list[int]:
     """``--seeds``: a count N (seeds base, base+1, …, base+N−1; base is the job set's own train.seed) or
-    a comma-separated list of seeds."""
+    a comma-separated list of seeds (one seed: ``--seeds 1234,``)."""
     try:
-        seeds = [base + i for i in range(int(text))] if "," not in text else [int(s) for s in text.split(",")]
+        if "," in text:
+            seeds = [int(s) for s in text.split(",") if s.strip()]
+        else:
+            count = int(text)
+            if count > MAX_SEED_COUNT:
+                raise UserError(
+                    f"--seeds {text}: a count of {count:,} seeds trains {count:,} runs per job; for the one seed "
+                    f"{count} write --seeds {count}, (a list), or give a count up to {MAX_SEED_COUNT}"
+                )
+            seeds = [base + i for i in range(count)]
     except ValueError:
         seeds = []
     if not seeds or len(set(seeds)) != len(seeds):

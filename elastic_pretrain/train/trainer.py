@@ -25,6 +25,7 @@ from elastic_pretrain.checkpoint.preempt import StopRequest, stop_reason
 from elastic_pretrain.checkpoint.store import CheckpointStore
 from elastic_pretrain.checkpoint.tensors import check_model_fits
 from elastic_pretrain.data.loader import TokenBatches
+from elastic_pretrain.errors import UserError
 from elastic_pretrain.eval.loss import loss_by_loops
 from elastic_pretrain.files import append_text, read_bounded, read_text_or_none, write_atomic
 from elastic_pretrain.job import JobConfig, public_dict, write_resolved
@@ -42,6 +43,7 @@ from elastic_pretrain.train.memory_peaks import MemoryPeaks, gib
 from elastic_pretrain.train.mfu import baseline_flops_per_token, device_peak, step_flops, utilisation
 from elastic_pretrain.train.profiling import ProfileWindow
 from elastic_pretrain.train.resume import check_steps_left, resumable
+from elastic_pretrain.train.runlock import RunLock, refusal
 from elastic_pretrain.train.session import SchedulerState, Session, schedule_end_note
 from elastic_pretrain.train.step import StepResult
 from elastic_pretrain.train.stragglers import DATA_WAIT_KEY, StragglerReport
@@ -559,9 +561,17 @@ def _train(job: JobConfig, build_session: SessionBuilder, stop: StopRequest) -> 
     mesh = init_mesh(job.parallel, seed=job.train.seed)
     strict = enter_strict_devices()  # ELASTIC_PRETRAIN_STRICT_DEVICES=1 checks every collective (parallel/strict.py)
     done = False
+    lock: RunLock | None = None
     try:
         run_dir = job.run_path
         files = RunFiles(run_dir)
+        holder = None
+        if mesh.rank == 0:  # one trainer per run directory, before anything is written (train/runlock.py)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            lock = RunLock(files.train_lock)
+            holder = lock.acquire()
+        if every_rank(int(holder is not None))[0]:
+            raise UserError(refusal(run_dir, holder or "another trainer (rank 0's message names it)"))
         if mesh.is_logging_rank:
             write_resolved(job, run_dir)
             print(f"run {job.name}: {describe(mesh)} -> {run_dir}", flush=True)
@@ -618,4 +628,6 @@ def _train(job: JobConfig, build_session: SessionBuilder, stop: StopRequest) -> 
     finally:
         strict.close()
         parallel_io.reset()  # its group goes with the others
-        teardown(barrier=done)  # after an error (maybe this rank's alone) no rank waits for the others
+        teardown(barrier=done)
+        if lock is not None:
+            lock.release()  # after an error (maybe this rank's alone) no rank waits for the others

@@ -335,6 +335,13 @@ def test_scale_keeps_tokens_per_parameter_and_scales_batch_and_lr_with_the_width
     with pytest.raises(UserError, match=r"--tokens-per-param -1\.0: must be a positive number"):
         scale_overrides(one, 4, tokens_per_param=-1.0)
     assert parse_seeds("3", 10) == [10, 11, 12] and parse_seeds("5,1", 10) == [5, 1]
+    # one seed is a list of one; a "count" of 1234 is that seed without its comma, not 1,234 sets of runs
+    assert parse_seeds("1234,", 10) == [1234] and len(parse_seeds("100", 10)) == 100
+    with pytest.raises(UserError, match=r"--seeds 1234: a count of 1,234 seeds .* write --seeds 1234, \(a list\)"):
+        parse_seeds("1234", 10)
+    for bad in ("", ",", "0", "1,1", "x"):
+        with pytest.raises(UserError, match="give a count"):
+            parse_seeds(bad, 10)
 
 
 def test_every_claim_reads_arms_of_its_own_job_set() -> None:

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 
 from elastic_pretrain.errors import UserError
+from elastic_pretrain.jsonsafe import JSONInputError
+from elastic_pretrain.jsonsafe import loads as json_loads
 
 _NOTE_LIMIT = 4096  # the holder's note: one small JSON object
 _FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -28,9 +30,9 @@ def _printable(value: object, limit: int = 64) -> str:
 def describe_holder(note: bytes) -> str:
     """The holder's note in words (it is another process's file: parsed, never trusted, bounded)."""
     try:
-        d = json.loads(note.decode("utf-8"))
+        d = json_loads(note, "trainer.lock")
         pid, host, since = int(d["pid"]), _printable(d["host"]), _printable(d["since"])
-    except (ValueError, KeyError, TypeError):
+    except (JSONInputError, ValueError, KeyError, TypeError):
         return "another trainer"
     return f"another trainer (pid {pid} on {host}, since {since})"
 

@@ -27,7 +27,7 @@ from elastic_pretrain.checkpoint.tensors import check_model_fits
 from elastic_pretrain.data.loader import TokenBatches
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.eval.loss import loss_by_loops
-from elastic_pretrain.files import append_text, read_bounded, read_text_or_none, write_atomic
+from elastic_pretrain.files import append_text, ensure_dir, read_bounded, read_text_or_none, write_atomic
 from elastic_pretrain.job import JobConfig, public_dict, write_resolved
 from elastic_pretrain.jsonsafe import count, mapping
 from elastic_pretrain.jsonsafe import loads as json_loads
@@ -567,7 +567,7 @@ def _train(job: JobConfig, build_session: SessionBuilder, stop: StopRequest) -> 
         files = RunFiles(run_dir)
         holder = None
         if mesh.rank == 0:  # one trainer per run directory, before anything is written (train/runlock.py)
-            run_dir.mkdir(parents=True, exist_ok=True)
+            ensure_dir(run_dir, root=run_dir)
             lock = RunLock(files.train_lock)
             holder = lock.acquire()
         if every_rank(int(holder is not None))[0]:

@@ -628,6 +628,6 @@ def _train(job: JobConfig, build_session: SessionBuilder, stop: StopRequest) -> 
     finally:
         strict.close()
         parallel_io.reset()  # its group goes with the others
-        teardown(barrier=done)
+        teardown(barrier=done)  # after an error (maybe this rank's alone) no rank waits for the others
         if lock is not None:
-            lock.release()  # after an error (maybe this rank's alone) no rank waits for the others
+            lock.release()  # after teardown: the run directory is free once this trainer has let go of it

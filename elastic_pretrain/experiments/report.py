@@ -31,6 +31,7 @@ from elastic_pretrain.experiments.runner import (
 from elastic_pretrain.experiments.stats import ClaimResult, Metrics, evaluate
 from elastic_pretrain.files import ensure_dir, write_atomic
 from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
+from elastic_pretrain.provenance import code_label, mixed_code_note
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +164,7 @@ def _run_row(ctx: Context, r: Run) -> dict[str, Any]:
         "flops_per_token_at_max_loops": max_flops(r),
         "max_loops": r.job.model.max_loops,
         "train_seconds": r.summary["elapsed_s"],
+        "code": code_label(r.summary),
     }
 
 
@@ -191,7 +193,20 @@ def _how(o: Outcome, png: str) -> list[str]:
         "one after the other, "
         f"{_processes(o.runs)} (a finished run whose config is unchanged is reused, also from another experiment), "
         f"evaluates the final checkpoints and rewrites this page, `{png}` and `{e.name}.json` (all numbers).",
+        _code(o.runs),
     ]
+
+
+def _code(runs: list[Run]) -> str:
+    """The code the runs were trained with (``summary.json``'s ``code``): one version, or how many."""
+    labels = [code_label(r.summary) for r in runs]
+    note = mixed_code_note(labels)
+    if note is not None:
+        return f"- {note} The code of each run is in the table under Setup."
+    return (
+        f"- **Code**: every run was trained by `{labels[0]}` (git commit of the checkout; `+`: with uncommitted "
+        "changes; `unrecorded`: trained before runs recorded it)."
+    )
 
 
 def _recipe(data: DataConfig) -> str:
@@ -264,15 +279,15 @@ def _setup(ctx: Context, o: Outcome) -> list[str]:
     lines += [
         "",
         "| job | seed | file | parameters | FLOPs/token at L_max | L_max | steps | tokens | mean passes in training "
-        "| training FLOPs | train time | run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| training FLOPs | train time | code | run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         passes, flops = training_compute(r)
         lines.append(
             f"| {r.name} | {r.seed} | `{r.job_path}` | {parameters(ctx, ctx.run(r.name)):,} | {max_flops(r):,.0f} "
             f"| {r.job.model.max_loops} | {r.steps} | {r.tokens:,} | {passes:.2f} | {flops:.3g} "
-            f"| {r.summary['elapsed_s']:.0f} s | {_status(r)} |"
+            f"| {r.summary['elapsed_s']:.0f} s | `{code_label(r.summary)}` | {_status(r)} |"
         )
     diff = [k for k in job_diff([r.job for r in runs]) if k not in ("train.seed",)]
     lines += [

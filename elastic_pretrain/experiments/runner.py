@@ -531,8 +531,16 @@ def ensure_trained(path: Path, job: JobConfig, runs_root: Path) -> Run:
         print(f"{path.stem}: {status} in {time.perf_counter() - t0:.0f}s{where} -> {own}", flush=True)
         found = own
     else:
-        print(f"{path.stem}: reused {found} (same config)", flush=True)
+        print(f"{path.stem}: reused {found} (same config{_other_code(found)})", flush=True)
     return Run(name=path.stem, job=job, job_path=path, run_dir=found, summary=read_summary(found), status=status)
+
+
+def _other_code(run_dir: Path) -> str:
+    """``, trained by code X`` when a reused run's code (provenance.py) is not this checkout's, else ``""``."""
+    from elastic_pretrain.provenance import code_identity, code_label
+
+    theirs, ours = code_label(read_summary(run_dir)), code_label({"code": code_identity()})
+    return "" if theirs == ours else f", trained by code {theirs}; this checkout: {ours}"
 
 
 def train_processes(path: Path, job: JobConfig, nproc: int) -> None:

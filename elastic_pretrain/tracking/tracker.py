@@ -16,7 +16,6 @@ import os
 import platform
 import shutil
 import socket
-import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any, Literal
 from elastic_pretrain.config import flatten
 from elastic_pretrain.errors import UserError
 from elastic_pretrain.files import copy_file, ensure_dir, write_atomic
+from elastic_pretrain.provenance import code_identity
 from elastic_pretrain.tracking import quality, store
 from elastic_pretrain.tracking.buffer import Buffer, MetricRow, Staged, TrackerStats
 from elastic_pretrain.tracking.config import (
@@ -324,21 +324,6 @@ def create_tracker(
         return Tracker()
 
 
-def _git(*args: str) -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", *args],
-            cwd=Path(__file__).resolve().parent,
-            capture_output=True,
-            text=True,
-            timeout=5,
-            check=True,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip()
-
-
 def _version(dist: str) -> str:
     try:
         return importlib.metadata.version(dist)
@@ -351,11 +336,11 @@ def default_tags(world_size: int) -> dict[str, str]:
 
     Read from package metadata and git without importing torch or megatron (cheap on rank 0).
     """
-    commit = _git("rev-parse", "HEAD")
-    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    code = code_identity()
+    commit = code["commit"] if code["commit"] != "unknown" else None
     tags = {
-        "git.commit": commit or "unknown",
-        "git.dirty": "unknown" if dirty is None else str(bool(dirty)).lower(),
+        "git.commit": code["commit"],
+        "git.dirty": code["dirty"],
         "host.name": socket.gethostname(),
         "host.world_size": str(world_size),
         "version.torch": _version("torch"),

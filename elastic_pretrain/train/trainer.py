@@ -35,6 +35,7 @@ from elastic_pretrain.parallel.device import device
 from elastic_pretrain.parallel.mesh import Mesh, describe, every_rank, init_mesh, teardown
 from elastic_pretrain.parallel.pipeline import MicroBatch
 from elastic_pretrain.parallel.strict import enter_strict_devices
+from elastic_pretrain.provenance import code_identity
 from elastic_pretrain.rundir import RunFiles
 from elastic_pretrain.schedule import ExpertLayout, ScheduleController
 from elastic_pretrain.train.decider import load_base
@@ -299,6 +300,7 @@ class SummaryWriter:
         files = RunFiles(run_dir)
         self.path, self.enabled, self.mesh, self.job = files.summary, mesh.is_logging_rank, mesh, job
         self.root, self.history_path, self.stopped_path = run_dir, files.history, files.stopped
+        self.resumed_step = resumed_step
         self.history: list[dict[str, Any]] = []
         if resumed_step and os.path.lexists(self.history_path):  # the steps before the checkpoint, earlier attempts
             self.history = read_history(self.history_path, resumed_step)
@@ -348,6 +350,9 @@ class SummaryWriter:
                 "train_flops_vs_baseline": state.flops_vs_baseline(self.job) if self.job else None,
                 "val_loss_by_loops": {str(k): v for k, v in val.items()},
                 "layout": describe(self.mesh),
+                # the code this process trained with (elastic_pretrain/provenance.py); a resumed run's earlier
+                # steps may have had other code: started_at_step says where this process took over
+                "code": {**code_identity(), "started_at_step": self.resumed_step},
                 "routing": self.routing,
                 **depth_summary(self.history),
                 "history": self.history,

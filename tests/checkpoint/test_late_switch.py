@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from elastic_pretrain.job_loader import load_job
+from elastic_pretrain.provenance import code_identity
 from elastic_pretrain.schedule import ScheduleController
 from elastic_pretrain.train.mfu import DepthCounts, baseline_flops_per_token, step_flops
 from tests.checkpoint.runs import COMMON, differing, history, tensors, train
@@ -48,6 +49,9 @@ def test_late_switch_from_one_loop_resumes_bitwise_and_reports_flops_vs_baseline
     a, b = (json.loads((d / "summary.json").read_text()) for d in (full, split))
     assert history(full) == history(split) and [h["step"] for h in b["history"]] == list(range(1, STEPS + 1))
     # steps 1-2 ran ℓ = 1 only; steps 3-4 mixed (the switch)
+    # the code that trained each start (provenance.py): the resumed run's second start took over at step 1
+    assert (a["code"]["started_at_step"], b["code"]["started_at_step"]) == (0, 1)
+    assert a["code"]["commit"] == b["code"]["commit"] == code_identity()["commit"]
     assert all(set(h["loss_by_loops"]) == {"1"} for h in a["history"][:2])
     assert set().union(*(h["loss_by_loops"] for h in a["history"][2:])) > {"1"}
     assert a["train_flops"] == b["train_flops"] > 0

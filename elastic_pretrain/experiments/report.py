@@ -31,7 +31,7 @@ from elastic_pretrain.experiments.runner import (
 from elastic_pretrain.experiments.stats import ClaimResult, Metrics, evaluate
 from elastic_pretrain.files import ensure_dir, write_atomic
 from elastic_pretrain.parallel.mesh import ParallelConfig, init_mesh, teardown
-from elastic_pretrain.provenance import code_label, mixed_code_note
+from elastic_pretrain.provenance import UNRECORDED, code_label, code_version, mixed_code_note
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,12 +200,17 @@ def _how(o: Outcome, png: str) -> list[str]:
 def _code(runs: list[Run]) -> str:
     """The code the runs were trained with (``summary.json``'s ``code``): one version, or how many."""
     labels = [code_label(r.summary) for r in runs]
-    note = mixed_code_note(labels)
+    note = mixed_code_note(r.summary for r in runs)
     if note is not None:
         return f"- {note} The code of each run is in the table under Setup."
+    if labels[0] == UNRECORDED:
+        return "- **Code**: not recorded (the runs were trained before `summary.json` recorded its code)."
+    if labels[0] == "unknown":
+        return "- **Code**: unknown (the runs were trained outside a git checkout)."
     return (
-        f"- **Code**: every run was trained by `{labels[0]}` (git commit of the checkout; `+`: with uncommitted "
-        "changes; `unrecorded`: trained before runs recorded it)."
+        f"- **Code**: every run was trained by one version of the code ({code_version(runs[0].summary)}: commits "
+        + ", ".join(f"`{label}`" for label in sorted(set(labels)))
+        + "; `+`: with uncommitted changes)."
     )
 
 

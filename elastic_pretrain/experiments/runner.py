@@ -536,11 +536,17 @@ def ensure_trained(path: Path, job: JobConfig, runs_root: Path) -> Run:
 
 
 def _other_code(run_dir: Path) -> str:
-    """``, trained by code X`` when a reused run's code (provenance.py) is not this checkout's, else ``""``."""
-    from elastic_pretrain.provenance import code_identity, code_label
+    """``, trained by other code: …`` when a reused run's code version (provenance.py) is not this
+    checkout's, else ``""``."""
+    from elastic_pretrain.provenance import code_identity, code_label, code_version
 
-    theirs, ours = code_label(read_summary(run_dir)), code_label({"code": code_identity()})
-    return "" if theirs == ours else f", trained by code {theirs}; this checkout: {ours}"
+    theirs, ours = read_summary(run_dir), {"code": code_identity()}
+    if code_version(theirs) == code_version(ours):
+        return ""
+    return (
+        f", trained by other code: {code_label(theirs)} ({code_version(theirs)}); "
+        f"this checkout: {code_label(ours)} ({code_version(ours)})"
+    )
 
 
 def train_processes(path: Path, job: JobConfig, nproc: int) -> None:

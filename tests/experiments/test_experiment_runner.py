@@ -19,7 +19,7 @@ from elastic_pretrain.errors import UserError
 from elastic_pretrain.experiments.runner import base_job, check_processes, fingerprint, job_diff, load_jobs
 from elastic_pretrain.job import JobConfig, dump_job
 from elastic_pretrain.job_loader import load_job
-from elastic_pretrain.provenance import code_identity, code_label
+from elastic_pretrain.provenance import code_identity, code_label, code_version
 from tests.conftest import REPO
 from tests.experiments.quick import quick_workspace, run_python
 
@@ -103,8 +103,12 @@ def test_quick_experiment_reports_reuses_and_retrains(tmp_path: Path) -> None:
     assert order == sorted(order) and numbers["tokens_trained"] == 3 * 4096 and numbers["wall_s"] > 0
     assert f"**tokens trained** {3 * 4096:,} by this command" in report
     # every run trained by this checkout's code (provenance.py), said once and per run
-    code = code_label({"code": code_identity()})
-    assert f"- **Code**: every run was trained by `{code}` (" in report
+    here = {"code": code_identity()}
+    code = code_label(here)
+    assert (
+        f"- **Code**: every run was trained by one version of the code ({code_version(here)}: commits `{code}`;"
+        in report
+    )
     assert {run["code"] for run in numbers["runs"]} == {code} and f"| `{code}` | reused |" in report
     # the table's numbers are the runs': steps and tokens from summary.json, losses from the checkpoint
     for run in numbers["runs"]:

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent / PACKAGE
 # every package's ``config.py`` (its typed config, nested by JobConfig: a leaf over the base layers) and every
 # ``commands.py`` (argv -> one call; only cli.py imports them, tests/test_layering.py).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "rundir", "_import_hooks"),  # import nothing of the package
+    ("errors", "rundir", "_import_hooks", "provenance"),  # import nothing of the package
     ("config",),  # field(), build(), YAML, overrides, parse_bytes
     ("jsonsafe", "files", "internals", "quiet"),
     ("*/config",),  # ModelConfig, DataConfig, TrainConfig, CheckpointConfig, SlurmConfig...

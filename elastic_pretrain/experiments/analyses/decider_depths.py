@@ -4,9 +4,13 @@ gained per doubling of decode compute, adaptive vs fixed depth. Each decider run
 (``decider_measure.measure``: threshold sweep, fixed depth ℓ = 1..L_max, random stopping).
 
 The claims (issue 32) score adaptive depth on the Pareto frontier of the thresholds each decider decides, against
-its base's fixed depth, and each presupposes that depth pays on that base (fixed depth at ℓ = L_max below ℓ = 1,
-:func:`depth_pays`). Reports written before both were stored lack the numbers for them (their claims read
-"not resolved — premise absent", the premise "not measured"); a rerun stores them (:func:`rescore`)."""
+the fixed depth of the control ``uniform-L<k>``: the same base post-trained on the same tokens at every depth
+(``decider``'s decider-uniform). The decider's backbone sees its base's tokens a second time, so against the base
+itself the frontier gains what any post-training gains (−0.38 to −0.43 nat at this scale, the control's size):
+a claim that would read "yes" for the extra tokens alone. Each presupposes that depth pays on that base (fixed
+depth at ℓ = L_max below ℓ = 1, :func:`depth_pays`). Reports written before the sweeps, the bases' losses or the
+controls were stored lack the numbers for them (their claims read "not measured" or "premise absent"); a rerun
+stores them (:func:`rescore`)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import dataclasses
 import math
 from typing import Any
 
+from elastic_pretrain.errors import UserError
 from elastic_pretrain.eval.adaptive import accuracy_per_doubling
 from elastic_pretrain.experiments.analyses.decider_measure import (
     decider_runs,
@@ -34,6 +39,11 @@ def arm(depth: int) -> str:
     return f"decider-L{depth}"
 
 
+def control(depth: int) -> str:
+    """The matched-token control of :func:`arm` (module docstring)."""
+    return f"uniform-L{depth}"
+
+
 def slopes(m: dict[str, Any]) -> dict[str, float]:
     """TaH2's measure on one decider run's sweep: per doubling of decode compute (least-squares slope against
     log2 of relative compute, ``eval/adaptive.py: accuracy_per_doubling``), accuracy (points: × 100) and loss
@@ -45,7 +55,7 @@ def slopes(m: dict[str, Any]) -> dict[str, float]:
     acc_fixed, acc_ada = (100 * s for s in sweep.slopes())
     loss_fixed = accuracy_per_doubling(fixed_x, [p.loss for p in sweep.fixed])
     loss_ada = accuracy_per_doubling(ada_x, [r.loss for r in sweep.adaptive])
-    return {
+    out = {
         "acc_per_doubling_fixed": acc_fixed,
         "acc_per_doubling_adaptive": acc_ada,
         "acc_per_doubling_gain": acc_ada - acc_fixed,
@@ -53,6 +63,18 @@ def slopes(m: dict[str, Any]) -> dict[str, float]:
         "loss_per_doubling_adaptive": loss_ada,
         "loss_per_doubling_gain": loss_ada - loss_fixed,
     }
+    ctrl = m.get("control_fixed")
+    if ctrl:  # the control's fixed depth: uniform depth that learnt from the same tokens (module docstring)
+        ctrl_x = [p.relative_compute for p in ctrl]
+        acc_ctrl = 100 * accuracy_per_doubling(ctrl_x, [p.accuracy for p in ctrl])
+        loss_ctrl = accuracy_per_doubling(ctrl_x, [p.loss for p in ctrl])
+        out.update({
+            "acc_per_doubling_control": acc_ctrl,
+            "acc_per_doubling_gain_vs_control": acc_ada - acc_ctrl,
+            "loss_per_doubling_control": loss_ctrl,
+            "loss_per_doubling_gain_vs_control": loss_ada - loss_ctrl,
+        })  # fmt: skip
+    return out
 
 
 def depth_metrics(m: dict[str, Any]) -> dict[str, float]:
@@ -67,25 +89,36 @@ def depth_metrics(m: dict[str, Any]) -> dict[str, float]:
 
 def sweep_numbers(m: dict[str, Any]) -> dict[str, Any]:
     """What :func:`scores` reads, as the report stores it: the sweep, fixed depth and random stopping of the
-    decider run and its base's fixed-depth loss per ℓ."""
+    decider run, its base's fixed-depth loss per ℓ and (when the set has it) its control's fixed depth."""
     sweep = m["sweep"]
-    return {
+    out = {
         "fixed": [dataclasses.asdict(p) for p in sweep.fixed],
         "adaptive": [dataclasses.asdict(r) for r in sweep.adaptive],
         "random_stop": m["control"],
         "base_loss": dict(m["base_loss"]),
     }
+    if m.get("control_fixed"):
+        out["control_fixed"] = [dataclasses.asdict(p) for p in m["control_fixed"]]
+    return out
 
 
 def scores(run: dict[str, Any]) -> dict[str, float]:
     """From one decider run's stored sweep (:func:`sweep_numbers`): its base's fixed-depth loss at ℓ = 1 and
-    L_max and their difference (``base_depth_gain``, the premise) and the frontier scores
-    (``decider_measure.frontier_scores``; ``frontier_vs_base`` against the base's fixed depth)."""
+    L_max and their difference (``base_depth_gain``, the premise), the same of its control (``control_depth_gain``)
+    when stored, and the frontier scores (``decider_measure.frontier_scores``: ``frontier_vs_base`` against the
+    base's fixed depth, ``frontier_vs_control`` against the control's, which the claims read)."""
     base = {int(k): float(v) for k, v in run["base_loss"].items()}
     top = max(base)
     rel = {int(p["loops"]): float(p["relative_compute"]) for p in run["fixed"]}
     out = {"base_loss@1": base[1], "base_loss@max": base[top], "base_depth_gain": base[top] - base[1]}
-    return {**out, **frontier_scores(run, {"base": [(rel[ell], v) for ell, v in base.items()]})}
+    refs = {"base": [(rel[ell], v) for ell, v in base.items()]}
+    if run.get("control_fixed"):
+        ctrl = {int(p["loops"]): float(p["loss"]) for p in run["control_fixed"]}
+        out.update(
+            {"control_loss@1": ctrl[1], "control_loss@max": ctrl[top], "control_depth_gain": ctrl[top] - ctrl[1]}
+        )
+        refs["control"] = [(rel[ell], v) for ell, v in ctrl.items()]
+    return {**out, **frontier_scores(run, refs)}
 
 
 def rescore(numbers: dict[str, Any], metrics: Metrics) -> Metrics:
@@ -107,9 +140,9 @@ def _deepest(metrics: Metrics) -> str:
 
 
 def _gain_growth(metrics: Metrics) -> float:
-    """Adaptive minus fixed depth on the frontier at the deepest L_max of the set minus that at L_max = 2 (KeyError,
-    "not measured", without L_max = 2 and a deeper arm)."""
-    return metrics[_deepest(metrics)]["frontier_vs_base"] - metrics[arm(DEPTHS[0])]["frontier_vs_base"]
+    """Adaptive minus the control's fixed depth on the frontier at the deepest L_max of the set minus that at
+    L_max = 2 (KeyError, "not measured", without L_max = 2 and a deeper arm, or without their controls)."""
+    return metrics[_deepest(metrics)]["frontier_vs_control"] - metrics[arm(DEPTHS[0])]["frontier_vs_control"]
 
 
 def _both_pay(metrics: Metrics) -> float:
@@ -119,17 +152,22 @@ def _both_pay(metrics: Metrics) -> float:
 
 def _depth_table(ms: list[dict[str, Any]], per: dict[str, dict[str, float]]) -> str:
     header = ("L_max", "decider run", "base run", "FLOPs/token at L_max", "fixed loss at L_max",
-              "best adaptive loss", "accuracy/doubling fixed (points)", "adaptive", "Δ", "loss/doubling fixed (nats)",
-              "adaptive", "Δ", "AUC adaptive − fixed (nats)", "minus random (nats)")  # fmt: skip
+              "best adaptive loss", "accuracy/doubling fixed (points)", "adaptive", "Δ", "control (points)",
+              "Δ vs control", "loss/doubling fixed (nats)", "adaptive", "Δ", "control (nats)", "Δ vs control",
+              "AUC adaptive − fixed (nats)", "minus random (nats)")  # fmt: skip
     rows = []
     for m in ms:
         v = per[m["run"].name]
         rand = v.get("minus_random", math.nan)
+        keys = ("acc_per_doubling_control", "acc_per_doubling_gain_vs_control", "loss_per_doubling_control",
+                "loss_per_doubling_gain_vs_control")  # fmt: skip
+        ctrl = [v.get(k, math.nan) for k in keys]
         rows.append((m["top"], m["run"].name, m["base"].name, f"{run_flops(m['run'], m['top']):,.0f}",
                      f"{v['fixed_loss_at_l_max']:.4f}", f"{v['adaptive_best_loss']:.4f}",
                      f"{v['acc_per_doubling_fixed']:+.2f}", f"{v['acc_per_doubling_adaptive']:+.2f}",
-                     f"{v['acc_per_doubling_gain']:+.2f}", f"{v['loss_per_doubling_fixed']:+.4f}",
-                     f"{v['loss_per_doubling_adaptive']:+.4f}", f"{v['loss_per_doubling_gain']:+.4f}",
+                     f"{v['acc_per_doubling_gain']:+.2f}", f"{ctrl[0]:+.2f}", f"{ctrl[1]:+.2f}",
+                     f"{v['loss_per_doubling_fixed']:+.4f}", f"{v['loss_per_doubling_adaptive']:+.4f}",
+                     f"{v['loss_per_doubling_gain']:+.4f}", f"{ctrl[2]:+.4f}", f"{ctrl[3]:+.4f}",
                      f"{v['auc_vs_fixed']:+.4f}", f"{rand:+.4f}"))  # fmt: skip
     return table(header, rows)
 
@@ -161,6 +199,13 @@ def _reading(ms: list[dict[str, Any]], per: dict[str, dict[str, float]]) -> list
             f"(Δ {v['acc_per_doubling_gain']:+.2f}); loss per doubling {v['loss_per_doubling_adaptive']:+.4f} vs "
             f"{v['loss_per_doubling_fixed']:+.4f} nats; adaptive minus fixed-depth AUC {v['auc_vs_fixed']:+.4f} nats; "
             f"fixed depth at L_max {v['fixed_loss_at_l_max']:.4f}."
+            + (
+                f" Against the control ({control(m['top'])}, uniform depth on the same tokens): accuracy per doubling "
+                f"{v['acc_per_doubling_control']:+.2f} points, the decider's frontier {v['frontier_vs_control']:+.4f} "
+                f"nats at the same compute (against the base: {v['frontier_vs_base']:+.4f})."
+                if "acc_per_doubling_control" in v and "frontier_vs_control" in v
+                else ""
+            )
         )
     if len(ms) > 1:
         first, last = per[ms[0]["run"].name], per[ms[-1]["run"].name]
@@ -184,13 +229,35 @@ def _method(ms: list[dict[str, Any]]) -> list[str]:
         'accuracy-compute slope ... as test-time decoding FLOPs double": the least-squares slope of next-token '
         "accuracy (points) and of loss (nats) against log2 of decode compute, for fixed depth (ℓ = 1..L_max) and "
         "for the adaptive sweep (its ends are ℓ = 1 and ℓ = L_max), and adaptive minus fixed.",
+        "Each uniform-L<k> job is the control: the `decider` set's decider-uniform.yaml on base-L<k> (the same "
+        "tokens in the same order, the backbone post-trained at every depth, `decider.lm_loss: every_exit`). Its "
+        "fixed depth ℓ = 1..L_max is what the claims compare adaptive depth with: the decider's backbone saw the "
+        "base's tokens a second time, and against the base itself the frontier would gain what any post-training "
+        "gains. The tables' 'fixed' slope is the decider's own backbone forced to ℓ, which per-token post-training "
+        "leaves worse at full depth than at ℓ = 1; 'control' is the control's.",
         "The decider's own FLOPs are not counted (as in `decider`). L_max = 8 is the largest depth in the set; a "
         "set without it decides the depth-growth claim on its deepest arm.",
     ]
 
 
+def control_fixed(ctx: Context, depth: int) -> tuple[Any, ...] | None:
+    """Fixed depth ℓ = 1..L_max (loss and accuracy, teacher-forced, per-loop KV as the decider's sweep) of the
+    control run ``uniform-L<depth>``; None when the set has no such job."""
+    from elastic_pretrain.eval.adaptive import adaptive_sweep
+
+    if control(depth) not in {r.name for r in ctx.runs}:
+        return None
+    model = ctx.model(control(depth))
+    if model.decider is None:
+        raise UserError(f"{ctx.run(control(depth)).run_dir}: the control's checkpoint holds no iteration decider")
+    return adaptive_sweep(model, model.decider, ctx.val_tokens(), ()).fixed
+
+
 def analyse(ctx: Context) -> Findings:
-    ms = sorted((measure(ctx, r) for r in decider_runs(ctx)), key=lambda m: m["top"])
+    controls = {control(d) for d in DEPTHS}
+    ms = sorted((measure(ctx, r) for r in decider_runs(ctx) if r.name not in controls), key=lambda m: m["top"])
+    for m in ms:
+        m["control_fixed"] = control_fixed(ctx, m["top"])
     per = {m["run"].name: depth_metrics(m) for m in ms}
     return Findings(
         tables=[
@@ -227,7 +294,8 @@ def depth_pays(depth: int) -> Claim:
 PREMISES = {d: depth_pays(d) for d in DEPTHS}  # rows of the table and the premises of the claims at each L_max
 FRONTIER = (
     "on the loss–compute Pareto frontier of the thresholds the decider decides (forced ends and dominated "
-    "thresholds dropped), the mean of adaptive minus the base's fixed-depth loss at the same compute (nats)"
+    "thresholds dropped), the mean of adaptive minus the fixed-depth loss at the same compute of uniform-L{k}, "
+    "its base post-trained on the same tokens at every depth (nats)"
 )
 
 
@@ -237,8 +305,8 @@ def _slope_claim(depth: int) -> Claim:
         f'"every doubling of test-time compute buys roughly half again as much accuracy" (L_max = {depth})',
         source=TAH2,
         magnitude="slope 2.74 vs 1.79 points per doubling on AIME",
-        measure=f"L_max = {depth}: {FRONTIER}",
-        value=lambda ms: ms[arm(depth)]["frontier_vs_base"],
+        measure=f"L_max = {depth}: {FRONTIER.format(k=depth)}",
+        value=lambda ms: ms[arm(depth)]["frontier_vs_control"],
         expect="negative",
         premise=PREMISES[depth],
     )
@@ -261,8 +329,8 @@ EXPERIMENT = Experiment(
     "per-token decider is post-trained on ELR late-switch bases of L_max = 2, 4 and 8 (same width, data and "
     "tokens). At each L_max: does adaptive depth buy more accuracy (less loss) per doubling of decode compute than "
     "fixed depth, and does its advantage over fixed depth grow with L_max while fixed depth plateaus? The claims "
-    "read each decider's Pareto frontier against its base's fixed depth, and presuppose that depth pays on each "
-    "base (their rows).",
+    "read each decider's Pareto frontier against the fixed depth of a control post-trained on the same tokens at "
+    "every depth (uniform-L<k>), and presuppose that depth pays on each base (their rows).",
     analyse=analyse,
     rescore=rescore,
     claims=(
@@ -273,8 +341,8 @@ EXPERIMENT = Experiment(
             'gaining"',
             source=TAH2,
             magnitude="+2.8 points over the baseline at depth 2, +3.9 at depth 8 (AIME)",
-            measure="adaptive minus fixed depth on the Pareto frontier (as above) at the deepest L_max minus the same "
-            "at L_max = 2 (nats)",
+            measure="adaptive minus the control's fixed depth on the Pareto frontier (as above) at the deepest L_max "
+            "minus the same at L_max = 2 (nats)",
             value=_gain_growth,
             expect="negative",
             premise=BOTH_PAY,

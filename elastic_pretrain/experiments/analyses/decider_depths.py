@@ -22,6 +22,7 @@ from elastic_pretrain.errors import UserError
 from elastic_pretrain.eval.adaptive import accuracy_per_doubling
 from elastic_pretrain.experiments.analyses.decider_measure import (
     decider_runs,
+    fixed_curve,
     frontier_scores,
     measure,
     run_metrics,
@@ -109,15 +110,14 @@ def scores(run: dict[str, Any]) -> dict[str, float]:
     base's fixed depth, ``frontier_vs_control`` against the control's, which the claims read)."""
     base = {int(k): float(v) for k, v in run["base_loss"].items()}
     top = max(base)
-    rel = {int(p["loops"]): float(p["relative_compute"]) for p in run["fixed"]}
     out = {"base_loss@1": base[1], "base_loss@max": base[top], "base_depth_gain": base[top] - base[1]}
-    refs = {"base": [(rel[ell], v) for ell, v in base.items()]}
+    refs = {"base": fixed_curve(base, run)}
     if run.get("control_fixed"):
         ctrl = {int(p["loops"]): float(p["loss"]) for p in run["control_fixed"]}
         out.update(
             {"control_loss@1": ctrl[1], "control_loss@max": ctrl[top], "control_depth_gain": ctrl[top] - ctrl[1]}
         )
-        refs["control"] = [(rel[ell], v) for ell, v in ctrl.items()]
+        refs["control"] = fixed_curve(ctrl, run)
     return {**out, **frontier_scores(run, refs)}
 
 

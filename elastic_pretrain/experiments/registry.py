@@ -24,6 +24,7 @@ ANALYSES = (  # modules of elastic_pretrain.experiments.analyses, in the order `
     "exit_schedules_depth_pays",
     "late_switch",
     "late_switch_depth_pays",
+    "late_switch_depth_pays_long",
     "flattening",
     "route_replay",
     "kv_cache",

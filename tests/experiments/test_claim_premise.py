@@ -100,6 +100,7 @@ GATED = {
     "kv-cache-depth-pays": 4,  # the same on its two arms
     "late-switch": 10,  # the shares retained and the five-loop comparisons (loops must pay), tied and untied
     "late-switch-depth-pays": 8,  # the same for the 75% switch only
+    "late-switch-depth-pays-long": 8,  # the same arms at 6,000 steps
     "flattening": 0,
     "route-replay": 0,
     "seed-noise": 0,
@@ -134,8 +135,8 @@ def test_labels_of_the_registered_claims() -> None:
     checks = [(n, c.measure) for n, e in EXPERIMENTS.items() for c in e.claims if c.kind == "implementation check"]
     # compute replayed; bytes = 1/ℓ
     assert [n for n, _ in checks] == [
-        "late-switch", "late-switch", "late-switch-depth-pays", "late-switch-depth-pays", "kv-cache",
-        "kv-cache-depth-pays",
+        "late-switch", "late-switch", "late-switch-depth-pays", "late-switch-depth-pays",
+        "late-switch-depth-pays-long", "late-switch-depth-pays-long", "kv-cache", "kv-cache-depth-pays",
     ]  # fmt: skip
     incomparable = [c.measure for c in EXPERIMENTS["kv-cache"].claims if not c.comparable]
     assert len(incomparable) == 3 and all("next-token accuracy" in m for m in incomparable)

@@ -58,6 +58,26 @@ def test_elrs_fixed_phase_is_one_loop_and_the_switch_at_75_percent() -> None:
     assert max(_plans(SET / "mixed-scratch.yaml")[:8]) > 1
 
 
+LONG = REPO / "jobs/experiments/late-switch-depth-pays-long"
+
+
+def test_the_long_set_is_the_same_arms_trained_twice_as_long() -> None:
+    """late-switch-depth-pays-long: at 3,000 steps one mixed-depth seed per attention was still on the copying
+    plateau; the long set changes the steps only (the schedule's shape, the 75% switch and the seeds follow)."""
+    from elastic_pretrain.experiments.analyses import late_switch_depth_pays_long as long
+
+    assert EXPERIMENTS["late-switch-depth-pays-long"] is long.EXPERIMENT
+    assert long.EXPERIMENT.claims == dp.EXPERIMENT.claims and long.EXPERIMENT.analyse is dp.EXPERIMENT.analyse
+    assert {p.stem for p in LONG.glob("*.yaml")} == ARMS
+    for stem in ARMS:
+        job, short = load_job(LONG / f"{stem}.yaml"), load_job(SET / f"{stem}.yaml")
+        assert job_diff([job, short]) == ["train.steps"], stem
+        assert (job.train.steps, short.train.steps) == (6000, 3000)
+    for stem in ("switch-0.75", "tied-switch-0.75-noheads"):
+        plans = _plans(LONG / f"{stem}.yaml")
+        assert len(plans) == 6000 and set(plans[:4500]) == {1} and set(plans[4500:]) == {1, 2, 3, 4}, stem
+
+
 def _metrics(deep_gain: float, noise: float) -> dict[str, dict[str, float]]:
     """One seed's metrics: the loops lower the loss by ``deep_gain`` at L_max; the 75% switch keeps 85%."""
     out = {}

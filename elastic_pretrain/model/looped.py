@@ -488,6 +488,20 @@ class LoopedMoEModel(LanguageModule):
     def core_layers(self) -> list[CoreLayer]:
         return [c for c in self.core if isinstance(c, CoreLayer)]
 
+    def idle_parameters(self, *, passes_run: int | None = None) -> list[torch.nn.Parameter]:
+        """Parameters no training forward of the current phase runs, so their gradient is exactly zero: the
+        loop-conditioning heads while they are off (ELR's fixed phase), and the per-pass attention of passes
+        ``passes_run``.. (a fixed phase at fewer loops than L_max; tied attention has one block, run by every
+        pass). ``passes_run`` None: every pass runs. The trainer keeps them out of the update (train/idle.py)."""
+        out = []
+        if self.loop_conditioning is not None and not self.conditioning_active:
+            out += list(self.loop_conditioning.parameters())
+        if passes_run is not None:
+            for core in self.core_layers():
+                for j in range(max(passes_run, 1), len(core.passes)):
+                    out += list(core.passes[j].parameters())
+        return out
+
     def start_routing_probe(self) -> RoutingProbe:
         """Collect routing health during the next forward passes (until :meth:`stop_routing_probe`)."""
         # rows are global core-layer indices: a pipeline stage fills its own, a sum over stages fills all

@@ -25,6 +25,7 @@ from elastic_pretrain.parallel.overlap import DepthOverlapDDP, bucket_size_for, 
 from elastic_pretrain.parallel.pipeline import Pipeline, check_micro_batches
 from elastic_pretrain.schedule import ExpertLayout, ScheduleController
 from elastic_pretrain.train.decider import DeciderStep, freeze_backbone
+from elastic_pretrain.train.idle import copy_to_main_params
 from elastic_pretrain.train.step import TrainStep
 
 if TYPE_CHECKING:  # annotations only: DeepSpeed is imported by a deepspeed job only
@@ -75,6 +76,11 @@ class Session:
         # from the config, not from this rank's modules: only the first pipeline stage holds the heads,
         # and every stage must agree (evaluation runs one pass per ℓ when they are on)
         self.net.set_modes(conditioning=self.controller.mixed and self.job.model.loop_conditioning)
+        # the fixed phase runs fixed_loops passes, the mixed phase any: the rest stay out of the update (train/idle.py;
+        # megatron's optimizer: DeepSpeed's step has no such hold, docs/engines.md)
+        idle = getattr(self.step, "idle", None)
+        if idle is not None:
+            idle.passes_run = None if self.controller.mixed else self.controller.fixed_loops
 
     def tensors(self) -> ModelTensors:
         """The model and optimizer, as a checkpoint saves them (sharded, layout-independent)."""
@@ -187,30 +193,6 @@ def schedule_end_note(
         f"{steps} train at its end (learning rate {final:.2e}, {controller.phase} depth); a new schedule "
         "needs a new run (docs/run-directory.md)"
     )
-
-
-def copy_to_main_params(optimizer: MegatronOptimizer, params: list[torch.nn.Parameter]) -> None:
-    """After writing model ``params`` in place: the same values into the optimizer's fp32 main copies.
-
-    fp32 models need nothing (megatron's main parameters are the model's, or views of them); bf16 models
-    have fp32 main parameters, whole (``Float16OptimizerWithFloat16Params``) or this rank's shard of
-    the parameter's range (distributed optimizer). Only ``params`` are touched: reloading every main
-    parameter from bf16 would drop the fp32 bits of all the others.
-    """
-    for p in params:
-        main = getattr(p, "main_param", None)
-        if main is None or main is p:
-            continue
-        if not getattr(p, "main_param_sharded", False):
-            main.data.copy_(p.data.view_as(main))
-            continue
-        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-            try:
-                span = opt._get_model_param_range_map(p)["param"]
-            except (AttributeError, KeyError):
-                continue
-            main.data.copy_(p.data.view(-1)[span.start : span.end])
-            break
 
 
 def build_optimizer(

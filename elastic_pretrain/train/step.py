@@ -30,6 +30,7 @@ from elastic_pretrain.parallel.overlap import overlapped_step, start_param_gathe
 from elastic_pretrain.parallel.pipeline import MicroBatch, Pipeline, _loss_func, group_loops, run_pipeline
 from elastic_pretrain.tracking import names
 from elastic_pretrain.train.faults import guarded_step
+from elastic_pretrain.train.idle import IdleParameters
 from elastic_pretrain.train.mfu import DepthCounts, ghost_time_share
 from elastic_pretrain.train.step_timing import StepSpan, open_span
 
@@ -144,6 +145,8 @@ class TrainStep:
         self.forward_backward = get_forward_backward_func()
         self.forward_step: Any = _forward_step  # a decider job swaps in its own (train/decider.py)
         self.veto: Callable[..., bool] | None = None  # FaultMonitor.veto(found_inf, grad_norm, loss=...)
+        # parameters the phase never runs (heads while off, unrun passes): out of the norm and the update
+        self.idle = IdleParameters(model.module, optimizer)
 
     def __call__(self, micro_batches: list[MicroBatch], *, probe_routing: bool = False) -> StepResult:
         return measured_step(
@@ -168,10 +171,11 @@ class TrainStep:
         else:
             reports = run_pipeline(self.pipeline, micro_batches, seq_len=self.seq_len, training=True)
         loss, by_loops, extra = self.reduce(reports)
-        if self.veto is None:
-            ok, grad_norm, _ = self.optimizer.step()
-        else:  # the fault policy sees the loss and gradient norm before the update (train/faults.py)
-            ok, grad_norm = guarded_step(self.optimizer, partial(self.veto, loss=loss))
+        with self.idle.held():
+            if self.veto is None:
+                ok, grad_norm, _ = self.optimizer.step()
+            else:  # the fault policy sees the loss and gradient norm before the update (train/faults.py)
+                ok, grad_norm = guarded_step(self.optimizer, partial(self.veto, loss=loss))
         if ok:  # a dropped update leaves the LR schedule where it was, as megatron's own skipped steps do
             self.scheduler.step(increment=1)
         start_param_gather(self.model)  # parallel.param_gather=overlap: awaited by the next forward's pre-hooks

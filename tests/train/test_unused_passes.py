@@ -9,7 +9,8 @@ import torch
 
 from elastic_pretrain.job_loader import load_job
 from elastic_pretrain.parallel.megatron import build_model
-from elastic_pretrain.train.session import build_optimizer, copy_to_main_params, wrap_ddp
+from elastic_pretrain.train.idle import copy_to_main_params
+from elastic_pretrain.train.session import build_optimizer, wrap_ddp
 from tests.conftest import REPO
 
 

@@ -1,5 +1,6 @@
 """Measurements of a trained run that several analyses and the report share: held-out losses per loop
-count, FLOPs, parameters, training compute and held-out routing health."""
+count, FLOPs, parameters, training compute, held-out routing health, and how far two runs' training paths
+agree before a switch."""
 
 from __future__ import annotations
 
@@ -30,6 +31,34 @@ def max_flops(run: Run) -> float:
 
 def parameters(ctx: Context, run: Run) -> int:
     return sum(p.numel() for p in ctx.model(run.name).parameters())
+
+
+def switch_step(run: Run) -> int | None:
+    """The index of the run's first mixed-depth step (replayed from its schedule; None: it never switches)."""
+    from elastic_pretrain.schedule import ScheduleController
+
+    job = run.job
+    ctl = ScheduleController(job.schedule, max_loops=job.model.max_loops,
+                             total_tokens=run.steps * job.tokens_per_step, seed=job.train.seed)  # fmt: skip
+    if ctl.mixed:
+        return 0
+    for step in range(run.steps):
+        if ctl.update(step=step, tokens_seen=step * job.tokens_per_step):
+            return step
+    return None
+
+
+def steps_apart_before_switch(run: Run, twin: Run) -> int:
+    """Steps of ``run``'s fixed phase (before :func:`switch_step`) at which ``twin`` logged another training loss
+    (``history.jsonl``, one entry per step); a step either history lacks counts as apart. 0: the two trained
+    the same path, to the last bit, until the switch."""
+    from elastic_pretrain.rundir import RunFiles
+    from elastic_pretrain.train.trainer import read_history
+
+    switch = switch_step(run)
+    fixed = run.steps if switch is None else switch  # steps 1..fixed (1-based, as logged) ran the fixed phase
+    a, b = ({h["step"]: h.get("loss") for h in read_history(RunFiles(r.run_dir).history, fixed)} for r in (run, twin))
+    return sum(1 for step in range(1, fixed + 1) if step not in a or step not in b or a[step] != b[step])
 
 
 def training_compute(run: Run) -> tuple[float, float]:

@@ -133,11 +133,11 @@ def test_every_claim_that_presupposes_depth_pays_is_gated() -> None:
 def test_labels_of_the_registered_claims() -> None:
     kinds = {(name, c.kind) for name, e in EXPERIMENTS.items() for c in e.claims}
     checks = [(n, c.measure) for n, e in EXPERIMENTS.items() for c in e.claims if c.kind == "implementation check"]
-    # compute replayed; bytes = 1/ℓ
-    assert [n for n, _ in checks] == [
-        "late-switch", "late-switch", "late-switch-depth-pays", "late-switch-depth-pays",
-        "late-switch-depth-pays-long", "late-switch-depth-pays-long", "kv-cache", "kv-cache-depth-pays",
-    ]  # fmt: skip
+    # compute replayed and the heads arms' twins (tied, untied) per late switch; bytes = 1/ℓ
+    late = ("late-switch", "late-switch-depth-pays", "late-switch-depth-pays-long")
+    assert [n for n, _ in checks] == [*(n for n in late for _ in range(4)), "kv-cache", "kv-cache-depth-pays"]
+    assert [m.split(":")[0] for n, m in checks if "steps whose logged training loss" in m] == [
+        "tied-switch-0.75 vs tied-switch-0.75-noheads", "switch-0.75 vs switch-0.75-noheads"] * 3  # fmt: skip
     incomparable = [c.measure for c in EXPERIMENTS["kv-cache"].claims if not c.comparable]
     assert len(incomparable) == 3 and all("next-token accuracy" in m for m in incomparable)
     assert ("decider", "premise") in kinds and ("exit-schedules", "premise") in kinds

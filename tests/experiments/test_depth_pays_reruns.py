@@ -93,7 +93,7 @@ def _metrics(deep_gain: float, noise: float) -> dict[str, dict[str, float]]:
 
 def test_the_claims_are_late_switchs_for_the_75_percent_switch_and_gated_by_the_loops_paying() -> None:
     claims = dp.EXPERIMENT.claims
-    assert len(claims) == 16 and all("switch-0.25" not in c.measure and "switch-0.50" not in c.measure for c in claims)
+    assert len(claims) == 18 and all("switch-0.25" not in c.measure and "switch-0.50" not in c.measure for c in claims)
     assert {c.measure for c in claims} <= {c.measure for c in ls.EXPERIMENT.claims}
     gated = [c for c in claims if c.premise is not None]
     assert len(gated) == 8 and {c.premise for c in gated} == {ls.LOOPS_HELP, ls.LOOPS_HELP_TIED}
@@ -126,7 +126,7 @@ def test_quick_run_measures_the_answers_of_every_arm(tmp_path: Path) -> None:
     for arm, m in metrics.items():
         assert 0.0 <= m["acc[answers]@1"] <= 1.0 and math.isfinite(m["loss[answers]@max"]), arm
     assert set(report["numbers_by_seed"][seed]["answers"]) == ARMS
-    assert len(report["claims"]) == 16 and all(c["values"] for c in report["claims"])
+    assert len(report["claims"]) == 18 and all(c["values"] for c in report["claims"])
     page = (run.results / "late-switch-depth-pays.md").read_text()
     assert "| job | answers loss ℓ=1 |" in page  # the answers table is on the page
 
@@ -150,3 +150,33 @@ def test_the_exit_arms_are_exit_schedules_on_the_depth_pays_corpus() -> None:
         assert (job.train.micro_batch_size, job.train.global_batch_size) == (8, 16)  # 2 exit draws per step
     flops = {s: planned_training_flops(load_job(EXIT / f"{s}.yaml"), steps=20) for s in stems}
     assert flops["telescopic"] == flops["sparse-exits"] and flops["telescopic-dial"] == flops["telescopic-one-draw"]
+
+
+def test_the_twin_check_counts_the_fixed_phase_steps_a_heads_arm_and_its_twin_part(tmp_path: Path) -> None:
+    """An arm with heads and its no-heads twin, as the late-switch reports read them: the steps before the switch
+    (replayed from the schedule) whose logged training loss differs, a step either history lacks counted."""
+    import json
+
+    from elastic_pretrain.experiments.measure import steps_apart_before_switch, switch_step
+    from elastic_pretrain.experiments.runner import Run
+
+    def run(name: str, losses: dict[int, float]) -> Run:
+        job = load_job(LONG / f"{name}.yaml", ["train.steps=8", "train.warmup_steps=2"])
+        (tmp_path / name).mkdir()
+        lines = [json.dumps({"step": s, "loss": v, "loss_by_loops": {"1": v}}) for s, v in losses.items()]
+        (tmp_path / name / "history.jsonl").write_text("\n".join(lines) + "\n")
+        return Run(name, job, LONG / f"{name}.yaml", tmp_path / name, {"steps": 8}, "reused")
+
+    path = {s: 5.0 - s / 10 for s in range(1, 9)}
+    heads = run("switch-0.75", path)
+    assert switch_step(heads) == 6  # 0.75 of 8 steps: steps 1..6 (as logged) are the fixed phase
+    after = run("switch-0.75-noheads", {**path, 7: 1.0, 8: 1.0})  # parting after the switch is the heads' doing
+    assert steps_apart_before_switch(heads, after) == 0
+    rounded = run("tied-switch-0.75-noheads", {**path, 3: path[3] + 1e-7, 5: path[5] + 1e-7})
+    assert steps_apart_before_switch(heads, rounded) == 2
+    torn = run("tied-switch-0.75", {s: v for s, v in path.items() if s != 4})
+    assert steps_apart_before_switch(heads, torn) == 1
+    claim = next(c for c in dp.EXPERIMENT.claims if c.measure.startswith("switch-0.75 vs switch-0.75-noheads"))
+    assert evaluate(claim, {s: {"switch-0.75": {ls.APART: 0}} for s in range(3)}).verdict == "yes"
+    parted = evaluate(claim, {s: {"switch-0.75": {ls.APART: 4400 + s}} for s in range(3)})
+    assert parted.verdict == "no" and parted.reason.startswith("the check fails")

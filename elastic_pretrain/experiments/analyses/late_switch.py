@@ -15,7 +15,13 @@ import math
 from collections.abc import Callable
 
 from elastic_pretrain.eval.curves import CurvePoint
-from elastic_pretrain.experiments.measure import losses, parameters, run_flops, training_compute
+from elastic_pretrain.experiments.measure import (
+    losses,
+    parameters,
+    run_flops,
+    steps_apart_before_switch,
+    training_compute,
+)
 from elastic_pretrain.experiments.present import QualityCurve, plot_curves, ranked, table
 from elastic_pretrain.experiments.runner import Context, Experiment, Findings, Run
 from elastic_pretrain.experiments.stats import Claim, Metrics, paired
@@ -28,6 +34,9 @@ RETAINED = {"0.25": 0.97, "0.50": 0.90, "0.75": 0.84}  # ELR: share of the five-
 ONE_LOOP_BAND = 0.01  # nats: "matches" at ℓ = 1 (ELR's 0.5B: 1.6774 vs 1.6852, 0.008 apart)
 SHARE_BAND = 0.10  # ±10 percentage points around ELR's retained share
 ADDED_BAND = 0.05  # ±5 points around ELR's added-compute ratio 20% / 79%
+NOHEADS = "-noheads"
+SWITCH_PREFIXES = ("switch-", TIED + "switch-")
+APART = "steps apart before the switch"  # an arm with heads vs its -noheads twin (measure.steps_apart_before_switch)
 
 
 def references(arm: str) -> tuple[str, str]:
@@ -97,6 +106,9 @@ def analyse(ctx: Context) -> Findings:
         }
         for r in ctx.runs
     }
+    for r in ctx.runs:  # an arm with heads against its no-heads twin: the pairing the heads rows read
+        if r.name.startswith(SWITCH_PREFIXES) and not r.name.endswith(NOHEADS) and r.name + NOHEADS in ctx.by_name:
+            metrics[r.name][APART] = steps_apart_before_switch(r, ctx.run(r.name + NOHEADS))
     rows = [_row(ctx, r, metrics, compute[r.name]) for r in ctx.runs]
     header = ("job", "attention", "switch at", "heads", "loss ℓ=1", "ℓ=1 minus its baseline", f"loss ℓ={top}",
               "L_max improvement retained", "mean passes", "training FLOPs", "vs baseline", "parameters")  # fmt: skip
@@ -135,7 +147,10 @@ def analyse(ctx: Context) -> Findings:
             'so its non-recurrent baseline "matched in parameters, data, and training horizon" is its one-loop '
             "model; here passes 1..3 have their own (flattened) attention, which the baseline never runs. The "
             "`-noheads` arms' one-loop phase is this run's first steps (same initialisation, tokens and ℓ); arms with "
-            "heads share the tokens, ℓ and every other parameter's initial value (the heads draw from a forked RNG).",
+            "heads share the tokens, ℓ and every other parameter's initial value (the heads draw from a forked RNG), "
+            "and — the heads being off and kept out of the optimizer step until the switch (train/idle.py) — train "
+            "their twin's path to the last bit until then: the twin rows count the fixed-phase steps whose logged "
+            "training loss differs (runs trained before that fix parted by float rounding within ~30 steps).",
             "Attention: the `tied-*` arms (`model.attention: tied`, one attention run by every pass) are ELR as "
             "published, whose loops are weight-tied; each is measured against `tied-baseline` and "
             "`tied-mixed-scratch` (the tied model draws fewer attention blocks, so its other initial values differ "
@@ -198,6 +213,25 @@ def _loops_help(r: Reading) -> Claim:
 
 LOOPS_HELP = _loops_help(EXTENSION)  # the premise of the untied arms' quality claims
 LOOPS_HELP_TIED = _loops_help(PUBLISHED)  # and of the tied arms': each attention's loops must pay on their own
+
+
+def _twins(r: Reading) -> Claim:
+    """The heads rows compare an arm with heads and its no-heads twin: before the switch the heads are off, so
+    the two must train the same path (train/idle.py keeps the idle heads out of the optimizer step)."""
+    heads = r.arm("switch-0.75")
+    return Claim(
+        paper='"conditioning heads initialized to zero at the switch": off before it, so the arm with heads is its '
+        "no-heads twin until then — the pairing the heads rows read",
+        source=r.source,
+        magnitude="0 steps apart",
+        measure=f"{heads} vs {heads}{NOHEADS}: fixed-phase steps whose logged training loss differs (history.jsonl)",
+        value=lambda m: m[heads][APART],
+        expect="equal",
+        kind="implementation check",
+    )
+
+
+TWINS, TWINS_TIED = _twins(EXTENSION), _twins(PUBLISHED)
 
 
 def _retained(r: Reading, frac: str, premise: Claim) -> Claim:
@@ -299,5 +333,7 @@ EXPERIMENT = Experiment(
             margin=ADDED_BAND,
             kind="implementation check",
         ),
+        TWINS_TIED,
+        TWINS,
     ),
 )

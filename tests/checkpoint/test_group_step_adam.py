@@ -73,8 +73,11 @@ def group_step_adam(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(do, "USING_TE_OPTIMIZER", True)
 
 
-def _fit(job: Any, mesh: Any, *, resume: Path | None = None) -> tuple[list[float], dict[str, torch.Tensor], Any]:
-    """The trainer's loop on a fresh session (resumed from ``resume``): (loss per step, parameters, session)."""
+def _fit(
+    job: Any, mesh: Any, *, resume: Path | None = None, before: dict[str, torch.Tensor] | None = None
+) -> tuple[list[float], dict[str, torch.Tensor], Any]:
+    """The trainer's loop on a fresh session (resumed from ``resume``): (loss per step, parameters, session);
+    ``before`` receives the parameters as built (tests/train/test_idle_parameters.py)."""
     from megatron.core import tensor_parallel
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
@@ -90,6 +93,8 @@ def _fit(job: Any, mesh: Any, *, resume: Path | None = None) -> tuple[list[float
     seed_everything(job.train.seed)
     tensor_parallel.model_parallel_cuda_manual_seed(job.train.seed)
     session = build_session(job, mesh)
+    if before is not None:
+        before.update({k: p.detach().clone() for k, p in session.net.named_parameters()})
     state = TrainState()
     ckpt = Checkpointer(
         job.checkpoint,

@@ -20,6 +20,7 @@ import torch
 
 from tests.checkpoint.conftest import prepared  # noqa: F401  (the default job's shards)
 from tests.checkpoint.test_group_step_adam import GroupStepAdam, group_step_adam  # noqa: F401
+from tests.checkpoint.test_group_step_adam import _fit as fit
 from tests.conftest import REPO
 
 STEPS, SWITCH = 8, 6  # switch_at 0.75 of 8 steps: the mixed phase (heads on) starts at step 7
@@ -37,39 +38,9 @@ def _job(run_dir: Path, *overrides: str) -> Any:
 
 def _fit(job: Any, mesh: Any) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor], Any]:
     """The trainer's loop on a fresh session: (loss per step, parameters before, parameters after, session)."""
-    from megatron.core import tensor_parallel
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-    from elastic_pretrain.checkpoint.manager import Checkpointer
-    from elastic_pretrain.checkpoint.preempt import StopRequest
-    from elastic_pretrain.job import public_dict
-    from elastic_pretrain.parallel.mesh import seed_everything
-    from elastic_pretrain.train.session import build_session
-    from elastic_pretrain.train.trainer import Trainer, TrainState
-
-    MoEAuxLossAutoScaler.main_loss_backward_scale = None  # a class attribute: start as a fresh process does
-    seed_everything(job.train.seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(job.train.seed)
-    session = build_session(job, mesh)
-    before = {k: p.detach().clone() for k, p in session.net.named_parameters()}
-    state = TrainState()
-    ckpt = Checkpointer(job.checkpoint, public_dict(job), mesh, job.run_path, session.tensors(),
-                        {"trainer": state, **session.checkpointed()})  # fmt: skip
-    losses: list[float] = []
-
-    class Record:
-        def on_step(self, s: Any, result: Any, step_s: float) -> None:
-            losses.append(result.loss)
-
-        def on_eval(self, *a: Any) -> None: ...
-        def on_end(self, *a: Any) -> None: ...
-        def on_stop(self, *a: Any) -> None: ...
-        def on_rollback(self, *a: Any) -> None: ...
-
-    with StopRequest() as stop:
-        Trainer(job, mesh, session, [Record()], ckpt, stop, state).fit()
-    ckpt.close()
-    return losses, before, {k: p.detach().clone() for k, p in session.net.named_parameters()}, session
+    before: dict[str, torch.Tensor] = {}
+    losses, after, session = fit(job, mesh, before=before)
+    return losses, before, after, session
 
 
 OPTIMIZERS = {
